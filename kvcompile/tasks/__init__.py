@@ -1,0 +1,1 @@
+"""Prompt generators for calibration and evaluation, built locally (never downloaded)."""

@@ -1,0 +1,40 @@
+"""The pass-key task of RULER: a five-digit key hidden at a given depth in repeated filler, asked for at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from transformers import PreTrainedTokenizerBase
+
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyPrompt:
+    context: str
+    question: str
+    answer: str
+    depth: float
+
+    @property
+    def text(self) -> str:
+        return self.context + self.question
+
+
+def passkey_prompt(tokenizer: PreTrainedTokenizerBase, tokens: int, depth: float, seed: int = 0) -> PasskeyPrompt:
+    """A prompt of about `tokens` tokens with the key at relative `depth` (0 = start, 1 = end) of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth {depth} is outside [0, 1]")
+    key = str(random.Random(seed).randint(10000, 99999))
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    fixed = len(tokenizer(INTRO + needle + QUESTION).input_ids)
+    repeats = max(1, (tokens - fixed) // len(tokenizer(FILLER).input_ids))
+    before = round(depth * repeats)
+    context = INTRO + FILLER * before + needle + FILLER * (repeats - before)
+    return PasskeyPrompt(context=context, question=QUESTION, answer=key, depth=depth)

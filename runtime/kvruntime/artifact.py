@@ -1,0 +1,153 @@
+"""The artifact format every compile command writes and the runtime reads.
+
+One safetensors file per artifact: tensors plus string metadata. The metadata says what the artifact is
+(`kind`, `format_version`), which model it was compiled for (a `ModelFingerprint`), how it was made
+(`provenance`: command, calibration data and its hash, seed, date) and kind-specific `params` (JSON).
+A `checksum` over the tensors lets a corrupted file be told from a valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .errors import ArtifactError
+from .fingerprint import ModelFingerprint, model_fingerprint
+
+FORMAT_NAME = "kvcompile-artifact"
+FORMAT_VERSION = 1
+KNOWN_KINDS = ("srh_heads", "layer_budgets", "compilerkv_tables", "kvcompose_stats", "tuned_defaults")
+
+
+@dataclasses.dataclass
+class Artifact:
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    model: ModelFingerprint
+    provenance: dict[str, Any]
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    path: Path | None = None
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
+    """Write atomically: a temporary file in the target folder, then a rename, so that a crash never leaves a
+    half-written artifact under the final name."""
+    if artifact.kind not in KNOWN_KINDS:
+        raise ArtifactError(f"unknown artifact kind {artifact.kind!r} (known: {', '.join(KNOWN_KINDS)})")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
+    _check_finite(tensors, str(path))
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": artifact.kind,
+        "model": json.dumps(artifact.model.to_dict(), sort_keys=True),
+        "provenance": json.dumps(artifact.provenance, sort_keys=True),
+        "params": json.dumps(artifact.params, sort_keys=True),
+        "checksum": tensors_checksum(tensors),
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp_name, metadata=metadata)
+        with open(tmp_name, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_artifact(path: str | os.PathLike) -> Artifact:
+    """Read and validate the file itself (format, version, checksum, finite values); no model is needed."""
+    source = Path(path)
+    if not source.is_file():
+        raise ArtifactError(f"{source}: no such artifact file")
+    try:
+        with safe_open(str(source), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as exc:  # safetensors raises several types for truncated or foreign files
+        raise ArtifactError(f"{source}: not a readable safetensors file ({_first_line(exc)})") from None
+    if metadata.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{source}: a safetensors file without kvcompile metadata (not a kvcompile artifact)")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        raise ArtifactError(
+            f"{source}: artifact format version {metadata.get('format_version')!r}, this kvruntime reads "
+            f"version {FORMAT_VERSION}; recompile it with this kvcompile"
+        )
+    if metadata.get("checksum") != tensors_checksum(tensors):
+        raise ArtifactError(f"{source}: corrupted artifact (tensor checksum does not match its metadata)")
+    _check_finite(tensors, str(source))
+    try:
+        model = ModelFingerprint.from_dict(json.loads(metadata["model"]))
+        provenance = json.loads(metadata["provenance"])
+        params = json.loads(metadata["params"])
+        kind = metadata["kind"]
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ArtifactError(f"{source}: malformed kvcompile metadata ({_first_line(exc)})") from None
+    return Artifact(kind=kind, tensors=tensors, model=model, provenance=provenance, params=params, path=source)
+
+
+def load_artifact(
+    path: str | os.PathLike, model: nn.Module | None = None, kind: str | None = None, force: bool = False
+) -> Artifact:
+    """Read an artifact and check it against the expected kind and the model it will be applied to.
+
+    `force` accepts another checkpoint of the same shape (with a warning); a shape mismatch is always refused.
+    """
+    artifact = read_artifact(path)
+    if kind is not None and artifact.kind != kind:
+        raise ArtifactError(f"{artifact.path}: artifact of kind {artifact.kind!r}, expected {kind!r}")
+    if model is not None:
+        check_artifact_matches_model(artifact, model_fingerprint(model), force=force)
+    return artifact
+
+
+def check_artifact_matches_model(artifact: Artifact, model: ModelFingerprint, force: bool = False) -> None:
+    shape_diffs = artifact.model.shape_differences(model)
+    if shape_diffs:
+        raise ArtifactError(
+            f"{artifact.path}: compiled for another model ({'; '.join(shape_diffs)}, artifact vs model)"
+        )
+    if artifact.model.weights_hash != model.weights_hash:
+        message = (
+            f"{artifact.path}: compiled for another checkpoint of {model.architecture} "
+            f"(weights hash {artifact.model.weights_hash} vs {model.weights_hash})"
+        )
+        if not force:
+            raise ArtifactError(message + "; pass force=True (--force) to apply it anyway")
+        warnings.warn(message + "; applied anyway because force was set", stacklevel=2)
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ArtifactError(f"{where}: tensor {name!r} holds NaN or infinite values")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

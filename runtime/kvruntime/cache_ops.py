@@ -1,0 +1,48 @@
+"""Model and cache plumbing: find the attention modules, check the cache layout, keep entries, count bytes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from .errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules in layer order, checked to be a supported architecture."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def check_full_attention_cache(cache: Cache) -> None:
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            raise UnsupportedModelError(
+                f"cache layer {index} is a {type(layer).__name__}; only full-attention DynamicLayer caches are "
+                "compressed (no sliding-window, static or quantized caches)"
+            )
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes really held: the whole storage, so that a view over a larger buffer is not counted as freed."""
+    return tensor.untyped_storage().nbytes()
+
+
+def cache_bytes(cache: Cache) -> int:
+    return sum(storage_bytes(layer.keys) + storage_bytes(layer.values) for layer in cache.layers)
+
+
+def keep_entries(layer: DynamicLayer, indices: torch.Tensor) -> None:
+    """Replace the layer's keys and values by the entries at `indices` [B, Hkv, k] (new, smaller storage)."""
+    expanded = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]).to(layer.keys.device)
+    layer.keys = layer.keys.gather(2, expanded)
+    layer.values = layer.values.gather(2, expanded)

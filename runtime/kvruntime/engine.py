@@ -1,0 +1,274 @@
+"""The compression engine: hooks that compress the KV cache once, at the end of prefill.
+
+`compress(model, method, ratio=...)` is a context manager. Inside it, every forward pass that starts on an empty
+cache with more than one token is a prefill: each attention layer's hook recomputes the attention of the last
+`window` queries and scores the tokens; when the whole model has run, the method decides how many entries each
+(layer, KV head) keeps and the cache is cut to them. Decoding then runs unchanged on the smaller cache. Generated
+tokens keep their original positions because transformers derives them from the attention mask, not from the
+(compressed) cache length; the question mode passes them explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from transformers import Cache, DynamicCache
+
+from .artifact import Artifact, load_artifact
+from .attention import per_layer_attention
+from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
+from .errors import KVRuntimeError, UnsupportedModelError
+from .methods import Method, get_method
+from .report import CompressionReport
+from .selection import kept_per_head, protect_window, top_indices, top_mask
+from .window_attention import window_attention, window_queries
+
+MEMORY_MODES = ("padded", "masked")
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """Running state of one prefill: the token scores gathered so far, and timings."""
+
+    length: int
+    started: float
+    scores: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    scoring_seconds: float = 0.0
+
+
+class CompressionSession:
+    """Hooks and state of one `compress(...)` block. `reports` lists one report per compressed prefill."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        method: Method,
+        ratio: float | None,
+        budget: int | None,
+        memory: str,
+        artifacts: Sequence[Artifact] = (),
+    ) -> None:
+        self.check_request(method, ratio, budget, memory)
+        self.model = model
+        self.method = method
+        self.ratio = ratio
+        self.budget = budget
+        self.memory = memory
+        self.artifacts = list(artifacts)
+        self.reports: list[CompressionReport] = []
+        self._attention = attention_modules(model)
+        self._prefill: _Prefill | None = None
+        self._keep_masks: dict[int, torch.Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @staticmethod
+    def check_request(method: Method, ratio: float | None, budget: int | None, memory: str) -> None:
+        """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
+        if memory not in MEMORY_MODES:
+            raise KVRuntimeError(f"unknown memory mode {memory!r} (use one of {', '.join(MEMORY_MODES)})")
+        kept_per_head(length=1 << 30, window=method.window, ratio=ratio, budget=budget)
+
+    @property
+    def report(self) -> CompressionReport:
+        """The report of the latest compressed prefill."""
+        if not self.reports:
+            raise KVRuntimeError("nothing was compressed yet: run a prefill (generate or prefill) inside the block")
+        return self.reports[-1]
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def prefill(self, input_ids: torch.Tensor) -> "CompressedContext":
+        """Compress a context on its own (without the question) and return it, ready for several questions."""
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return CompressedContext(self, cache, input_ids.shape[1], self.report, dict(self._keep_masks))
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def attached(self) -> Iterator["CompressionSession"]:
+        base = self.model.base_model
+        self._handles = [
+            base.register_forward_pre_hook(self._before_model, with_kwargs=True),
+            base.register_forward_hook(self._after_model, with_kwargs=True),
+        ]
+        for module in self._attention:
+            self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
+        try:
+            yield self
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        cache = kwargs.get("past_key_values")
+        batch, length = tokens.shape[:2]
+        starts_empty = cache is None or cache.get_seq_length() == 0
+        if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
+            return
+        if batch != 1:
+            raise UnsupportedModelError(f"kvruntime compresses batch size 1 only (got a batch of {batch})")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
+            raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
+        self._keep_masks = {}
+        self._prefill = _Prefill(length=length, started=time.perf_counter())
+
+    def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        state = self._prefill
+        if state is None:
+            return
+        started = time.perf_counter()
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        keys = kwargs["past_key_values"].layers[module.layer_idx].keys
+        window = min(self.method.window, state.length)
+        with torch.no_grad():
+            queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
+            attention = window_attention(queries, keys, module.scaling)
+            state.scores[module.layer_idx] = protect_window(self.method.token_scores(attention), window)
+        state.scoring_seconds += time.perf_counter() - started
+
+    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        state, self._prefill = self._prefill, None
+        if state is None:
+            return
+        cache = getattr(output, "past_key_values", None)
+        if cache is None:
+            return
+        started = time.perf_counter()
+        before = cache_bytes(cache)
+        slots, entries = self._compress_cache(cache, state)
+        ended = time.perf_counter()
+        requested = f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
+        self.reports.append(
+            CompressionReport(
+                method=self.method.name,
+                memory=self.memory,
+                requested=requested,
+                context_length=state.length,
+                num_kv_heads=cache.layers[0].keys.shape[1],
+                slots_per_layer=slots,
+                entries_per_layer=entries,
+                bytes_before=before,
+                bytes_after=cache_bytes(cache),
+                prefill_seconds=started - state.started - state.scoring_seconds,
+                compress_seconds=state.scoring_seconds + ended - started,
+            )
+        )
+
+    def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        mask = self._keep_masks.get(module.layer_idx)
+        if mask is None or self._prefill is not None:
+            return None
+        return args, {**kwargs, "kvruntime_keep_mask": mask}
+
+    # -- selection -----------------------------------------------------------------------------------------
+    def _compress_cache(self, cache: Cache, state: _Prefill) -> tuple[list[int], list[int]]:
+        check_full_attention_cache(cache)
+        if len(state.scores) != len(cache.layers):
+            raise UnsupportedModelError(
+                f"scored {len(state.scores)} attention layers but the cache has {len(cache.layers)}"
+            )
+        layer_scores = [state.scores[i] for i in range(len(cache.layers))]
+        keep = kept_per_head(state.length, min(self.method.window, state.length), self.ratio, self.budget)
+        if keep >= state.length:
+            full = [state.length] * len(cache.layers)
+            return full, [state.length * s.shape[1] for s in layer_scores]
+        counts = self.method.head_counts(layer_scores, keep)
+        slots, entries = [], []
+        for index, (layer, scores) in enumerate(zip(cache.layers, layer_scores)):
+            slot_count = int(counts[index].max())
+            indices = top_indices(scores, slot_count)
+            keep_entries(layer, indices)
+            slots.append(slot_count)
+            head_counts = counts[index] if self.memory == "masked" else torch.full_like(counts[index], slot_count)
+            entries.append(int(head_counts.sum()))
+            if self.memory == "masked" and bool((head_counts < slot_count).any()):
+                # Slots beyond a head's own count are hidden from attention: the method's exact selection.
+                self._keep_masks[index] = top_mask(scores.gather(-1, indices), head_counts)
+        return slots, entries
+
+
+class CompressedContext:
+    """A context compressed without its question; answers questions one after another on the same cache."""
+
+    def __init__(
+        self,
+        session: CompressionSession,
+        cache: Cache,
+        context_length: int,
+        report: CompressionReport,
+        keep_masks: dict[int, torch.Tensor],
+    ) -> None:
+        self.session = session
+        self.cache = cache
+        self.context_length = context_length
+        self.report = report
+        self.keep_masks = keep_masks
+
+    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """Generate an answer to `question_ids` [1, q]; returns only the new tokens. The compressed context is
+        restored afterwards (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
+        if not self.session.active:
+            raise KVRuntimeError("answer questions inside the `with kvruntime.compress(...)` block that made the context")
+        question_length = question_ids.shape[1]
+        saved = [(layer.keys, layer.values) for layer in self.cache.layers]
+        # Original positions: the question follows the full (uncompressed) context.
+        positions = torch.arange(self.context_length, self.context_length + question_length, device=question_ids.device)
+        attention_mask = torch.ones(1, self.context_length + question_length, dtype=torch.long, device=question_ids.device)
+        self.session._keep_masks = self.keep_masks
+        try:
+            output = self.session.model.generate(
+                input_ids=question_ids,
+                attention_mask=attention_mask,
+                position_ids=positions[None],
+                past_key_values=self.cache,
+                **generate_kwargs,
+            )
+        finally:
+            for layer, (keys, values) in zip(self.cache.layers, saved):
+                layer.keys, layer.values = keys, values
+        return output[:, question_length:]
+
+
+@contextlib.contextmanager
+def compress(
+    model: nn.Module,
+    method: str | Method = "kvcompress",
+    ratio: float | None = None,
+    budget: int | None = None,
+    memory: str = "padded",
+    artifacts: Sequence[str | os.PathLike] = (),
+    force: bool = False,
+) -> Iterator[CompressionSession]:
+    """Compress the KV cache of every prefill run inside the block.
+
+    ratio: fraction of cache entries removed, in [0, 1); budget: tokens kept per layer (give one of the two).
+    memory: how per-head counts that differ inside a layer are stored: `padded` (default) gives every head of a
+    layer the layer's largest count, filled with each head's next-best tokens; `masked` uses the same slots but
+    hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
+    artifacts: compiled artifacts to check against the model (refused if compiled for another model).
+    """
+    session = CompressionSession(
+        model,
+        get_method(method),
+        ratio,
+        budget,
+        memory,
+        [load_artifact(path, model=model, force=force) for path in artifacts],
+    )
+    with per_layer_attention(model), session.attached():
+        yield session

@@ -1,0 +1,13 @@
+"""The runtime's own errors: every refusal of bad input is one of these, with a message naming the problem."""
+
+
+class KVRuntimeError(Exception):
+    """Base class: bad input or an unsupported setting, refused before anything is changed."""
+
+
+class ArtifactError(KVRuntimeError):
+    """An artifact that cannot be used: unreadable, of another kind or format version, or of another model."""
+
+
+class UnsupportedModelError(KVRuntimeError):
+    """A model whose architecture, cache layout or batch size the runtime cannot compress."""

@@ -1,0 +1,72 @@
+"""Model fingerprint: what an artifact records about the model it was compiled for, and how two are compared."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFingerprint:
+    """Shape facts of a model plus a hash of a few real weights (tells two checkpoints of one architecture apart)."""
+
+    architecture: str
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    weights_hash: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelFingerprint":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = fields - set(data)
+        if missing:
+            raise ValueError(f"fingerprint lacks {sorted(missing)}")
+        return cls(**{k: data[k] for k in fields})
+
+    def shape_differences(self, other: "ModelFingerprint") -> list[str]:
+        """Differences that make an artifact's tensors meaningless for the other model."""
+        names = ("architecture", "num_layers", "num_query_heads", "num_kv_heads", "head_dim")
+        return [f"{n}: {getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)]
+
+
+# Elements hashed per tensor: enough to separate checkpoints, cheap for any model size.
+_HASHED_ELEMENTS = 4096
+
+
+def _hashed_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The input embedding and the first and last parameters of the decoder stack, in a fixed order."""
+    params = [p for name, p in model.named_parameters() if ".layers." in name]
+    chosen = [model.get_input_embeddings().weight]
+    if params:
+        chosen += [params[0], params[-1]]
+    return chosen
+
+
+def model_fingerprint(model: nn.Module) -> ModelFingerprint:
+    """Fingerprint of a transformers causal LM. Weights are hashed in bfloat16, so one checkpoint loaded in
+    float32, float16 or bfloat16 has one fingerprint."""
+    config = model.config
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for weight in _hashed_weights(model):
+            sample = weight.detach().flatten()[:_HASHED_ELEMENTS].to("cpu", torch.bfloat16)
+            digest.update(sample.view(torch.int16).numpy().tobytes())
+    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    return ModelFingerprint(
+        architecture=architectures[0],
+        num_layers=config.num_hidden_layers,
+        num_query_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        weights_hash=digest.hexdigest()[:16],
+    )

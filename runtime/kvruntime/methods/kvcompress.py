@@ -1,0 +1,25 @@
+"""KV-Compress (Rehg, 2024), KVC-w variant: squared window attention of the last 8 queries, max-pooled, summed
+over each query group; one global pool over layers and KV heads decides how many entries each keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..scores import kvcompress_scores
+from ..selection import global_head_counts
+from .base import Method
+
+
+@dataclasses.dataclass
+class KVCompress(Method):
+    name = "kvcompress"
+    window: int = 8
+    kernel: int = 7
+
+    def token_scores(self, attention: torch.Tensor) -> torch.Tensor:
+        return kvcompress_scores(attention, self.kernel)
+
+    def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
+        return global_head_counts(layer_scores, keep)

@@ -1,0 +1,69 @@
+"""The compression report printed after every compressed prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompressionReport:
+    """What one compression did, measured rather than planned.
+
+    `slots_per_layer`: cache length per KV head after compression (physical). `entries_per_layer`: entries
+    attended per layer, summed over KV heads (fewer than slots x heads when the `masked` mode hides some).
+    Bytes are the storage actually held by the cache's tensors before and after.
+    """
+
+    method: str
+    memory: str
+    requested: str
+    context_length: int
+    num_kv_heads: int
+    slots_per_layer: list[int]
+    entries_per_layer: list[int]
+    bytes_before: int
+    bytes_after: int
+    prefill_seconds: float
+    compress_seconds: float
+
+    @property
+    def bytes_freed(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    @property
+    def entries_removed_fraction(self) -> float:
+        total = self.context_length * self.num_kv_heads * len(self.entries_per_layer)
+        return 1.0 - sum(self.entries_per_layer) / total
+
+    @property
+    def bytes_freed_fraction(self) -> float:
+        return self.bytes_freed / self.bytes_before if self.bytes_before else 0.0
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.update(
+            bytes_freed=self.bytes_freed,
+            entries_removed_fraction=self.entries_removed_fraction,
+            bytes_freed_fraction=self.bytes_freed_fraction,
+        )
+        return data
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [
+            f"compression report: {self.method}, {self.requested}, memory mode {self.memory}",
+            f"  context tokens      {self.context_length}",
+            f"  entries removed     {self.entries_removed_fraction:.1%} of {len(self.slots_per_layer)} layers x "
+            f"{self.num_kv_heads} KV heads x {self.context_length} tokens",
+            f"  KV cache bytes      {self.bytes_before / mib:.2f} MiB -> {self.bytes_after / mib:.2f} MiB "
+            f"({self.bytes_freed / mib:.2f} MiB freed, {self.bytes_freed_fraction:.1%})",
+            f"  time                prefill {self.prefill_seconds * 1e3:.0f} ms, compression "
+            f"{self.compress_seconds * 1e3:.0f} ms ({self._overhead():.1%} of prefill)",
+            "  kept per layer      layer: slots per head / entries attended (all heads)",
+        ]
+        cells = [f"{i:>2}: {s:>5}/{e:<6}" for i, (s, e) in enumerate(zip(self.slots_per_layer, self.entries_per_layer))]
+        lines += ["    " + "  ".join(cells[i : i + 5]) for i in range(0, len(cells), 5)]
+        return "\n".join(lines)
+
+    def _overhead(self) -> float:
+        return self.compress_seconds / self.prefill_seconds if self.prefill_seconds else 0.0

@@ -1,0 +1,61 @@
+"""Which cache entries to keep: pure functions from scores and a budget to per-head counts and indices.
+
+Shapes: layer scores are [B, Hkv, N]; counts are [L, Hkv] (entries kept per layer and KV head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import KVRuntimeError
+
+
+def kept_per_head(length: int, window: int, ratio: float | None = None, budget: int | None = None) -> int:
+    """Average number of entries each (layer, KV head) keeps: from a ratio of entries removed, or a budget of
+    tokens per layer. Never fewer than the protected window, never more than the prompt."""
+    if (ratio is None) == (budget is None):
+        raise KVRuntimeError("give exactly one of ratio or budget")
+    if ratio is not None:
+        if not 0.0 <= ratio < 1.0:
+            raise KVRuntimeError(f"ratio {ratio} is outside [0, 1): it is the fraction of cache entries removed")
+        keep = length - math.floor(ratio * length)
+    else:
+        if budget < 1:
+            raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
+        keep = budget
+    return min(length, max(keep, min(window, length)))
+
+
+def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """The last `window` tokens always stay: give them infinite score."""
+    protected = scores.clone()
+    protected[..., -window:] = float("inf")
+    return protected
+
+
+def uniform_head_counts(num_layers: int, num_kv_heads: int, keep: int) -> torch.Tensor:
+    return torch.full((num_layers, num_kv_heads), keep, dtype=torch.long)
+
+
+def global_head_counts(layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
+    """One pool over (layer, KV head, token): the keep * L * Hkv highest scores win, wherever they are.
+    Batch size 1. Returns how many entries each (layer, KV head) keeps."""
+    stacked = torch.stack([s[0] for s in layer_scores])  # [L, Hkv, N]
+    num_layers, num_kv_heads, length = stacked.shape
+    total = keep * num_layers * num_kv_heads
+    winners = stacked.flatten().topk(total, sorted=False).indices
+    per_head = torch.bincount(winners // length, minlength=num_layers * num_kv_heads)
+    return per_head.view(num_layers, num_kv_heads)
+
+
+def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of each head's `count` best tokens, in sequence order: [B, Hkv, count]."""
+    return scores.topk(count, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def top_mask(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, Hkv, N]: True for each head's counts[h] best tokens (heads may keep different numbers)."""
+    ranks = scores.argsort(dim=-1, descending=True).argsort(dim=-1)
+    return ranks < counts.view(1, -1, 1).to(scores.device)

@@ -1,0 +1,49 @@
+"""Observation-window attention, recomputed for the last `window` queries only.
+
+The scoring methods need the attention of the prompt's last few queries over all its keys. Switching the model to
+eager attention would materialise N x N weights in every layer (3.3x slower at 4k tokens on the default model);
+instead the window's queries are rebuilt from the layer's input hidden states (projection, optional q-norm, RoPE)
+and attended against the layer's cached keys, which transformers stores after RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def window_queries(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    window: int,
+) -> torch.Tensor:
+    """Post-RoPE queries of the last `window` positions: [batch, query heads, window, head_dim]."""
+    batch = hidden_states.shape[0]
+    head_dim = attention.head_dim
+    queries = attention.q_proj(hidden_states[:, -window:]).view(batch, -1, attention.config.num_attention_heads, head_dim)
+    if hasattr(attention, "q_norm"):  # Qwen3-style per-head norm before RoPE
+        queries = attention.q_norm(queries)
+    queries = queries.transpose(1, 2)
+    cos, sin = (t[:, -window:].unsqueeze(1) for t in position_embeddings)
+    return queries * cos + _rotate_half(queries) * sin
+
+
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention of the window's queries over all keys, in float32, causal inside the window.
+
+    queries [B, Hq, w, D], keys [B, Hkv, N, D] -> probabilities [B, Hkv, Hq // Hkv, w, N]
+    (query head h belongs to KV head h // (Hq // Hkv), as in transformers' repeat_kv).
+    """
+    batch, num_query_heads, window, head_dim = queries.shape
+    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    grouped = queries.float().view(batch, num_kv_heads, num_query_heads // num_kv_heads, window, head_dim)
+    logits = torch.einsum("bkgwd,bknd->bkgwn", grouped, keys.float()) * scaling
+    future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(diagonal=1)
+    logits[..., length - window :].masked_fill_(future, float("-inf"))
+    return logits.softmax(dim=-1)
