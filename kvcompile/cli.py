@@ -64,13 +64,16 @@ def generate(
 ) -> None:
     """Generate from a prompt file with a compressed KV cache, then print the compression report."""
     with clear_errors():
-        import kvruntime  # imported here so that `--help` stays fast
+        import transformers  # imported here, like kvruntime, so that `--help` stays fast
+
+        import kvruntime
 
         if ratio is None and budget is None:
             ratio = 0.5
         prompt = _read_prompt(prompt_file)
         compression_method = kvruntime.get_method(method)
         kvruntime.CompressionSession.check_request(compression_method, ratio, budget, memory)
+        transformers.utils.logging.disable_progress_bar()
         loaded, tokenizer = kvruntime.load_model(model)
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
         context_ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -81,8 +84,8 @@ def generate(
                 context = session.prefill(context_ids)
                 for text in question:
                     question_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-                    answer = context.generate(question_ids, **greedy)
-                    typer.echo(f"Q: {text}\nA: {tokenizer.decode(answer[0], skip_special_tokens=True)}")
+                    answer = context.generate(question_ids, **greedy)[0, question_ids.shape[1] :]
+                    typer.echo(f"Q: {text.strip()}\nA: {tokenizer.decode(answer, skip_special_tokens=True)}")
             else:
                 output = loaded.generate(context_ids, **greedy)
                 typer.echo(tokenizer.decode(output[0, context_ids.shape[1] :], skip_special_tokens=True))

@@ -62,6 +62,8 @@ class CompressionSession:
         self.memory = memory
         self.artifacts = list(artifacts)
         self.reports: list[CompressionReport] = []
+        # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
+        self.kept_positions: list[torch.Tensor] = []
         self._attention = attention_modules(model)
         self._prefill: _Prefill | None = None
         self._keep_masks: dict[int, torch.Tensor] = {}
@@ -184,6 +186,7 @@ class CompressionSession:
             )
         layer_scores = [state.scores[i] for i in range(len(cache.layers))]
         keep = kept_per_head(state.length, min(self.method.window, state.length), self.ratio, self.budget)
+        self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
             return full, [state.length * s.shape[1] for s in layer_scores]
@@ -193,6 +196,7 @@ class CompressionSession:
             slot_count = int(counts[index].max())
             indices = top_indices(scores, slot_count)
             keep_entries(layer, indices)
+            self.kept_positions.append(indices)
             slots.append(slot_count)
             head_counts = counts[index] if self.memory == "masked" else torch.full_like(counts[index], slot_count)
             entries.append(int(head_counts.sum()))
@@ -219,9 +223,10 @@ class CompressedContext:
         self.report = report
         self.keep_masks = keep_masks
 
-    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
-        """Generate an answer to `question_ids` [1, q]; returns only the new tokens. The compressed context is
-        restored afterwards (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
+    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> object:
+        """`model.generate` on the question `question_ids` [1, q] after the compressed context; returns what
+        generate returns (sequences start with the question). The compressed context is restored afterwards
+        (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
         if not self.session.active:
             raise KVRuntimeError("answer questions inside the `with kvruntime.compress(...)` block that made the context")
         question_length = question_ids.shape[1]
@@ -231,7 +236,7 @@ class CompressedContext:
         attention_mask = torch.ones(1, self.context_length + question_length, dtype=torch.long, device=question_ids.device)
         self.session._keep_masks = self.keep_masks
         try:
-            output = self.session.model.generate(
+            return self.session.model.generate(
                 input_ids=question_ids,
                 attention_mask=attention_mask,
                 position_ids=positions[None],
@@ -241,7 +246,6 @@ class CompressedContext:
         finally:
             for layer, (keys, values) in zip(self.cache.layers, saved):
                 layer.keys, layer.values = keys, values
-        return output[:, question_length:]
 
 
 @contextlib.contextmanager

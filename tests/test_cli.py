@@ -1,0 +1,84 @@
+"""The command line: one clear line and a non-zero exit for bad input, nothing written."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_model
+from kvcompile.cli import app
+from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.fingerprint import model_fingerprint
+
+runner = CliRunner()
+
+
+def tiny_artifact(path):
+    model = tiny_model("llama")
+    return save_artifact(
+        Artifact(
+            kind="srh_heads",
+            tensors={"srh_score": torch.rand(4, 4), "probes": torch.tensor([3])},
+            model=model_fingerprint(model),
+            provenance={"command": "test", "seed": 0},
+            params={"grid": [1, 2]},
+        ),
+        path,
+    )
+
+
+def test_every_command_has_a_one_line_help():
+    for command in ("generate", "info"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0
+    listing = runner.invoke(app, ["--help"]).output
+    assert "Generate from a prompt file with a compressed KV cache" in listing
+    assert "Print an artifact's kind, model, tensors and metadata" in listing
+
+
+def test_info_prints_kind_model_tensors_and_metadata(tmp_path):
+    path = tiny_artifact(tmp_path / "heads.safetensors")
+    result = runner.invoke(app, ["info", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "srh_heads artifact" in result.output
+    assert "LlamaForCausalLM, 4 layers, 4 query heads, 2 KV heads, head dim 16" in result.output
+    assert "srh_score: float32 [4, 4]" in result.output and "probes: int64 [1]" in result.output
+    assert '"grid"' in result.output
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "not a readable safetensors file"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", "not a readable safetensors file"),
+    ],
+)
+def test_info_refuses_invalid_files_in_one_line(tmp_path, content, message):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    result = runner.invoke(app, ["info", str(path)])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-file", "missing.txt"], "prompt file missing.txt does not exist"),
+        (["--prompt-file", "prompt.txt", "--ratio", "1.5"], "ratio 1.5 is outside [0, 1)"),
+        (["--prompt-file", "prompt.txt", "--ratio", "-0.1"], "ratio -0.1 is outside [0, 1)"),
+        (["--prompt-file", "prompt.txt", "--method", "h2o"], "unknown method 'h2o'"),
+        (["--prompt-file", "prompt.txt", "--model", "./no/such/model"], "model './no/such/model' not found"),
+        (["--prompt-file", "binary.txt"], "is not UTF-8 text"),
+    ],
+)
+def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompt.txt").write_text("Hello there, a short prompt.")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81" * 10)
+    before = sorted(tmp_path.iterdir())
+    result = runner.invoke(app, ["generate", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert sorted(tmp_path.iterdir()) == before

