@@ -167,3 +167,23 @@ def test_bad_requests_are_refused_before_anything_changes(tiny, kwargs, message)
         with kvruntime.compress(tiny, **kwargs):
             pass
     assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_window_scores_never_switch_the_model_to_eager_attention(tiny, tokens, monkeypatch):
+    module = __import__(type(tiny).__module__, fromlist=["eager_attention_forward"])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("eager attention was used")
+
+    monkeypatch.setattr(module, "eager_attention_forward", forbidden)
+    seen = []
+    hook = tiny.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(m.config._attn_implementation), with_kwargs=True
+    )
+    try:
+        with kvruntime.compress(tiny, "kvcompress", ratio=0.5, memory="masked") as session:
+            tiny.generate(tokens, **GREEDY)
+    finally:
+        hook.remove()
+    assert set(seen) == {"kvruntime_sdpa"}
+    assert session.report.entries_removed_fraction == pytest.approx(0.5)
