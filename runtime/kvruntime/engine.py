@@ -234,13 +234,17 @@ class CompressedContext:
         # Original positions: the question follows the full (uncompressed) context.
         positions = torch.arange(self.context_length, self.context_length + question_length, device=question_ids.device)
         attention_mask = torch.ones(1, self.context_length + question_length, dtype=torch.long, device=question_ids.device)
+        explicit = {"position_ids": positions[None]}
+        if hasattr(self.session.model, "_get_initial_cache_position"):
+            # transformers < 5.3 (kvpress's range) derives cache positions from the compressed cache length.
+            explicit["cache_position"] = positions
         self.session._keep_masks = self.keep_masks
         try:
             return self.session.model.generate(
                 input_ids=question_ids,
                 attention_mask=attention_mask,
-                position_ids=positions[None],
                 past_key_values=self.cache,
+                **explicit,
                 **generate_kwargs,
             )
         finally:
