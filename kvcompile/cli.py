@@ -34,6 +34,18 @@ def clear_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
+
+
+def _load(model: str) -> tuple:
+    import transformers
+
+    import kvruntime
+
+    transformers.utils.logging.disable_progress_bar()
+    return kvruntime.load_model(model)
+
+
 def _read_prompt(path: Path) -> str:
     if not path.is_file():
         raise KVRuntimeError(f"prompt file {path} does not exist")
@@ -49,7 +61,9 @@ def _read_prompt(path: Path) -> str:
 @app.command()
 def generate(
     prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
-    method: Annotated[str, typer.Option(help="Compression method: snapkv, kvcompress.")] = "kvcompress",
+    method: Annotated[
+        str, typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), or <method>+budgets.")
+    ] = "kvcompress",
     ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
     question: Annotated[
@@ -64,21 +78,25 @@ def generate(
 ) -> None:
     """Generate from a prompt file with a compressed KV cache, then print the compression report."""
     with clear_errors():
-        import transformers  # imported here, like kvruntime, so that `--help` stays fast
-
-        import kvruntime
+        import kvruntime  # imported inside commands so that `--help` stays fast
 
         if ratio is None and budget is None:
             ratio = 0.5
         prompt = _read_prompt(prompt_file)
-        compression_method = kvruntime.get_method(method)
-        kvruntime.CompressionSession.check_request(compression_method, ratio, budget, memory)
-        transformers.utils.logging.disable_progress_bar()
-        loaded, tokenizer = kvruntime.load_model(model)
+        kvruntime.CompressionSession.check_request(ratio, budget, memory)
+        kvruntime.methods.parse_method_name(method)
+        paths = list(artifact or []) or [_default_artifact(model, k) for k in kvruntime.required_artifact_kinds(method)]
+        for path in paths:
+            if not path.exists():
+                raise KVRuntimeError(
+                    f"method {method!r} needs {path}: compile it (`kvcompile heads` for srh_heads, `kvcompile "
+                    "budgets` for layer_budgets) or pass --artifact"
+                )
+        loaded, tokenizer = _load(model)
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
         context_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with kvruntime.compress(
-            loaded, compression_method, ratio=ratio, budget=budget, memory=memory, artifacts=artifact or (), force=force
+            loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force
         ) as session:
             if question:
                 context = session.prefill(context_ids)
@@ -90,6 +108,113 @@ def generate(
                 output = loaded.generate(context_ids, **greedy)
                 typer.echo(tokenizer.decode(output[0, context_ids.shape[1] :], skip_special_tokens=True))
         typer.echo(str(session.report))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVRuntimeError(f"expected comma-separated whole numbers, got {text!r}") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVRuntimeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _default_artifact(model: str, kind: str) -> Path:
+    return Path("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name) / f"{kind}.safetensors"
+
+
+def _finish(artifact: object, out: Path) -> None:
+    """Save the artifact, then drop the run's checkpoint (only once the artifact is safely written)."""
+    from kvruntime.artifact import save_artifact
+
+    from .checkpoint import discard_checkpoint
+
+    save_artifact(artifact, out)
+    discard_checkpoint(out)
+    typer.echo(f"wrote {out}")
+
+
+CorpusOption = Annotated[
+    Optional[str],
+    typer.Option(help="Calibration text: 'austen' (shipped, default), a .txt/.txt.gz file or folder, a jsonl/parquet."),
+]
+ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
+SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
+
+
+@app.command()
+def heads(
+    model: ModelOption = "default",
+    corpus: CorpusOption = None,
+    lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
+    depths: Annotated[str, typer.Option(help="Needle depths (0 = start, 1 = end).")] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
+    seed: SeedOption = 0,
+    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/srh_heads.safetensors).")] = None,
+    resume: ResumeOption = False,
+) -> None:
+    """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
+    with clear_errors():
+        from .corpus import load_corpus
+        from .heads import compile_head_scores
+        from .plots import plot_head_scores
+
+        grid_lengths, grid_depths = _int_list(lengths), _float_list(depths)
+        if not grid_lengths or not grid_depths or any(not 0 <= d <= 1 for d in grid_depths):
+            raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
+        if prompt_format not in ("chat", "raw"):
+            raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
+        text = load_corpus(corpus)
+        loaded, tokenizer = _load(model)
+        target = out or _default_artifact(model, "srh_heads")
+        artifact = compile_head_scores(
+            loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume
+        )
+        _finish(artifact, target)
+        typer.echo(plot_head_scores(artifact, target.with_suffix(".png")))
+        from .head_comparison import describe_head_comparison
+
+        typer.echo(describe_head_comparison(artifact))
+
+
+@app.command()
+def budgets(
+    model: ModelOption = "default",
+    heads_artifact: Annotated[
+        Optional[Path], typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).")
+    ] = None,
+    corpus: CorpusOption = None,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts.")] = 24,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens per calibration prompt.")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
+    seed: SeedOption = 0,
+    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/layer_budgets.safetensors).")] = None,
+    resume: ResumeOption = False,
+) -> None:
+    """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
+    with clear_errors():
+        from kvruntime.artifact import load_artifact
+
+        from .budgets import compile_layer_errors
+        from .corpus import load_corpus
+        from .plots import plot_layer_budgets
+
+        if min(prompts, prompt_tokens, new_tokens) < 1:
+            raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")
+        text = load_corpus(corpus)
+        loaded, tokenizer = _load(model)
+        head_scores = load_artifact(heads_artifact or _default_artifact(model, "srh_heads"), model=loaded, kind="srh_heads")
+        target = out or _default_artifact(model, "layer_budgets")
+        artifact = compile_layer_errors(
+            loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume
+        )
+        _finish(artifact, target)
+        typer.echo(plot_layer_budgets(artifact, target.with_suffix(".png")))
 
 
 @app.command()

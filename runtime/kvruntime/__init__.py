@@ -9,13 +9,14 @@ from .artifact import Artifact, load_artifact, read_artifact, save_artifact
 from .engine import CompressedContext, CompressionSession, compress
 from .errors import ArtifactError, KVRuntimeError, UnsupportedModelError
 from .fingerprint import ModelFingerprint, model_fingerprint
-from .methods import METHODS, KVCompress, Method, SnapKV, get_method
+from .allocation import error_aware_budgets
+from .methods import METHOD_NAMES, KVCompress, Method, SemanticRetrievalHeads, SnapKV, WithLayerBudgets, get_method, required_artifact_kinds
 from .model_loading import DEFAULT_MODEL, load_model
 from .report import CompressionReport
 
 __all__ = [
     "DEFAULT_MODEL",
-    "METHODS",
+    "METHOD_NAMES",
     "Artifact",
     "ArtifactError",
     "CompressedContext",
@@ -25,13 +26,17 @@ __all__ = [
     "KVRuntimeError",
     "Method",
     "ModelFingerprint",
+    "SemanticRetrievalHeads",
     "SnapKV",
+    "WithLayerBudgets",
     "UnsupportedModelError",
     "compress",
+    "error_aware_budgets",
     "get_method",
     "load_artifact",
     "load_model",
     "model_fingerprint",
     "read_artifact",
+    "required_artifact_kinds",
     "save_artifact",
 ]

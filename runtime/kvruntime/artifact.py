@@ -45,13 +45,12 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].detach().contiguous().cpu()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 
 
 def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
-    """Write atomically: a temporary file in the target folder, then a rename, so that a crash never leaves a
-    half-written artifact under the final name."""
+    """Write the artifact atomically (a crash never leaves a half-written artifact under the final name)."""
     if artifact.kind not in KNOWN_KINDS:
         raise ArtifactError(f"unknown artifact kind {artifact.kind!r} (known: {', '.join(KNOWN_KINDS)})")
     tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
@@ -65,6 +64,13 @@ def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
         "params": json.dumps(artifact.params, sort_keys=True),
         "checksum": tensors_checksum(tensors),
     }
+    return write_safetensors_atomically(tensors, metadata, path)
+
+
+def write_safetensors_atomically(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike
+) -> Path:
+    """A temporary file in the target folder, fsync, then rename: the final name never holds half a file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

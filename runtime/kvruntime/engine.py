@@ -54,7 +54,7 @@ class CompressionSession:
         memory: str,
         artifacts: Sequence[Artifact] = (),
     ) -> None:
-        self.check_request(method, ratio, budget, memory)
+        self.check_request(ratio, budget, memory)
         self.model = model
         self.method = method
         self.ratio = ratio
@@ -70,11 +70,11 @@ class CompressionSession:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @staticmethod
-    def check_request(method: Method, ratio: float | None, budget: int | None, memory: str) -> None:
+    def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
         """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
         if memory not in MEMORY_MODES:
             raise KVRuntimeError(f"unknown memory mode {memory!r} (use one of {', '.join(MEMORY_MODES)})")
-        kept_per_head(length=1 << 30, window=method.window, ratio=ratio, budget=budget)
+        kept_per_head(length=1 << 30, window=1, ratio=ratio, budget=budget)
 
     @property
     def report(self) -> CompressionReport:
@@ -140,7 +140,7 @@ class CompressionSession:
         with torch.no_grad():
             queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
             attention = window_attention(queries, keys, module.scaling)
-            state.scores[module.layer_idx] = protect_window(self.method.token_scores(attention), window)
+            state.scores[module.layer_idx] = protect_window(self.method.token_scores(attention, module.layer_idx), window)
         state.scoring_seconds += time.perf_counter() - started
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
@@ -190,7 +190,7 @@ class CompressionSession:
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
             return full, [state.length * s.shape[1] for s in layer_scores]
-        counts = self.method.head_counts(layer_scores, keep)
+        counts = self.method.head_counts(layer_scores, keep).clamp(max=state.length)
         slots, entries = [], []
         for index, (layer, scores) in enumerate(zip(cache.layers, layer_scores)):
             slot_count = int(counts[index].max())
@@ -268,15 +268,10 @@ def compress(
     memory: how per-head counts that differ inside a layer are stored: `padded` (default) gives every head of a
     layer the layer's largest count, filled with each head's next-best tokens; `masked` uses the same slots but
     hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
-    artifacts: compiled artifacts to check against the model (refused if compiled for another model).
+    artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`), checked against
+    the model first (refused if compiled for another model).
     """
-    session = CompressionSession(
-        model,
-        get_method(method),
-        ratio,
-        budget,
-        memory,
-        [load_artifact(path, model=model, force=force) for path in artifacts],
-    )
+    loaded = [load_artifact(path, model=model, force=force) for path in artifacts]
+    session = CompressionSession(model, get_method(method, loaded), ratio, budget, memory, loaded)
     with per_layer_attention(model), session.attached():
         yield session

@@ -21,8 +21,8 @@ class Method(abc.ABC):
     window: int = 32
 
     @abc.abstractmethod
-    def token_scores(self, attention: torch.Tensor) -> torch.Tensor:
-        """Window attention [B, Hkv, G, w, N] -> scores [B, Hkv, N]."""
+    def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
+        """Window attention [B, Hkv, G, w, N] of layer `layer` -> scores [B, Hkv, N]."""
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""

@@ -18,7 +18,7 @@ class KVCompress(Method):
     window: int = 8
     kernel: int = 7
 
-    def token_scores(self, attention: torch.Tensor) -> torch.Tensor:
+    def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return kvcompress_scores(attention, self.kernel)
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:

@@ -21,5 +21,5 @@ class SnapKV(Method):
     window: int = 32
     kernel: int = 7
 
-    def token_scores(self, attention: torch.Tensor) -> torch.Tensor:
+    def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return snapkv_scores(attention, self.kernel)

@@ -1,0 +1,143 @@
+"""`kvcompile budgets`: each layer's compression error, the input of CompressKV's error-aware layer budgets.
+
+Greedy generation runs with the FULL cache on calibration prompts. At prefill, each layer remembers the tokens the
+SRH selection would keep at a tiny budget (24 + the 8-token window); at every decoding step it compares its
+output over the full cache with its output over the kept tokens (plus the generated ones). The model keeps running
+on the full cache, so errors do not cascade between layers.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from kvruntime.artifact import Artifact, tensors_checksum
+from kvruntime.errors import KVRuntimeError
+from kvruntime.fingerprint import model_fingerprint
+from kvruntime.methods import SemanticRetrievalHeads
+from kvruntime.selection import protect_window, top_indices
+from kvruntime.window_attention import window_attention
+
+from .attention_capture import attention_output, query_hooks
+from .checkpoint import load_checkpoint, save_checkpoint
+from .corpus import Corpus
+from .provenance import provenance
+
+PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
+
+
+def relative_error(full: torch.Tensor, compressed: torch.Tensor) -> float:
+    return float((compressed - full).norm() / (full.norm() + 1e-6))
+
+
+def normalised_layer_error(per_source: torch.Tensor) -> torch.Tensor:
+    """[sources, layers] summed errors -> one profile summing to 1: each source normalised over layers (L1),
+    averaged over sources, normalised again."""
+    profiles = per_source / per_source.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    mean = profiles.mean(dim=0)
+    return mean / mean.sum()
+
+
+def calibration_prompts(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, count: int, tokens: int, seed: int
+) -> list[tuple[int, torch.Tensor]]:
+    """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        source = index % len(corpus.documents)
+        document = corpus.documents[source]
+        if len(document) < tokens * 8:
+            raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
+        start = rng.randrange(0, len(document) - tokens * 8)
+        ids = tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]
+        prompts.append((source, torch.tensor([ids])))
+    return prompts
+
+
+def layer_errors_of_prompt(
+    model: nn.Module, selection: SemanticRetrievalHeads, prompt_ids: torch.Tensor, new_tokens: int
+) -> torch.Tensor:
+    """Summed relative output error per layer over the decoding steps of one prompt: [layers]."""
+    length = prompt_ids.shape[1]
+    kept: dict[int, torch.Tensor] = {}
+    errors = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
+
+    def measure(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> None:
+        layer = module.layer_idx
+        if q_len > 1:  # prefill: remember what the SRH selection keeps at the probe budget
+            attention = window_attention(queries, keys, module.scaling)
+            scores = protect_window(selection.token_scores(attention, layer), queries.shape[2])
+            kept[layer] = top_indices(scores, min(PROBE_BUDGET, length))
+            return
+        generated = torch.arange(length, keys.shape[2]).expand(*kept[layer].shape[:2], -1)
+        index = torch.cat([kept[layer], generated], dim=-1).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        full = attention_output(module, queries, keys, values)
+        compressed = attention_output(module, queries, keys.gather(2, index), values.gather(2, index))
+        errors[layer] += relative_error(full, compressed)
+
+    with query_hooks(model, measure, window=selection.window), torch.no_grad():
+        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return errors
+
+
+def compile_layer_errors(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    corpus: Corpus,
+    heads: Artifact,
+    prompts: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    seed: int,
+    out: Path,
+    resume: bool = False,
+    checkpoint_every: int = 4,
+) -> Artifact:
+    fingerprint = model_fingerprint(model)
+    selection = SemanticRetrievalHeads(head_scores=heads.tensors["srh_score"])
+    calibration = calibration_prompts(corpus, tokenizer, prompts, prompt_tokens, seed)
+    sources = len({source for source, _ in calibration})
+    settings = {
+        "model": fingerprint.to_dict(),
+        "corpus_sha256": corpus.sha256,
+        "heads_sha256": tensors_checksum(heads.tensors),
+        "prompts": prompts,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "seed": seed,
+    }
+    per_source = torch.zeros(len(corpus.documents), fingerprint.num_layers, dtype=torch.float64)
+    start = 0
+    saved = load_checkpoint(out, settings) if resume else None
+    if saved is not None:
+        per_source, start = saved[0]["per_source"], saved[1]["next_prompt"]
+    bar = tqdm(total=len(calibration), initial=start, desc="layer errors", unit="prompt")
+    for index in range(start, len(calibration)):
+        source, ids = calibration[index]
+        per_source[source] += layer_errors_of_prompt(model, selection, ids, new_tokens)
+        bar.update()
+        if (index + 1) % checkpoint_every == 0 and index + 1 < len(calibration):
+            save_checkpoint(out, {"per_source": per_source}, {"next_prompt": index + 1}, settings)
+    bar.close()
+    used = per_source[per_source.sum(dim=1) > 0]
+    return Artifact(
+        kind="layer_budgets",
+        tensors={"layer_error": normalised_layer_error(used).float(), "raw_error": per_source.float()},
+        model=fingerprint,
+        provenance=provenance(corpus, seed, heads=str(heads.path)),
+        params={
+            "probe_budget": PROBE_BUDGET,
+            "selection": "srh",
+            "prompts": prompts,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "sources": sources,
+            "allocation": {"rule": "CompressKV Algorithm 1", "minimum": 32, "maximum_factor": 3},
+        },
+    )

@@ -1,0 +1,83 @@
+"""Calibration text: the shipped public-domain books by default, or any local text the user points at
+(a .txt/.txt.gz file, a folder of them, or a datasets-loadable .jsonl/.json/.parquet/.csv with a `text` column)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+from pathlib import Path
+
+from kvruntime.errors import KVRuntimeError
+
+DATA_ROOT = Path(__file__).resolve().parents[1] / "calibration_data"
+BOOKS = DATA_ROOT / "books"
+DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
+_TEXT_SUFFIXES = (".txt", ".txt.gz")
+_TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    name: str
+    documents: tuple[str, ...]
+
+    @property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for document in self.documents:
+            digest.update(hashlib.sha256(document.encode()).digest())
+        return digest.hexdigest()
+
+
+def load_corpus(source: str | Path | None = None) -> Corpus:
+    """Load a corpus; `None` or 'austen' is the shipped default, 'moby-dick' the shipped held-out book."""
+    if source is None or str(source) == DEFAULT_CORPUS:
+        return _text_files("austen", sorted(BOOKS.glob("austen_*.txt.gz")))
+    if str(source) == "moby-dick":
+        return _text_files("moby-dick", sorted(BOOKS.glob("melville_*.txt.gz")))
+    path = Path(source)
+    if not path.exists():
+        raise KVRuntimeError(f"corpus {path} does not exist (give a text file, a folder of .txt, or a jsonl/parquet)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.name.endswith(_TEXT_SUFFIXES))
+        if not files:
+            raise KVRuntimeError(f"corpus folder {path} holds no .txt or .txt.gz files")
+        return _text_files(str(path), files)
+    if path.name.endswith(_TEXT_SUFFIXES):
+        return _text_files(str(path), [path])
+    if path.suffix in _TABLE_SUFFIXES:
+        return _table(path)
+    raise KVRuntimeError(f"corpus {path}: unknown format (use .txt, .txt.gz, a folder, .jsonl, .parquet or .csv)")
+
+
+def _read_text(path: Path) -> str:
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    if b"\x00" in raw:
+        raise KVRuntimeError(f"corpus file {path} is binary, not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KVRuntimeError(f"corpus file {path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def _text_files(name: str, files: list[Path]) -> Corpus:
+    documents = tuple(text for text in (_read_text(p) for p in files) if text.strip())
+    if not documents:
+        raise KVRuntimeError(f"corpus {name} is empty")
+    return Corpus(name=name, documents=documents)
+
+
+def _table(path: Path) -> Corpus:
+    import datasets  # compile-stage dependency, imported only for table formats
+
+    try:
+        table = datasets.load_dataset(_TABLE_SUFFIXES[path.suffix], data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise KVRuntimeError(f"corpus {path} cannot be read ({str(exc).splitlines()[0]})") from None
+    if "text" not in table.column_names:
+        raise KVRuntimeError(f"corpus {path} has no 'text' column (columns: {', '.join(table.column_names)})")
+    documents = tuple(text for text in table["text"] if isinstance(text, str) and text.strip())
+    if not documents:
+        raise KVRuntimeError(f"corpus {path} is empty")
+    return Corpus(name=str(path), documents=documents)
