@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # kept): the project only asks for torch>=2.4, which an installed build satisfies without pulling another.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench compresskv bench-compresskv
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,11 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/prefill_overhead.py
+
+# CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
+compresskv: setup
+	$(BIN)/kvcompile heads
+	$(BIN)/kvcompile budgets
+
+bench-compresskv: setup
+	$(BIN)/python benchmarks/compresskv_accuracy.py

@@ -1,0 +1,81 @@
+"""Held-out long-context retrieval prompts for measuring compressed generation (never used for calibration):
+the pass key in repeated filler, one needle in Moby-Dick, and several key-value needles (RULER's multi-key NIAH).
+Each prompt is scored by exact match: every expected value must appear in the generated text."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from transformers import PreTrainedTokenizerBase
+
+from ..corpus import Corpus
+from .needles import QUESTION_TEMPLATE, Needle, needle_probe, render_prompt
+from .passkey import passkey_prompt
+
+EVALUATION_NEEDLES = (
+    Needle(
+        "The hidden garden behind the old mill is called the Copper Orchard.",
+        "What is the hidden garden behind the old mill called?",
+        "Copper Orchard",
+    ),
+    Needle(
+        "The password of the harbour master's safe is violet anchor ninety.",
+        "What is the password of the harbour master's safe?",
+        "violet anchor ninety",
+    ),
+    Needle(
+        "Doctor Elsbeth Crane keeps her notes in a green leather satchel.",
+        "Where does Doctor Elsbeth Crane keep her notes?",
+        "green leather satchel",
+    ),
+)
+MULTIKEY_KEYS = ("amber", "willow", "falcon", "quartz", "harbor", "meadow", "cobalt", "lantern")
+TASKS = ("passkey", "needle", "multikey")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalPrompt:
+    task: str
+    prompt: str
+    expected: tuple[str, ...]
+    length: int
+    depth: float
+
+    def score(self, generated: str) -> bool:
+        return all(value.lower() in generated.lower() for value in self.expected)
+
+
+def retrieval_prompt(
+    task: str, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int
+) -> RetrievalPrompt:
+    if task == "passkey":
+        prompt = passkey_prompt(tokenizer, length, depth, seed)
+        return RetrievalPrompt(task, prompt.text, (prompt.answer,), length, depth)
+    if task == "needle":
+        index = seed % len(EVALUATION_NEEDLES)
+        probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=True, needles=EVALUATION_NEEDLES)
+        return RetrievalPrompt(task, probe.prompt, (probe.answer,), length, depth)
+    if task == "multikey":
+        return _multikey(corpus, tokenizer, length, depth, seed)
+    raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
+
+
+def _multikey(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> RetrievalPrompt:
+    """Four key-value needles at spread depths; the question asks for the one placed at `depth`."""
+    rng = random.Random(f"multikey:{seed}:{length}:{depth}")
+    keys = rng.sample(MULTIKEY_KEYS, 4)
+    values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+    asked = 0
+    sentences = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
+    question = QUESTION_TEMPLATE.format(question=f"What is the special magic number for {keys[asked]}?")
+    base = needle_probe(
+        corpus, tokenizer, length - 20 * len(keys), depth, 0, seed, chat=False,
+        needles=(Needle(sentences[asked], "", values[asked]),),
+    )
+    context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
+    # The distractor keys go at other depths, each after a sentence end.
+    for offset, sentence in zip((0.3, 0.55, 0.8), sentences[1:]):
+        cut = context.find(". ", int(((depth + offset) % 1.0) * len(context))) + 2
+        context = context[:cut] + sentence + " " + context[cut:]
+    return RetrievalPrompt("multikey", render_prompt(tokenizer, context + question, chat=True), (values[asked],), length, depth)

@@ -1,0 +1,85 @@
+"""Calibration corpora and needle probes: loading, refusals, and that a needle is where it is said to be."""
+
+import gzip
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvcompile.corpus import load_corpus
+from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, needle_probe
+from kvruntime.errors import KVRuntimeError
+from kvruntime.model_loading import DEFAULT_MODEL, load_model
+
+SENTENCES = " ".join(f"Sentence number {i} tells of the weather on day {i}." for i in range(4000))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # The default model's tokenizer (fast, with a chat template); loading the model once is cheap after caching.
+    return load_model(DEFAULT_MODEL)[1]
+
+
+def test_text_folder_gzip_and_tables_load(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("first document")
+    (tmp_path / "docs" / "b.txt.gz").write_bytes(gzip.compress("second document".encode()))
+    assert load_corpus(tmp_path / "docs").documents == ("first document", "second document")
+    lines = tmp_path / "c.jsonl"
+    lines.write_text("\n".join(json.dumps({"text": t}) for t in ["one", "two", ""]))
+    assert load_corpus(lines).documents == ("one", "two")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: (p / "empty.txt").write_text("  \n") and p / "empty.txt", "is empty"),
+        (lambda p: (p / "bin.txt").write_bytes(b"abc\x00def") and p / "bin.txt", "is binary"),
+        (lambda p: (p / "latin.txt").write_bytes("caf\xe9".encode("latin-1")) and p / "latin.txt", "not UTF-8"),
+        (lambda p: (p / "t.jsonl").write_text('{"body": "x"}') and p / "t.jsonl", "no 'text' column"),
+        (lambda p: (p / "t.docx").write_text("x") and p / "t.docx", "unknown format"),
+    ],
+)
+def test_bad_corpora_are_refused_with_a_clear_message(tmp_path, make, message):
+    with pytest.raises(KVRuntimeError, match=message):
+        load_corpus(make(tmp_path))
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9])
+def test_needle_sits_at_the_stated_depth_and_the_answer_tokens_are_found(tmp_path, tokenizer, depth):
+    (tmp_path / "book.txt").write_text(SENTENCES)
+    corpus = load_corpus(tmp_path / "book.txt")
+    probe = needle_probe(corpus, tokenizer, 1024, depth, needle_index=0, seed=0, chat=True)
+    needle = CALIBRATION_NEEDLES[0]
+    assert probe.prompt.count(needle.sentence) == 1
+    assert probe.prompt[probe.answer_span[0] : probe.answer_span[1]] == needle.answer
+    ids, span = answer_token_positions(tokenizer, probe)
+    assert abs(len(ids) - 1024) < 40
+    assert tokenizer.decode([ids[i] for i in span]).strip() == needle.answer
+    # the needle starts right after a sentence end, at about `depth` of the haystack (one sentence is ~15 tokens)
+    haystack_start = probe.prompt.index("Sentence number")
+    haystack_end = probe.prompt.index("\n\nBased on the content")
+    where = (probe.prompt.index(needle.sentence) - haystack_start) / (haystack_end - haystack_start)
+    assert abs(where - depth) < 0.05
+    assert probe.prompt.startswith("<|im_start|>system")
+
+
+def test_raw_prompts_end_with_an_answer_cue(tmp_path, tokenizer):
+    (tmp_path / "book.txt").write_text(SENTENCES)
+    probe = needle_probe(load_corpus(tmp_path / "book.txt"), tokenizer, 512, 0.5, 1, seed=0, chat=False)
+    assert probe.prompt.endswith("\nAnswer:") and "<|im_start|>" not in probe.prompt
+
+
+def test_corpus_too_short_for_the_probe_is_refused(tmp_path, tokenizer):
+    (tmp_path / "short.txt").write_text("Only a few words here. Nothing more.")
+    with pytest.raises(KVRuntimeError, match="too short for"):
+        needle_probe(load_corpus(tmp_path / "short.txt"), tokenizer, 1024, 0.5, 0, seed=0, chat=True)
+
+
+def test_model_without_chat_template_is_refused(tmp_path, tokenizer):
+    (tmp_path / "book.txt").write_text(SENTENCES)
+    bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(KVRuntimeError, match="no chat template.*--prompt-format raw"):
+        needle_probe(load_corpus(tmp_path / "book.txt"), bare, 512, 0.5, 0, seed=0, chat=True)
