@@ -11,7 +11,8 @@ def test_kept_per_head_ratio_budget_and_bounds():
     assert kept_per_head(1000, 8, ratio=0.0) == 1000
     assert kept_per_head(1000, 8, ratio=0.999) == 8  # never below the protected window
     assert kept_per_head(1000, 8, budget=256) == 256
-    assert kept_per_head(100, 8, budget=256) == 100  # never above the prompt
+    with pytest.raises(KVRuntimeError, match="larger than the prompt"):
+        kept_per_head(100, 8, budget=256)
     for bad in (-0.1, 1.0, 1.5):
         with pytest.raises(KVRuntimeError, match="outside"):
             kept_per_head(100, 8, ratio=bad)

@@ -15,19 +15,19 @@ from .passkey import passkey_prompt
 
 EVALUATION_NEEDLES = (
     Needle(
-        "The hidden garden behind the old mill is called the Copper Orchard.",
-        "What is the hidden garden behind the old mill called?",
-        "Copper Orchard",
+        "The old clockmaker of Bremen hid his savings under a loose stone by the fireplace.",
+        "Where did the old clockmaker of Bremen hide his savings?",
+        "under a loose stone",
     ),
     Needle(
-        "The password of the harbour master's safe is violet anchor ninety.",
-        "What is the password of the harbour master's safe?",
-        "violet anchor ninety",
+        "The blacksmith's daughter named her grey horse Thunder Moon after a winter storm.",
+        "What did the blacksmith's daughter name her grey horse?",
+        "Thunder Moon",
     ),
     Needle(
-        "Doctor Elsbeth Crane keeps her notes in a green leather satchel.",
-        "Where does Doctor Elsbeth Crane keep her notes?",
-        "green leather satchel",
+        "The favourite dessert of Admiral Quill was baked pears with cinnamon cream.",
+        "What was the favourite dessert of Admiral Quill?",
+        "baked pears",
     ),
 )
 MULTIKEY_KEYS = ("amber", "willow", "falcon", "quartz", "harbor", "meadow", "cobalt", "lantern")

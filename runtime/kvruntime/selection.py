@@ -14,7 +14,7 @@ from .errors import KVRuntimeError
 
 def kept_per_head(length: int, window: int, ratio: float | None = None, budget: int | None = None) -> int:
     """Average number of entries each (layer, KV head) keeps: from a ratio of entries removed, or a budget of
-    tokens per layer. Never fewer than the protected window, never more than the prompt."""
+    tokens per layer (at most the prompt's length). Never fewer than the protected window."""
     if (ratio is None) == (budget is None):
         raise KVRuntimeError("give exactly one of ratio or budget")
     if ratio is not None:
@@ -24,6 +24,11 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
     else:
         if budget < 1:
             raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
+        if budget > length:
+            raise KVRuntimeError(
+                f"budget {budget} tokens per layer is larger than the prompt ({length} tokens): nothing to compress; "
+                "give a smaller budget or a ratio"
+            )
         keep = budget
     return min(length, max(keep, min(window, length)))
 
