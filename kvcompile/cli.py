@@ -34,6 +34,7 @@ def clear_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
+ARTIFACTS_ROOT = Path(__file__).resolve().parents[1] / "artifacts"
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
 
 
@@ -84,7 +85,6 @@ def generate(
             ratio = 0.5
         prompt = _read_prompt(prompt_file)
         kvruntime.CompressionSession.check_request(ratio, budget, memory)
-        kvruntime.methods.parse_method_name(method)
         paths = list(artifact or []) or [_default_artifact(model, k) for k in kvruntime.required_artifact_kinds(method)]
         for path in paths:
             if not path.exists():
@@ -110,22 +110,16 @@ def generate(
         typer.echo(str(session.report))
 
 
-def _int_list(text: str) -> list[int]:
+def _numbers(text: str, convert: type) -> list:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [convert(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise KVRuntimeError(f"expected comma-separated whole numbers, got {text!r}") from None
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVRuntimeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
 def _default_artifact(model: str, kind: str) -> Path:
-    return Path("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name) / f"{kind}.safetensors"
+    folder = DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name
+    return ARTIFACTS_ROOT / folder / f"{kind}.safetensors"
 
 
 def _finish(artifact: object, out: Path) -> None:
@@ -164,7 +158,7 @@ def heads(
         from .heads import compile_head_scores
         from .plots import plot_head_scores
 
-        grid_lengths, grid_depths = _int_list(lengths), _float_list(depths)
+        grid_lengths, grid_depths = _numbers(lengths, int), _numbers(depths, float)
         if not grid_lengths or not grid_depths or any(not 0 <= d <= 1 for d in grid_depths):
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
         if prompt_format not in ("chat", "raw"):
