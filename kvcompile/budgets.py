@@ -25,7 +25,7 @@ from kvruntime.window_attention import window_attention
 
 from .attention_capture import attention_output, query_hooks
 from .checkpoint import load_checkpoint, save_checkpoint
-from .corpus import Corpus
+from .corpus import Corpus, passage_ids
 from .provenance import provenance
 
 PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
@@ -55,8 +55,7 @@ def calibration_prompts(
         if len(document) < tokens * 8:
             raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
         start = rng.randrange(0, len(document) - tokens * 8)
-        ids = tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]
-        prompts.append((source, torch.tensor([ids])))
+        prompts.append((source, torch.tensor([passage_ids(tokenizer, document, start, tokens)])))
     return prompts
 
 

@@ -7,8 +7,12 @@ import dataclasses
 import gzip
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvruntime.errors import KVRuntimeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DATA_ROOT = Path(__file__).resolve().parents[1] / "calibration_data"
 BOOKS = DATA_ROOT / "books"
@@ -49,6 +53,11 @@ def load_corpus(source: str | Path | None = None) -> Corpus:
     if path.suffix in _TABLE_SUFFIXES:
         return _table(path)
     raise KVRuntimeError(f"corpus {path}: unknown format (use .txt, .txt.gz, a folder, .jsonl, .parquet or .csv)")
+
+
+def passage_ids(tokenizer: "PreTrainedTokenizerBase", document: str, start: int, tokens: int) -> list[int]:
+    """The first `tokens` token ids of the document from character `start` (8 characters a token is ample)."""
+    return tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]
 
 
 def _read_text(path: Path) -> str:

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvruntime.errors import KVRuntimeError
 
-from ..corpus import Corpus
+from ..corpus import Corpus, passage_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +68,7 @@ def _haystack(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, r
     document = rng.choice(candidates)
     start = rng.randrange(0, len(document) - tokens * 6)
     start = document.find("\n\n", start) + 2 if document.find("\n\n", start) >= 0 else start
-    ids = tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]
-    return tokenizer.decode(ids)
+    return tokenizer.decode(passage_ids(tokenizer, document, start, tokens))
 
 
 def needle_probe(

@@ -8,9 +8,18 @@
 from .artifact import Artifact, load_artifact, read_artifact, save_artifact
 from .engine import CompressedContext, CompressionSession, compress
 from .errors import ArtifactError, KVRuntimeError, UnsupportedModelError
-from .fingerprint import ModelFingerprint, model_fingerprint
 from .allocation import error_aware_budgets
-from .methods import METHOD_NAMES, KVCompress, Method, SemanticRetrievalHeads, SnapKV, WithLayerBudgets, get_method, required_artifact_kinds
+from .fingerprint import ModelFingerprint, model_fingerprint
+from .methods import (
+    METHOD_NAMES,
+    KVCompress,
+    Method,
+    SemanticRetrievalHeads,
+    SnapKV,
+    WithLayerBudgets,
+    get_method,
+    required_artifact_kinds,
+)
 from .model_loading import DEFAULT_MODEL, load_model
 from .report import CompressionReport
 
