@@ -64,7 +64,10 @@ def load_model(
 def _dequantised_default() -> Path:
     """Dequantise the default GGUF once (about 20 s) into a cached safetensors model that loads in under 1 s."""
     gguf = default_gguf_path()
-    stamp = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    # Keyed by content, not path or mtime, so that every venv that installs the same package shares one cache.
+    with open(gguf, "rb") as handle:
+        head = handle.read(1 << 20)
+    stamp = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode() + head).hexdigest()[:12]
     folder = cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{stamp}"
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
