@@ -32,4 +32,4 @@ compresskv: setup
 	$(BIN)/kvcompile budgets
 
 bench-compresskv: setup
-	$(BIN)/python benchmarks/compresskv_accuracy.py
+	$(BIN)/python benchmarks/compresskv_accuracy.py --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95

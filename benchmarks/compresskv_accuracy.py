@@ -1,7 +1,7 @@
 """Retrieval accuracy of compresskv and its parts against snapkv, kvcompress and the full cache, on held-out
 prompts (pass key in filler; needles and multi-key needles in Moby-Dick, none of them used for calibration).
 
-    python benchmarks/compresskv_accuracy.py [--lengths 2048] [--depths 0.1,0.3,0.5,0.7,0.9] [--out benchmarks/compresskv_accuracy.md]
+    python benchmarks/compresskv_accuracy.py [--lengths 2048] [--depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95] [--out benchmarks/compresskv_accuracy.md]
 
 Question-aware setting: the whole prompt (context + question) is prefilled, then compressed, then answered.
 """
@@ -32,7 +32,7 @@ METHODS = ("snapkv", "kvcompress", "srh", "compresskv")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048")
-    parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    parser.add_argument("--depths", default="0.05,0.2,0.35,0.5,0.65,0.8,0.95")
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--out", default="benchmarks/compresskv_accuracy.md")
