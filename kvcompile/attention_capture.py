@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvruntime.cache_ops import attention_modules
-from kvruntime.window_attention import window_attention, window_queries
+from kvruntime.window_attention import hooked_window_queries, window_attention
 
 # Called with (attention module, the last queries [B, Hq, w, D], the layer's cached keys and values, query length).
 QueryHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
@@ -24,11 +24,8 @@ def query_hooks(model: nn.Module, callback: QueryHook, window: int = 1) -> Itera
     """Call `callback` after every attention layer with its last `window` queries (post-RoPE) and its cache."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-        layer = kwargs["past_key_values"].layers[module.layer_idx]
-        query_length = hidden_states.shape[1]
         with torch.no_grad():
-            queries = window_queries(module, hidden_states, kwargs["position_embeddings"], min(window, query_length))
+            queries, layer, query_length = hooked_window_queries(module, args, kwargs, window)
             callback(module, queries, layer.keys, layer.values, query_length)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]

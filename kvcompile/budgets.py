@@ -20,8 +20,7 @@ from kvruntime.artifact import Artifact, tensors_checksum
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import SemanticRetrievalHeads
-from kvruntime.selection import protect_window, top_indices
-from kvruntime.window_attention import window_attention
+from kvruntime.selection import top_indices
 
 from .attention_capture import attention_output, query_hooks
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -70,8 +69,7 @@ def layer_errors_of_prompt(
     def measure(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> None:
         layer = module.layer_idx
         if q_len > 1:  # prefill: remember what the SRH selection keeps at the probe budget
-            attention = window_attention(queries, keys, module.scaling)
-            scores = protect_window(selection.token_scores(attention, layer), queries.shape[2])
+            scores = selection.window_scores(queries, keys, module.scaling, layer)
             kept[layer] = top_indices(scores, min(PROBE_BUDGET, length))
             return
         generated = torch.arange(length, keys.shape[2]).expand(*kept[layer].shape[:2], -1)

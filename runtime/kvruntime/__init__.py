@@ -5,10 +5,10 @@
     print(session.report)
 """
 
+from .allocation import error_aware_budgets
 from .artifact import Artifact, load_artifact, read_artifact, save_artifact
 from .engine import CompressedContext, CompressionSession, compress
 from .errors import ArtifactError, KVRuntimeError, UnsupportedModelError
-from .allocation import error_aware_budgets
 from .fingerprint import ModelFingerprint, model_fingerprint
 from .methods import (
     METHOD_NAMES,

@@ -26,8 +26,8 @@ from .cache_ops import attention_modules, cache_bytes, check_full_attention_cach
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import Method, get_method
 from .report import CompressionReport
-from .selection import kept_per_head, protect_window, top_indices, top_mask
-from .window_attention import window_attention, window_queries
+from .selection import kept_per_head, top_indices, top_mask
+from .window_attention import hooked_window_queries
 
 MEMORY_MODES = ("padded", "masked")
 
@@ -134,13 +134,11 @@ class CompressionSession:
         if state is None:
             return
         started = time.perf_counter()
-        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-        keys = kwargs["past_key_values"].layers[module.layer_idx].keys
-        window = min(self.method.window, state.length)
         with torch.no_grad():
-            queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
-            attention = window_attention(queries, keys, module.scaling)
-            state.scores[module.layer_idx] = protect_window(self.method.token_scores(attention, module.layer_idx), window)
+            queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
+            state.scores[module.layer_idx] = self.method.window_scores(
+                queries, cache_layer.keys, module.scaling, module.layer_idx
+            )
         state.scoring_seconds += time.perf_counter() - started
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:

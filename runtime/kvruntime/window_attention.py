@@ -34,6 +34,18 @@ def window_queries(
     return queries * cos + _rotate_half(queries) * sin
 
 
+def hooked_window_queries(
+    attention: nn.Module, args: tuple, kwargs: dict, window: int
+) -> tuple[torch.Tensor, object, int]:
+    """From a forward hook's call of an attention module: the post-RoPE queries of the last `window` positions
+    (at most the query length), the layer's cache layer (keys and values already updated), and the query length."""
+    hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+    cache_layer = kwargs["past_key_values"].layers[attention.layer_idx]
+    query_length = hidden_states.shape[1]
+    queries = window_queries(attention, hidden_states, kwargs["position_embeddings"], min(window, query_length))
+    return queries, cache_layer, query_length
+
+
 def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """Softmax attention of the window's queries over all keys, in float32, causal inside the window.
 

@@ -9,7 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from ..selection import uniform_head_counts
+from ..selection import protect_window, uniform_head_counts
+from ..window_attention import window_attention
 
 
 @dataclasses.dataclass
@@ -23,6 +24,10 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         """Window attention [B, Hkv, G, w, N] of layer `layer` -> scores [B, Hkv, N]."""
+
+    def window_scores(self, queries: torch.Tensor, keys: torch.Tensor, scaling: float, layer: int) -> torch.Tensor:
+        """Token scores [B, Hkv, N] from the window's queries [B, Hq, w, D]; the window itself always stays."""
+        return protect_window(self.token_scores(window_attention(queries, keys, scaling), layer), queries.shape[2])
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""
