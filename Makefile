@@ -3,10 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # A CPU build of torch is installed first unless the environment already has a torch (a GPU user's CUDA build is
-# kept): the project only asks for torch>=2.4, which an installed build satisfies without pulling another.
+# kept): the project only asks for torch>=2.5, which an installed build satisfies without pulling another.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test bench compresskv bench-compresskv
+.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,3 +33,10 @@ compresskv: setup
 
 bench-compresskv: setup
 	$(BIN)/python benchmarks/compresskv_accuracy.py --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95
+
+# CompilerKV's tables for the default model (about 25 minutes on 2 CPU cores), with the experience they were learned from.
+compilerkv: setup
+	$(BIN)/kvcompile tables
+
+bench-compilerkv: setup
+	$(BIN)/python benchmarks/compilerkv_ablation.py

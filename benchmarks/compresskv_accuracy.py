@@ -9,7 +9,6 @@ Question-aware setting: the whole prompt (context + question) is prefilled, then
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import sys
 from collections import defaultdict
@@ -23,7 +22,7 @@ from kvcompile.corpus import load_corpus
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from prefill_overhead import machine  # noqa: E402
+from reporting import machine, write_results  # noqa: E402
 
 ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
 METHODS = ("snapkv", "kvcompress", "srh", "compresskv")
@@ -69,13 +68,7 @@ def main() -> None:
                              ratio=ratio, correct=int(prompt.score(text)), bytes_freed=round(freed, 4), answer=text))
             bar.update()
     bar.close()
-    out = Path(args.out)
-    with open(out.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    out.write_text(render(rows, args, settings))
-    print(out.read_text())
+    write_results(rows, Path(args.out), render(rows, args, settings))
 
 
 def render(rows: list[dict], args: argparse.Namespace, settings: list[tuple[str, float]]) -> str:

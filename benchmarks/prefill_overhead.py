@@ -11,32 +11,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import DynamicCache
 
 import kvruntime
 from kvcompile.tasks.passkey import passkey_prompt
 
+sys.path.insert(0, str(Path(__file__).parent))
+from reporting import machine  # noqa: E402
+
 METHODS = ("snapkv", "kvcompress")
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return (
-        f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}"
-    )
 
 
 def timed_prefill(model: torch.nn.Module, ids: torch.Tensor) -> float:

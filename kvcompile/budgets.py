@@ -8,7 +8,6 @@ on the full cache, so errors do not cascade between layers.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
@@ -17,14 +16,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from kvruntime.artifact import Artifact, tensors_checksum
-from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import SemanticRetrievalHeads
 from kvruntime.selection import top_indices
 
 from .attention_capture import attention_output, query_hooks
 from .checkpoint import load_checkpoint, save_checkpoint
-from .corpus import Corpus, passage_ids
+from .corpus import Corpus, calibration_prompts
 from .provenance import provenance
 
 PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
@@ -40,22 +38,6 @@ def normalised_layer_error(per_source: torch.Tensor) -> torch.Tensor:
     profiles = per_source / per_source.sum(dim=1, keepdim=True).clamp_min(1e-12)
     mean = profiles.mean(dim=0)
     return mean / mean.sum()
-
-
-def calibration_prompts(
-    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, count: int, tokens: int, seed: int
-) -> list[tuple[int, torch.Tensor]]:
-    """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
-    rng = random.Random(seed)
-    prompts = []
-    for index in range(count):
-        source = index % len(corpus.documents)
-        document = corpus.documents[source]
-        if len(document) < tokens * 8:
-            raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
-        start = rng.randrange(0, len(document) - tokens * 8)
-        prompts.append((source, torch.tensor([passage_ids(tokenizer, document, start, tokens)])))
-    return prompts
 
 
 def layer_errors_of_prompt(

@@ -63,7 +63,7 @@ def _read_prompt(path: Path) -> str:
 def generate(
     prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
     method: Annotated[
-        str, typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), or <method>+budgets.")
+        str, typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, or compilerkv.")
     ] = "kvcompress",
     ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
@@ -74,6 +74,9 @@ def generate(
     memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
     artifact: Annotated[Optional[list[Path]], typer.Option(help="Compiled artifact(s), checked against the model.")] = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
+    nearest_budget: Annotated[
+        bool, typer.Option(help="compilerkv: use the tables of the nearest compiled budget for a budget not compiled.")
+    ] = False,
     model: ModelOption = "default",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
 ) -> None:
@@ -90,13 +93,14 @@ def generate(
             if not path.exists():
                 raise KVRuntimeError(
                     f"method {method!r} needs {path}: compile it (`kvcompile heads` for srh_heads, `kvcompile "
-                    "budgets` for layer_budgets) or pass --artifact"
+                    "budgets` for layer_budgets, `kvcompile tables` for compilerkv_tables) or pass --artifact"
                 )
         loaded, tokenizer = _load(model)
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
         context_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        options = {"nearest_budget": True} if nearest_budget else {}
         with kvruntime.compress(
-            loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force
+            loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force, options=options
         ) as session:
             if question:
                 context = session.prefill(context_ids)
@@ -209,6 +213,68 @@ def budgets(
         )
         _finish(artifact, target)
         typer.echo(plot_layer_budgets(artifact, target.with_suffix(".png")))
+
+
+@app.command()
+def tables(
+    model: ModelOption = "default",
+    budgets: Annotated[str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")] = "128,256,512,1024",
+    corpus: CorpusOption = None,
+    rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
+    context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
+    continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
+    seed: SeedOption = 0,
+    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/compilerkv_tables.safetensors).")] = None,
+    resume: ResumeOption = False,
+    from_experience: Annotated[
+        Optional[Path], typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
+    ] = None,
+) -> None:
+    """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
+    with clear_errors():
+        from kvruntime.artifact import load_artifact, save_artifact
+
+        from .corpus import load_corpus
+        from .plots import plot_compilerkv_tables
+        from .tables import TablesSettings, compile_tables, relearn_tables
+
+        loaded, tokenizer = _load(model)
+        target = out or _default_artifact(model, "compilerkv_tables")
+        if from_experience is not None:
+            experience = load_artifact(from_experience, model=loaded, kind="compilerkv_experience")
+            artifact = relearn_tables(experience)
+        else:
+            settings = TablesSettings(
+                budgets=tuple(_numbers(budgets, int)), prompts=prompts, context=context, continuation=continuation,
+                rounds=rounds, seed=seed,
+            )
+            settings.check()
+            artifact, experience = compile_tables(loaded, tokenizer, load_corpus(corpus), settings, target, resume)
+            experience_path = target.with_name("compilerkv_experience.safetensors")
+            save_artifact(experience, experience_path)
+            typer.echo(f"wrote {experience_path}")
+        _finish(artifact, target)
+        typer.echo(plot_compilerkv_tables(artifact, target.with_suffix(".png")))
+        typer.echo(describe_tables(artifact))
+
+
+def describe_tables(artifact: object) -> str:
+    """A few lines on what was learned: how far each table is from flat, and how the rounds went."""
+    t = artifact.tensors
+    heads, gate = t["head_reliability"], t["risk_thresholds"]
+    changes = t["round_changes"].tolist()
+    return "\n".join(
+        [
+            f"W_head: {int((heads != 1.0).sum())} of {heads.numel()} entries away from 1.0, range "
+            f"{float(heads.min()):.3f}-{float(heads.max()):.3f}; states with records: "
+            f"{int((t['head_support'] > 0).sum())} of {heads.numel()}",
+            f"T_gate: {len(gate.unique())} distinct thresholds, range {float(gate.min()):.3f}-{float(gate.max()):.3f}; "
+            f"cells with records: {int((t['gate_support'] > 0).sum())} of {gate.numel()}",
+            "share of entries changed per round (head, gate): "
+            + (", ".join(f"({h:.2f}, {g:.2f})" for h, g in changes) or "relearned from experience"),
+        ]
+    )
 
 
 @app.command()

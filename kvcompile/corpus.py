@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from kvruntime.errors import KVRuntimeError
 
@@ -90,3 +93,22 @@ def _table(path: Path) -> Corpus:
     if not documents:
         raise KVRuntimeError(f"corpus {path} is empty")
     return Corpus(name=str(path), documents=documents)
+
+
+def calibration_prompts(
+    corpus: Corpus, tokenizer: "PreTrainedTokenizerBase", count: int, tokens: int, seed: int
+) -> list[tuple[int, torch.Tensor]]:
+    """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        source = index % len(corpus.documents)
+        document = corpus.documents[source]
+        if len(document) < tokens * 8:
+            raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
+        start = rng.randrange(0, len(document) - tokens * 8)
+        ids = passage_ids(tokenizer, document, start, tokens)
+        if len(ids) < tokens:
+            raise KVRuntimeError(f"corpus {corpus.name}: document {source} gave a passage of {len(ids)} < {tokens} tokens")
+        prompts.append((source, torch.tensor([ids])))
+    return prompts

@@ -10,8 +10,10 @@ from .artifact import Artifact, load_artifact, read_artifact, save_artifact
 from .engine import CompressedContext, CompressionSession, compress
 from .errors import ArtifactError, KVRuntimeError, UnsupportedModelError
 from .fingerprint import ModelFingerprint, model_fingerprint
+from .compilerkv_tables import CompilerKVTables
 from .methods import (
     METHOD_NAMES,
+    CompilerKV,
     KVCompress,
     Method,
     SemanticRetrievalHeads,
@@ -28,6 +30,8 @@ __all__ = [
     "METHOD_NAMES",
     "Artifact",
     "ArtifactError",
+    "CompilerKV",
+    "CompilerKVTables",
     "CompressedContext",
     "CompressionReport",
     "CompressionSession",

@@ -27,7 +27,17 @@ from .fingerprint import ModelFingerprint, model_fingerprint
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1
-KNOWN_KINDS = ("srh_heads", "layer_budgets", "compilerkv_tables", "kvcompose_stats", "tuned_defaults")
+KNOWN_KINDS = (
+    "srh_heads",
+    "layer_budgets",
+    "compilerkv_tables",
+    "compilerkv_experience",
+    "kvcompose_stats",
+    "tuned_defaults",
+)
+# Kinds whose tables are resampled over relative depth, so that they may serve a model with another layer count
+# (with force, like another checkpoint); every other shape difference is always refused.
+DEPTH_PORTABLE_KINDS = ("compilerkv_tables",)
 
 
 @dataclasses.dataclass
@@ -134,18 +144,30 @@ def load_artifact(
 
 def check_artifact_matches_model(artifact: Artifact, model: ModelFingerprint, force: bool = False) -> None:
     shape_diffs = artifact.model.shape_differences(model)
+    depth_only = artifact.kind in DEPTH_PORTABLE_KINDS and set(shape_diffs) <= {"architecture", "num_layers"}
+    if shape_diffs and not depth_only:
+        described = "; ".join(f"{name}: {values}" for name, values in shape_diffs.items())
+        raise ArtifactError(f"{artifact.path}: compiled for another model ({described}, artifact vs model)")
     if shape_diffs:
-        raise ArtifactError(
-            f"{artifact.path}: compiled for another model ({'; '.join(shape_diffs)}, artifact vs model)"
+        _refuse_unless_forced(
+            f"{artifact.path}: compiled for {artifact.model.architecture} with {artifact.model.num_layers} layers, "
+            f"the model is {model.architecture} with {model.num_layers}",
+            "by relative depth",
+            force,
         )
-    if artifact.model.weights_hash != model.weights_hash:
-        message = (
+    elif artifact.model.weights_hash != model.weights_hash:
+        _refuse_unless_forced(
             f"{artifact.path}: compiled for another checkpoint of {model.architecture} "
-            f"(weights hash {artifact.model.weights_hash} vs {model.weights_hash})"
+            f"(weights hash {artifact.model.weights_hash} vs {model.weights_hash})",
+            "anyway",
+            force,
         )
-        if not force:
-            raise ArtifactError(message + "; pass force=True (--force) to apply it anyway")
-        warnings.warn(message + "; applied anyway because force was set", stacklevel=2)
+
+
+def _refuse_unless_forced(message: str, how: str, force: bool) -> None:
+    if not force:
+        raise ArtifactError(f"{message}; pass force=True (--force) to apply it {how}")
+    warnings.warn(f"{message}; applied {how} because force was set", stacklevel=4)
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -1,9 +1,10 @@
 """The compression engine: hooks that compress the KV cache once, at the end of prefill.
 
 `compress(model, method, ratio=...)` is a context manager. Inside it, every forward pass that starts on an empty
-cache with more than one token is a prefill: each attention layer's hook recomputes the attention of the last
-`window` queries and scores the tokens; when the whole model has run, the method decides how many entries each
-(layer, KV head) keeps and the cache is cut to them. Decoding then runs unchanged on the smaller cache. Generated
+cache with more than one token is a prefill: each attention layer's hook rebuilds the last `window` queries and hands
+them, with the layer's keys and values, to the method, which keeps its statistics (for most methods, token scores
+from window attention); when the whole model has run, the method selects what each (layer, KV head) keeps and the
+cache is cut to it. Decoding then runs unchanged on the smaller cache. Generated
 tokens keep their original positions because transformers derives them from the attention mask, not from the
 (compressed) cache length; the question mode passes them explicitly.
 """
@@ -14,7 +15,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from .artifact import Artifact, load_artifact
 from .attention import per_layer_attention
 from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
 from .errors import KVRuntimeError, UnsupportedModelError
-from .methods import Method, get_method
+from .methods import Method, Prefill, get_method
 from .report import CompressionReport
 from .selection import kept_per_head, top_indices, top_mask
 from .window_attention import hooked_window_queries
@@ -34,11 +35,12 @@ MEMORY_MODES = ("padded", "masked")
 
 @dataclasses.dataclass
 class _Prefill:
-    """Running state of one prefill: the token scores gathered so far, and timings."""
+    """Running state of one prefill: the prompt, each layer's statistics gathered so far, and timings."""
 
     length: int
     started: float
-    scores: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    input_ids: torch.Tensor | None
+    statistics: dict[int, object] = dataclasses.field(default_factory=dict)
     scoring_seconds: float = 0.0
 
 
@@ -55,6 +57,7 @@ class CompressionSession:
         artifacts: Sequence[Artifact] = (),
     ) -> None:
         self.check_request(ratio, budget, memory)
+        method.check_request(ratio, budget)
         self.model = model
         self.method = method
         self.ratio = ratio
@@ -127,7 +130,8 @@ class CompressionSession:
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
             raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
         self._keep_masks = {}
-        self._prefill = _Prefill(length=length, started=time.perf_counter())
+        ids = tokens if tokens.dtype in (torch.long, torch.int) else None
+        self._prefill = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         state = self._prefill
@@ -136,8 +140,8 @@ class CompressionSession:
         started = time.perf_counter()
         with torch.no_grad():
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
-            state.scores[module.layer_idx] = self.method.window_scores(
-                queries, cache_layer.keys, module.scaling, module.layer_idx
+            state.statistics[module.layer_idx] = self.method.layer_statistics(
+                queries, cache_layer.keys, cache_layer.values, module.scaling, module.layer_idx
             )
         state.scoring_seconds += time.perf_counter() - started
 
@@ -150,7 +154,9 @@ class CompressionSession:
             return
         started = time.perf_counter()
         before = cache_bytes(cache)
-        slots, entries = self._compress_cache(cache, state)
+        prefill = Prefill(state.input_ids, output.last_hidden_state, self.model.get_output_embeddings())
+        with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
+            slots, entries, notes = self._compress_cache(cache, state, prefill)
         ended = time.perf_counter()
         requested = f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
         self.reports.append(
@@ -166,6 +172,7 @@ class CompressionSession:
                 bytes_after=cache_bytes(cache),
                 prefill_seconds=started - state.started - state.scoring_seconds,
                 compress_seconds=state.scoring_seconds + ended - started,
+                notes=notes,
             )
         )
 
@@ -176,21 +183,22 @@ class CompressionSession:
         return args, {**kwargs, "kvruntime_keep_mask": mask}
 
     # -- selection -----------------------------------------------------------------------------------------
-    def _compress_cache(self, cache: Cache, state: _Prefill) -> tuple[list[int], list[int]]:
+    def _compress_cache(self, cache: Cache, state: _Prefill, prefill: Prefill) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
-        if len(state.scores) != len(cache.layers):
+        if len(state.statistics) != len(cache.layers):
             raise UnsupportedModelError(
-                f"scored {len(state.scores)} attention layers but the cache has {len(cache.layers)}"
+                f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
             )
-        layer_scores = [state.scores[i] for i in range(len(cache.layers))]
         keep = kept_per_head(state.length, min(self.method.window, state.length), self.ratio, self.budget)
         self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
-            return full, [state.length * s.shape[1] for s in layer_scores]
-        counts = self.method.head_counts(layer_scores, keep).clamp(max=state.length)
+            return full, [state.length * layer.keys.shape[1] for layer in cache.layers], []
+        statistics = [state.statistics[i] for i in range(len(cache.layers))]
+        selection = self.method.select(statistics, keep, prefill)
+        counts = selection.counts.clamp(max=state.length)
         slots, entries = [], []
-        for index, (layer, scores) in enumerate(zip(cache.layers, layer_scores)):
+        for index, (layer, scores) in enumerate(zip(cache.layers, selection.scores)):
             slot_count = int(counts[index].max())
             indices = top_indices(scores, slot_count)
             keep_entries(layer, indices)
@@ -201,7 +209,7 @@ class CompressionSession:
             if self.memory == "masked" and bool((head_counts < slot_count).any()):
                 # Slots beyond a head's own count are hidden from attention: the method's exact selection.
                 self._keep_masks[index] = top_mask(scores.gather(-1, indices), head_counts)
-        return slots, entries
+        return slots, entries, selection.notes
 
 
 class CompressedContext:
@@ -259,6 +267,7 @@ def compress(
     memory: str = "padded",
     artifacts: Sequence[str | os.PathLike] = (),
     force: bool = False,
+    options: Mapping[str, object] = {},
 ) -> Iterator[CompressionSession]:
     """Compress the KV cache of every prefill run inside the block.
 
@@ -268,8 +277,9 @@ def compress(
     hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
     artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`), checked against
     the model first (refused if compiled for another model).
+    options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`).
     """
     loaded = [load_artifact(path, model=model, force=force) for path in artifacts]
-    session = CompressionSession(model, get_method(method, loaded), ratio, budget, memory, loaded)
+    session = CompressionSession(model, get_method(method, loaded, options), ratio, budget, memory, loaded)
     with per_layer_attention(model), session.attached():
         yield session

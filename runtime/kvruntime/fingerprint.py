@@ -31,10 +31,10 @@ class ModelFingerprint:
             raise ValueError(f"fingerprint lacks {sorted(missing)}")
         return cls(**{k: data[k] for k in fields})
 
-    def shape_differences(self, other: "ModelFingerprint") -> list[str]:
-        """Differences that make an artifact's tensors meaningless for the other model."""
+    def shape_differences(self, other: "ModelFingerprint") -> dict[str, str]:
+        """Differences that make an artifact's tensors meaningless for the other model: field -> 'a vs b'."""
         names = ("architecture", "num_layers", "num_query_heads", "num_kv_heads", "head_dim")
-        return [f"{n}: {getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)]
+        return {n: f"{getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)}
 
 
 # Elements hashed per tensor: enough to separate checkpoints, cheap for any model size.

@@ -25,6 +25,7 @@ class CompressionReport:
     bytes_after: int
     prefill_seconds: float
     compress_seconds: float
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def bytes_freed(self) -> int:
@@ -63,6 +64,7 @@ class CompressionReport:
         ]
         cells = [f"{i:>2}: {s:>5}/{e:<6}" for i, (s, e) in enumerate(zip(self.slots_per_layer, self.entries_per_layer))]
         lines += ["    " + "  ".join(cells[i : i + 5]) for i in range(0, len(cells), 5)]
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
     def _overhead(self) -> float:

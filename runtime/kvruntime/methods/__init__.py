@@ -1,32 +1,43 @@
 """Compression methods by name, built with the compiled artifacts they need.
 
-Names: `snapkv`, `kvcompress`, `srh` (needs an `srh_heads` artifact), `compresskv` (= `srh+budgets`), and
-`<name>+budgets` for any of them with the error-aware layer budgets of a `layer_budgets` artifact.
+Names: `snapkv`, `kvcompress`, `srh` (needs an `srh_heads` artifact), `compresskv` (= `srh+budgets`),
+`<name>+budgets` for any of these with the error-aware layer budgets of a `layer_budgets` artifact, and
+`compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..artifact import Artifact
 from ..errors import KVRuntimeError
-from .base import Method
+from ..compilerkv_tables import CompilerKVTables
+from .base import Method, Prefill, ScoringMethod, Selection
+from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
 
 ARTIFACT_FREE: dict[str, type[Method]] = {cls.name: cls for cls in (SnapKV, KVCompress)}
-METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv")
+METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv")
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs, and the command that compiles it.
-NEEDS = {"srh": ("srh_heads", "kvcompile heads"), "budgets": ("layer_budgets", "kvcompile budgets")}
+NEEDS = {
+    "srh": ("srh_heads", "kvcompile heads"),
+    "budgets": ("layer_budgets", "kvcompile budgets"),
+    "compilerkv": ("compilerkv_tables", "kvcompile tables"),
+}
 
 
 def parse_method_name(name: str) -> list[str]:
     """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
     parts = ALIASES.get(name, name).split("+")
-    if parts[0] not in (*ARTIFACT_FREE, "srh") or parts[1:] not in ([], ["budgets"]):
-        raise KVRuntimeError(f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets)")
+    budgetable = parts[0] in (*ARTIFACT_FREE, "srh") and parts[1:] in ([], ["budgets"])
+    if not budgetable and parts != ["compilerkv"]:
+        raise KVRuntimeError(
+            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
+            f"{', '.join((*ARTIFACT_FREE, 'srh'))})"
+        )
     return parts
 
 
@@ -34,9 +45,12 @@ def required_artifact_kinds(name: str) -> list[str]:
     return [NEEDS[part][0] for part in parse_method_name(name) if part in NEEDS]
 
 
-def get_method(name: str | Method, artifacts: Sequence[Artifact] = ()) -> Method:
-    """A method instance from its name and the (already model-checked) artifacts; an instance is returned as is."""
+def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
+    """A method instance from its name, the (already model-checked) artifacts and method options; an instance is
+    returned as is."""
     if isinstance(name, Method):
+        if options:
+            raise KVRuntimeError("method options go to a method given by name; set them on the instance instead")
         return name
     base, *suffixes = parse_method_name(name)
     by_kind = {artifact.kind: artifact for artifact in artifacts}
@@ -47,8 +61,15 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = ()) -> Method
             raise KVRuntimeError(f"method {name!r} needs a {kind} artifact for this model (compile it with `{command}`)")
         return by_kind[kind]
 
+    if base == "compilerkv":
+        known = {"nearest_budget", "uniform_heads", "fixed_threshold"}
+        if set(options) - known:
+            raise KVRuntimeError(f"unknown compilerkv options {sorted(set(options) - known)} (known: {sorted(known)})")
+        return CompilerKV(tables=CompilerKVTables.from_artifact(artifact_for("compilerkv")), **options)
+    if options:
+        raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
     if base == "srh":
-        method: Method = SemanticRetrievalHeads(head_scores=artifact_for("srh").tensors["srh_score"])
+        method: ScoringMethod = SemanticRetrievalHeads(head_scores=artifact_for("srh").tensors["srh_score"])
     else:
         method = ARTIFACT_FREE[base]()
     if suffixes:
@@ -58,6 +79,10 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = ()) -> Method
 
 __all__ = [
     "METHOD_NAMES",
+    "CompilerKV",
+    "Prefill",
+    "ScoringMethod",
+    "Selection",
     "KVCompress",
     "Method",
     "SemanticRetrievalHeads",

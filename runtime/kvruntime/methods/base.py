@@ -1,11 +1,17 @@
-"""What a compression method is to the engine: a token score from window attention, and a rule that turns
-scores and a per-head budget into how many entries each (layer, KV head) keeps."""
+"""What a compression method is to the engine.
+
+Every method sees each attention layer once at the end of prefill (`layer_statistics`) and then, once the whole
+model has run, turns what it gathered into a `Selection`: a score per (KV head, token) in every layer and how many
+entries each (layer, KV head) keeps. Most methods score tokens by window attention layer by layer
+(`ScoringMethod`); a method that needs every layer's statistics at once (CompilerKV's global attention mass)
+does its work in `select`.
+"""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -14,12 +20,60 @@ from ..window_attention import window_attention
 
 
 @dataclasses.dataclass
+class Prefill:
+    """What the engine knows about the prefill when the method selects: the prompt and the model's final hidden
+    states (after the last norm), from which the window's next-token log-probabilities can be had."""
+
+    input_ids: torch.Tensor | None  # [B, N]
+    hidden_states: torch.Tensor  # [B, N, hidden]
+    output_embeddings: torch.nn.Module
+
+    def token_logprobs(self, last: int) -> torch.Tensor:
+        """log p(x_j | x_<j) of the last `last` prompt tokens (teacher-forced, from the prefill): [B, last]."""
+        if self.input_ids is None:
+            raise ValueError("the prefill was given embeddings, not token ids: token log-probabilities are unknown")
+        last = min(last, self.input_ids.shape[1] - 1)
+        logits = self.output_embeddings(self.hidden_states[:, -last - 1 : -1]).float()
+        return logits.log_softmax(dim=-1).gather(-1, self.input_ids[:, -last:, None]).squeeze(-1)
+
+
+@dataclasses.dataclass
+class Selection:
+    """Scores [B, Hkv, N] per layer (higher is kept first) and entries kept per (layer, KV head) [L, Hkv];
+    `notes` are lines for the compression report (what the method decided and why)."""
+
+    scores: list[torch.Tensor]
+    counts: torch.Tensor
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Method(abc.ABC):
-    """Subclasses set `name` and `window` and implement `token_scores`; override `head_counts` to move budget
-    between layers and heads (the default keeps the same number everywhere)."""
+    """Subclasses set `name` and `window` (the prompt's last `window` queries are rebuilt in every layer)."""
 
     name: ClassVar[str]
     window: int = 32
+
+    def check_request(self, ratio: float | None, budget: int | None) -> None:
+        """Refuse a ratio or budget this method cannot serve, before any model work (default: any)."""
+
+    @abc.abstractmethod
+    def layer_statistics(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+    ) -> Any:
+        """What the method keeps from one layer at the end of prefill: window queries [B, Hq, w, D] (post-RoPE),
+        the layer's cached keys and values [B, Hkv, N, D]."""
+
+    @abc.abstractmethod
+    def select(self, statistics: list[Any], keep: int, prefill: Prefill) -> Selection:
+        """Turn every layer's statistics into a selection averaging at most `keep` entries per (layer, KV head)."""
+
+
+@dataclasses.dataclass
+class ScoringMethod(Method):
+    """A method that scores tokens from each layer's window attention on its own. Subclasses implement
+    `token_scores`; override `head_counts` to move budget between layers and heads (default: the same
+    number everywhere)."""
 
     @abc.abstractmethod
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
@@ -28,6 +82,14 @@ class Method(abc.ABC):
     def window_scores(self, queries: torch.Tensor, keys: torch.Tensor, scaling: float, layer: int) -> torch.Tensor:
         """Token scores [B, Hkv, N] from the window's queries [B, Hq, w, D]; the window itself always stays."""
         return protect_window(self.token_scores(window_attention(queries, keys, scaling), layer), queries.shape[2])
+
+    def layer_statistics(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+    ) -> torch.Tensor:
+        return self.window_scores(queries, keys, scaling, layer)
+
+    def select(self, statistics: list[torch.Tensor], keep: int, prefill: Prefill) -> Selection:
+        return Selection(statistics, self.head_counts(statistics, keep))
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""

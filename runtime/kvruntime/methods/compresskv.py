@@ -14,11 +14,11 @@ import torch
 
 from ..allocation import error_aware_budgets
 from ..scores import pool_tokens
-from .base import Method
+from .base import ScoringMethod
 
 
 @dataclasses.dataclass
-class SemanticRetrievalHeads(Method):
+class SemanticRetrievalHeads(ScoringMethod):
     name = "srh"
     head_scores: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0, 0))  # [L, Hq]
     top_heads: int = 4
@@ -34,8 +34,8 @@ class SemanticRetrievalHeads(Method):
 
 
 @dataclasses.dataclass
-class WithLayerBudgets(Method):
-    inner: Method | None = None
+class WithLayerBudgets(ScoringMethod):
+    inner: ScoringMethod | None = None
     layer_error: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))  # [L]
 
     def __post_init__(self) -> None:

@@ -9,11 +9,11 @@ import torch
 
 from ..scores import kvcompress_scores
 from ..selection import global_head_counts
-from .base import Method
+from .base import ScoringMethod
 
 
 @dataclasses.dataclass
-class KVCompress(Method):
+class KVCompress(ScoringMethod):
     name = "kvcompress"
     window: int = 8
     kernel: int = 7

@@ -12,11 +12,11 @@ import dataclasses
 import torch
 
 from ..scores import snapkv_scores
-from .base import Method
+from .base import ScoringMethod
 
 
 @dataclasses.dataclass
-class SnapKV(Method):
+class SnapKV(ScoringMethod):
     name = "snapkv"
     window: int = 32
     kernel: int = 7

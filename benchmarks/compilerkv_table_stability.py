@@ -1,0 +1,120 @@
+"""How much of CompilerKV's learned tables is signal: split-half stability and the reward's signal-to-noise ratio,
+from the stored experience alone (no model run).
+
+    python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_experience.safetensors]
+
+Split half: both tables relearned from the records of the even-numbered and of the odd-numbered calibration prompts
+(same learner and settings); agreement = share of entries, among states both halves have records for, where the two
+tables hold the same action (or one within a grid step). Chance agreement for a uniform random table is 1/29 (head)
+and 1/21 (gate). Signal vs noise: within one (prompt, state), the spread of rewards over the actions tried (what the
+learner must rank) against the spread of one (state, action)'s reward over prompts. Each is measured twice: with the
+spec's reward (against the full cache's NLL, which carries each prompt's own compression loss) and with a paired
+reward (against the NLL of the prompt's base rollout under the current tables, which removes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from kvcompile.bandit_experience import Experience, Records
+from kvcompile.offline_cql import CQLSettings
+from kvcompile.tables import learn_gate_table, learn_head_table
+from kvruntime.artifact import read_artifact
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reporting import machine  # noqa: E402
+
+EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_experience.safetensors")
+
+
+def half(experience: Experience, parity: int) -> Experience:
+    def keep(records: Records) -> Records:
+        rows = (records.column("prompt") % 2) == parity
+        return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
+
+    return dataclasses.replace(experience, head=keep(experience.head), gate=keep(experience.gate))
+
+
+def paired(experience: Experience) -> Experience:
+    """The same records with each NLL measured against its prompt's base rollout instead of the full cache."""
+
+    def shift(records: Records) -> Records:
+        data = {c: records.column(c) for c in records.columns}
+        data["nll"] = data["nll"] - data["base_nll"] + experience.full_nll[data["prompt"]]
+        return Records(records.columns, data)
+
+    return dataclasses.replace(experience, head=shift(experience.head), gate=shift(experience.gate))
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor, seen: torch.Tensor, step: float) -> tuple[float, float]:
+    same = (a == b)[seen].float().mean()
+    near = ((a - b).abs() <= step + 1e-6)[seen].float().mean()
+    return float(same), float(near)
+
+
+def spreads(records: Records, rewards: torch.Tensor, state: tuple[str, ...]) -> tuple[float, float]:
+    """Median over (prompt, state) of the reward range over actions; median over (state, action) of the reward
+    standard deviation over prompts."""
+    within: dict[tuple, list[float]] = {}
+    across: dict[tuple, list[float]] = {}
+    columns = {c: records.column(c).tolist() for c in ("prompt", "action", *state)}
+    for i, reward in enumerate(rewards.tolist()):
+        key = tuple(columns[c][i] for c in state)
+        within.setdefault((columns["prompt"][i], *key), []).append(reward)
+        across.setdefault((*key, columns["action"][i]), []).append(reward)
+    ranges = [max(v) - min(v) for v in within.values() if len(v) > 1]
+    deviations = [statistics.pstdev(v) for v in across.values() if len(v) > 1]
+    return statistics.median(ranges), statistics.median(deviations) if deviations else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experience", type=Path, default=EXPERIENCE)
+    parser.add_argument("--out", default="benchmarks/compilerkv_table_stability.md")
+    args = parser.parse_args()
+    artifact = read_artifact(args.experience)
+    experience = Experience.from_artifact(artifact)
+    params = artifact.params
+    cql = CQLSettings(**params["cql"])
+    layers, heads = artifact.model.num_layers, artifact.model.num_query_heads
+    lines = [
+        "# Stability of the learned CompilerKV tables (default model)",
+        "",
+        f"Command: `python {' '.join(sys.argv)}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
+        f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
+        "",
+        "| reward | table | states with records in both halves | same action | within one grid step | chance (same) | "
+        "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, variant in (("spec (vs full cache)", experience), ("paired (vs base rollout)", paired(experience))):
+        halves = [half(variant, parity) for parity in (0, 1)]
+        head = [learn_head_table(h, layers, heads, cql) for h in halves]
+        gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
+        for table, learned, step, chance, records, rewards, state in (
+            ("W_head", head, 0.025, 1 / 29, variant.head, variant.head_rewards(), ("budget", "layer", "head")),
+            ("T_gate", gate, 0.01, 1 / 21, variant.gate, variant.gate_rewards(),
+             ("budget", "layer", "entropy_bin", "perplexity_bin")),
+        ):
+            seen = (learned[0].support > 0) & (learned[1].support > 0)
+            same, near = agreement(learned[0].values, learned[1].values, seen, step)
+            within, across = spreads(records, rewards, state)
+            lines.append(
+                f"| {name} | {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
+                f"{within:.5f} | {across:.5f} |"
+            )
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

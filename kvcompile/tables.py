@@ -1,0 +1,338 @@
+"""`kvcompile tables`: CompilerKV's head-reliability (W_head) and risk-threshold (T_gate) tables, learned as two
+offline contextual bandits with Conservative Q-Learning, alternately: collect head experience under the current
+gate and fit W_head, collect gate experience under the new W_head and fit T_gate, until the tables stop changing.
+
+Each table is fitted on all of its experience so far, so the final tables are a function of the stored experience
+alone: `relearn_tables` reproduces them from the experience artifact without the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from kvruntime.artifact import Artifact
+from kvruntime.errors import KVRuntimeError
+from kvruntime.fingerprint import ModelFingerprint, model_fingerprint
+from kvruntime.methods.compilerkv import WINDOW
+from kvruntime.risk_gate import quantile_edges, risk_bin
+
+from .bandit_experience import (
+    GATE_ACTIONS,
+    GATE_COLUMNS,
+    GATE_FALLBACK,
+    HEAD_ACTIONS,
+    HEAD_COLUMNS,
+    HEAD_FALLBACK,
+    Experience,
+    Records,
+)
+from .checkpoint import load_checkpoint, save_checkpoint
+from .corpus import Corpus, calibration_prompts
+from .experience_collection import CalibrationPrompt, ExperienceDesign, collect_unit, prefill_prompt, probed_states
+from .offline_cql import CQLSettings, GreedyTable, fit_greedy_table, gate_state_features, head_state_features
+from .provenance import provenance
+
+PHASES = ("head", "gate")
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesSettings:
+    budgets: tuple[int, ...] = (128, 256, 512, 1024)
+    prompts: int = 32
+    context: int = 2048
+    continuation: int = 128
+    rounds: int = 2
+    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
+    entropy_bins: int = 20
+    perplexity_bins: int = 4
+    penalty: float = 1.0
+    design: ExperienceDesign = ExperienceDesign()
+    cql: CQLSettings = CQLSettings()
+    seed: int = 0
+    batch_size: int = 8  # variants decoded together
+
+    def check(self) -> None:
+        if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
+            raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
+        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
+            raise KVRuntimeError(
+                f"--budgets must lie between the {WINDOW}-token window and the {self.context}-token context "
+                f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
+                "nothing is compressed"
+            )
+        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
+            raise KVRuntimeError(
+                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
+                f"more than the {WINDOW}-token window"
+            )
+        if self.entropy_bins < 1 or self.perplexity_bins < 1:
+            raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class LearnedTable:
+    values: torch.Tensor
+    support: torch.Tensor  # experience records per state
+    learning_curve: list[float]
+    reward_scale: float
+
+
+def learn_head_table(experience: Experience, num_layers: int, num_heads: int, cql: CQLSettings) -> LearnedTable:
+    """W_head [budgets, layers, heads]: the greedy weight of each state; states without records keep 1.0."""
+    sizes = (len(experience.budgets), num_layers, num_heads)
+    values, support, fit = _greedy_table(
+        experience.head, ("budget", "layer", "head"), sizes, head_state_features, experience.head_rewards(), HEAD_ACTIONS, cql
+    )
+    values = torch.where(support > 0, values, torch.tensor(HEAD_FALLBACK))
+    return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
+
+
+def learn_gate_table(
+    experience: Experience, num_layers: int, entropy_bins: int, perplexity_bins: int, cql: CQLSettings
+) -> LearnedTable:
+    """T_gate [budgets, layers, entropy bins, perplexity bins]: the greedy threshold of every cell of a
+    (budget, layer) with records (cells without their own prompts are read off the Q-function between their
+    neighbours); a (budget, layer) without records keeps 0.8."""
+    sizes = (len(experience.budgets), num_layers, entropy_bins, perplexity_bins)
+    values, support, fit = _greedy_table(
+        experience.gate, ("budget", "layer", "entropy_bin", "perplexity_bin"), sizes, gate_state_features,
+        experience.gate_rewards(), GATE_ACTIONS, cql,
+    )
+    layer_seen = support.sum(dim=(2, 3), keepdim=True) > 0
+    values = torch.where(layer_seen, values, torch.tensor(GATE_FALLBACK))
+    return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
+
+
+def _greedy_table(
+    records: Records,
+    state_columns: tuple[str, ...],
+    sizes: tuple[int, ...],
+    features,
+    rewards: torch.Tensor,
+    action_grid: torch.Tensor,
+    cql: CQLSettings,
+) -> tuple[torch.Tensor, torch.Tensor, GreedyTable]:
+    """Fit on the records and read the greedy action's value for every state of the grid `sizes`; also the number
+    of records per state."""
+    columns = [records.column(c).numpy() for c in state_columns]
+    grid = np.stack(np.meshgrid(*[np.arange(s) for s in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
+    fit = fit_greedy_table(
+        features(*columns, sizes), records.column("action").numpy(), rewards.numpy(), len(action_grid),
+        features(*grid.T, sizes), cql,
+    )
+    flat = np.ravel_multi_index(tuple(columns), sizes)
+    support = torch.from_numpy(np.bincount(flat, minlength=int(np.prod(sizes))).reshape(sizes))
+    return action_grid[torch.from_numpy(fit.actions)].view(sizes), support, fit
+
+
+def risk_edges(experience: Experience, entropy_bins: int, perplexity_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantile_edges(experience.entropy, entropy_bins), quantile_edges(experience.perplexity, perplexity_bins)
+
+
+def compile_tables(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    corpus: Corpus,
+    settings: TablesSettings,
+    out: Path,
+    resume: bool = False,
+) -> tuple[Artifact, Artifact]:
+    """Collect experience and learn both tables; returns the tables and the experience artifacts."""
+    settings.check()
+    fingerprint = model_fingerprint(model)
+    if fingerprint.num_query_heads % fingerprint.num_kv_heads:
+        raise KVRuntimeError("query heads must be a multiple of KV heads")
+    started = time.perf_counter()
+    prompts = [
+        prefill_prompt(model, ids, settings.context, index, settings.batch_size)
+        for index, (_, ids) in enumerate(
+            tqdm(
+                calibration_prompts(corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed),
+                desc="prefill calibration prompts",
+                unit="prompt",
+            )
+        )
+    ]
+    experience = Experience(
+        head=Records(HEAD_COLUMNS),
+        gate=Records(GATE_COLUMNS),
+        full_nll=torch.tensor([p.full_nll for p in prompts], dtype=torch.float64),
+        entropy=torch.tensor([p.signals.entropy for p in prompts], dtype=torch.float64),
+        perplexity=torch.tensor([p.signals.perplexity for p in prompts], dtype=torch.float64),
+        budgets=settings.budgets,
+        context_tokens=settings.context,
+        penalty=settings.penalty,
+    )
+    edges = risk_edges(experience, settings.entropy_bins, settings.perplexity_bins)
+    for prompt in prompts:
+        prompt.entropy_bin = risk_bin(prompt.signals.entropy, edges[0])
+        prompt.perplexity_bin = risk_bin(prompt.signals.perplexity, edges[1])
+    layers, heads = fingerprint.num_layers, fingerprint.num_query_heads
+    shape_head = (len(settings.budgets), layers, heads)
+    shape_gate = (len(settings.budgets), layers, settings.entropy_bins, settings.perplexity_bins)
+    state = {
+        "head_reliability": torch.full(shape_head, HEAD_FALLBACK),
+        "risk_thresholds": torch.full(shape_gate, GATE_FALLBACK),
+    }
+    history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": [], "seconds": []}
+    progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
+    checkpoint_settings = {
+        "model": fingerprint.to_dict(),
+        "corpus_sha256": corpus.sha256,
+        "settings": settings.to_dict(),
+    }
+    round_start = {name: table.clone() for name, table in state.items()}
+    saved = load_checkpoint(out, checkpoint_settings) if resume else None
+    if saved is not None:
+        tensors, progress = saved
+        experience.head = Records.from_tensors(HEAD_COLUMNS, tensors, "head")
+        experience.gate = Records.from_tensors(GATE_COLUMNS, tensors, "gate")
+        state = {name: tensors[name] for name in state}
+        round_start = {name: tensors[f"round_start_{name}"] for name in state}
+        history = progress["history"]
+    units = [(p, b) for p in range(len(prompts)) for b in range(len(settings.budgets))]
+    learned: dict[str, LearnedTable] = {}
+    converged = False
+
+    def save(round_: int, phase: int, unit: int) -> None:
+        tensors = {
+            **experience.head.tensors("head"), **experience.gate.tensors("gate"), **state,
+            **{f"round_start_{name}": table for name, table in round_start.items()},
+        }
+        save_checkpoint(out, tensors, {"round": round_, "phase": phase, "unit": unit, "history": history}, checkpoint_settings)
+
+    for round_ in range(progress["round"], settings.rounds):
+        if round_ > progress["round"]:
+            round_start = {name: table.clone() for name, table in state.items()}
+        for phase in range(progress["phase"] if round_ == progress["round"] else 0, len(PHASES)):
+            kind = PHASES[phase]
+            records = experience.head if kind == "head" else experience.gate
+            first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
+            phase_started = time.perf_counter()
+            bar = tqdm(
+                total=len(units), initial=first_unit, desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
+                unit="unit",
+            )
+            for unit in range(first_unit, len(units)):
+                prompt_index, budget_index = units[unit]
+                prompt = prompts[prompt_index]
+                collect_unit(
+                    model, prompt,
+                    state["head_reliability"][budget_index],
+                    state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
+                    budget_index, settings.budgets[budget_index], kind,
+                    probed_states(kind, unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_),
+                    settings.design,
+                    random.Random(f"{settings.seed}:{round_}:{kind}:{unit}"),
+                    round_, records, settings.batch_size,
+                )
+                bar.update()
+                bar.set_postfix(records=len(records))
+                save(round_, phase, unit + 1)
+            bar.close()
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+            state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
+            history[f"{kind}_curves"].append(learned[kind].learning_curve)
+            history["seconds"].append(time.perf_counter() - phase_started)
+            save(round_, phase + 1, 0)
+        changes = [float((state[name] != round_start[name]).float().mean()) for name in state]
+        history["changes"].append(changes)
+        save(round_ + 1, 0, 0)
+        if round_ > 0 and max(changes) < settings.tolerance:
+            converged = True
+            break
+    for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
+        if kind not in learned:
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+    params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged,
+              "seconds": round(time.perf_counter() - started, 1)}
+    source = provenance(corpus, settings.seed)
+    experience_artifact = Artifact(
+        kind="compilerkv_experience", tensors=experience.tensors(), model=fingerprint, provenance=source,
+        params=params,
+    )
+    tables = tables_artifact(fingerprint, experience, learned, history, edges, source, params)
+    return tables, experience_artifact
+
+
+def _learn(kind: str, experience: Experience, layers: int, heads: int, settings: TablesSettings) -> LearnedTable:
+    if kind == "head":
+        return learn_head_table(experience, layers, heads, settings.cql)
+    return learn_gate_table(experience, layers, settings.entropy_bins, settings.perplexity_bins, settings.cql)
+
+
+def _params(settings: TablesSettings, experience: Experience) -> dict:
+    return {
+        **settings.to_dict(),
+        "context_tokens": experience.context_tokens,
+        "penalty": experience.penalty,
+        "window": WINDOW,
+        "head_actions": HEAD_ACTIONS.tolist(),
+        "gate_actions": GATE_ACTIONS.tolist(),
+        "head_records": len(experience.head),
+        "gate_records": len(experience.gate),
+    }
+
+
+def tables_artifact(
+    fingerprint: ModelFingerprint,
+    experience: Experience,
+    learned: dict[str, LearnedTable],
+    history: dict,
+    edges: tuple[torch.Tensor, torch.Tensor],
+    source: dict,
+    params: dict,
+) -> Artifact:
+    return Artifact(
+        kind="compilerkv_tables",
+        tensors={
+            "budgets": torch.tensor(experience.budgets),
+            "head_reliability": learned["head"].values.float(),
+            "risk_thresholds": learned["gate"].values.float(),
+            "entropy_edges": edges[0],
+            "perplexity_edges": edges[1],
+            "head_support": learned["head"].support,
+            "gate_support": learned["gate"].support,
+            "head_learning_curve": torch.tensor(history["head_curves"], dtype=torch.float32),
+            "gate_learning_curve": torch.tensor(history["gate_curves"], dtype=torch.float32),
+            "round_changes": torch.tensor(history["changes"], dtype=torch.float32).view(-1, 2),
+        },
+        model=fingerprint,
+        provenance=source,
+        params={
+            **params,
+            "reward_scale": {"head": learned["head"].reward_scale, "gate": learned["gate"].reward_scale},
+        },
+    )
+
+
+def relearn_tables(experience_artifact: Artifact) -> Artifact:
+    """The tables learned from stored experience alone, with the settings it was collected with."""
+    experience = Experience.from_artifact(experience_artifact)
+    params = experience_artifact.params
+    cql = CQLSettings(**params["cql"])
+    settings = dataclasses.replace(
+        TablesSettings(), cql=cql, entropy_bins=params["entropy_bins"], perplexity_bins=params["perplexity_bins"]
+    )
+    fingerprint = experience_artifact.model
+    learned = {
+        kind: _learn(kind, experience, fingerprint.num_layers, fingerprint.num_query_heads, settings) for kind in PHASES
+    }
+    history = {"head_curves": [learned["head"].learning_curve], "gate_curves": [learned["gate"].learning_curve], "changes": []}
+    source = {**experience_artifact.provenance, "relearned_from": str(experience_artifact.path)}
+    return tables_artifact(
+        fingerprint, experience, learned, history, risk_edges(experience, settings.entropy_bins, settings.perplexity_bins),
+        source, params,
+    )

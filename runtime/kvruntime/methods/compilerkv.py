@@ -1,0 +1,115 @@
+"""CompilerKV (2026): stabilized utility, compiled head-reliability weights and a risk-adaptive threshold gate.
+
+At the end of prefill every layer contributes its window attention (last 64 queries, averaged over heads) and its
+values' relative norms. With all layers in: alpha (the global attention mass) and rho make the utility; the
+compiled W_head weights max-pool it over query heads into one score per token and layer (one index set per layer,
+shared by its KV heads); the prompt's entropy and window perplexity pick a threshold per layer from T_gate; a layer
+keeps the tokens scoring above it, at most the budget (elastic: a low-risk prompt may keep fewer). The window
+always stays. `uniform_heads` and `fixed_threshold` switch a table off (the paper's ablations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..compilerkv_tables import CompilerKVTables
+from ..errors import KVRuntimeError
+from ..risk_gate import gated_count, risk_bin, semantic_risk, structural_risk
+from ..selection import protect_window
+from ..stabilized_utility import global_attention_mass, head_weighted_scores, mean_window_attention, relative_value_norms
+from ..window_attention import window_attention
+from .base import Method, Prefill, Selection
+
+WINDOW = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSignals:
+    """What CompilerKV measures on one prompt (batch size 1): alpha [N], rho [L, Hkv, N], the structural risk
+    (entropy, nats) and the semantic risk (window perplexity)."""
+
+    alpha: torch.Tensor
+    rho: torch.Tensor
+    entropy: float
+    perplexity: float
+    window: int
+
+
+def layer_signals(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's share of the prompt signals: its mean window attention [B, N] and relative value norms
+    [B, Hkv, N]."""
+    return mean_window_attention(window_attention(queries, keys, scaling)), relative_value_norms(values)
+
+
+def prompt_signals(layers: list[tuple[torch.Tensor, torch.Tensor]], window_logprobs: torch.Tensor) -> PromptSignals:
+    """Combine every layer's `layer_signals` and the window's token log-probabilities [B, w] (batch size 1)."""
+    alpha = global_attention_mass([mass for mass, _ in layers])[0]
+    return PromptSignals(
+        alpha=alpha,
+        rho=torch.stack([rho[0] for _, rho in layers]),
+        entropy=structural_risk(alpha),
+        perplexity=semantic_risk(window_logprobs[0]),
+        window=min(window_logprobs.shape[-1] + 1, alpha.shape[0]),
+    )
+
+
+def layer_scores(signals: PromptSignals, layer: int, head_weights: torch.Tensor) -> torch.Tensor:
+    """s [N] of one layer with its window protected (infinite score)."""
+    scores = head_weighted_scores(signals.alpha[None], signals.rho[layer][None], head_weights)[0]
+    return protect_window(scores, signals.window)
+
+
+@dataclasses.dataclass
+class CompilerKV(Method):
+    name = "compilerkv"
+    window: int = WINDOW
+    tables: CompilerKVTables | None = None
+    nearest_budget: bool = False
+    uniform_heads: bool = False
+    fixed_threshold: float | None = None
+
+    def check_request(self, ratio: float | None, budget: int | None) -> None:
+        if budget is not None:
+            self.tables.budget_index(budget, self.nearest_budget)
+
+    def layer_statistics(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer_signals(queries, keys, values, scaling)
+
+    def select(self, statistics: list[tuple[torch.Tensor, torch.Tensor]], keep: int, prefill: Prefill) -> Selection:
+        try:
+            logprobs = prefill.token_logprobs(self.window - 1)
+        except ValueError as exc:
+            raise KVRuntimeError(f"compilerkv needs token ids: {exc}") from None
+        signals = prompt_signals(statistics, logprobs)
+        tables = self.tables.for_layers(len(statistics))
+        index = tables.budget_index(keep, self.nearest_budget)
+        budget = tables.budgets[index]
+        entropy_bin = risk_bin(signals.entropy, tables.entropy_edges)
+        perplexity_bin = risk_bin(signals.perplexity, tables.perplexity_edges)
+        num_kv_heads = signals.rho.shape[1]
+        scores, counts, thresholds = [], [], []
+        for layer in range(len(statistics)):
+            weights = tables.head_reliability[index, layer]
+            if self.uniform_heads:
+                weights = torch.ones_like(weights)
+            threshold = self.fixed_threshold
+            if threshold is None:
+                threshold = float(tables.risk_thresholds[index, layer, entropy_bin, perplexity_bin])
+            layer_score = layer_scores(signals, layer, weights)
+            scores.append(layer_score[None, None].expand(1, num_kv_heads, -1))
+            counts.append(gated_count(layer_score, threshold, keep))
+            thresholds.append(threshold)
+        notes = [
+            f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
+            f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
+            f"{min(thresholds):.3f}-{max(thresholds):.3f}"
+            + ("; W_head = 1" if self.uniform_heads else ""),
+        ]
+        count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
+        return Selection(scores, count_tensor, notes)

@@ -1,0 +1,41 @@
+"""CompilerKV's stabilized token utility and its head-weighted layer score: pure functions.
+
+    alpha[t]   = (n / w) * sum over the window's queries j of mean over ALL layers and query heads of A[l,h,j,t]
+    rho[l,k,t] = ||v[l,k,t]|| / mean_t' ||v[l,k,t']||           (per layer and KV head)
+    u[l,h,t]   = alpha[t] * rho[l, h // g, t]                    (g query heads per KV head)
+    s[l,t]     = max_h W[l,h] * u[l,h,t]                         (weighted max-pooling over query heads)
+
+alpha averages 1 over the tokens, and so does rho, which puts s on a scale of about 1 whatever the prompt: that is
+what lets one table of thresholds in [0.8, 1.0] serve every prompt. Note what the formula implies under GQA: the
+query heads of one KV group carry the same utility, so within a group only the largest weight matters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mean_window_attention(attention: torch.Tensor) -> torch.Tensor:
+    """One layer's window attention [B, Hkv, G, w, N] averaged over its query heads and window queries: [B, N]."""
+    return attention.mean(dim=(1, 2, 3))
+
+
+def global_attention_mass(layer_means: list[torch.Tensor]) -> torch.Tensor:
+    """alpha [B, N] from every layer's `mean_window_attention`: n times their mean, which is (n / w) times the
+    window's sum of the attention averaged over all layers and heads; its mean over the tokens is 1."""
+    mean = torch.stack(layer_means).mean(dim=0)
+    return mean * mean.shape[-1]
+
+
+def relative_value_norms(values: torch.Tensor) -> torch.Tensor:
+    """rho [B, Hkv, N]: each token's value norm over the mean norm of its layer and KV head (scale-free)."""
+    norms = values.float().norm(dim=-1)
+    return norms / norms.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def head_weighted_scores(alpha: torch.Tensor, rho: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """s [B, N] of one layer: max over query heads of W[h] * alpha * rho[h // g]. alpha [B, N], rho [B, Hkv, N],
+    head_weights [Hq]."""
+    groups = head_weights.shape[0] // rho.shape[1]
+    utility = alpha[:, None, :] * rho.repeat_interleave(groups, dim=1)  # [B, Hq, N]
+    return (head_weights.to(utility)[None, :, None] * utility).amax(dim=1)

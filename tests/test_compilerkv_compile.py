@@ -1,0 +1,199 @@
+"""`kvcompile tables` on tiny models: the CQL learner against an exact tabular reference, the rollout plumbing
+against plain forwards, the whole compile (relearning, resume) and its refusals."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import kvruntime
+from conftest import tiny_model
+from kvcompile import tables as tables_module
+from kvcompile.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
+from kvcompile.continuation_nll import ContinuationScorer, PrefilledPrompt
+from kvcompile.corpus import Corpus
+from kvcompile.experience_collection import ExperienceDesign
+from kvcompile.offline_cql import CQLSettings, fit_greedy_table, one_hot
+from kvcompile.tables import TablesSettings, compile_tables, relearn_tables
+from kvruntime.artifact import load_artifact, read_artifact, save_artifact
+from kvruntime.attention import per_layer_attention
+from kvruntime.compilerkv_tables import CompilerKVTables
+from kvruntime.errors import ArtifactError, KVRuntimeError
+from tabular_cql import tabular_cql
+
+
+def _synthetic_bandit(seed: int = 0, per_pair: int = 4):
+    """10 states x 29 actions with a known best action per state (reward falls off with the distance to it),
+    every pair sampled `per_pair` times, plus one state that only ever tried actions 3 and 20."""
+    rng = np.random.default_rng(seed)
+    best = rng.integers(0, 29, 10)
+    states, actions = np.meshgrid(np.arange(10), np.arange(29), indexing="ij")
+    states = np.repeat(states.ravel(), per_pair)
+    actions = np.repeat(actions.ravel(), per_pair)
+    states = np.concatenate([states, np.full(8, 10)])
+    actions = np.concatenate([actions, np.array([3, 20] * 4)])
+    best = np.append(best, 20)
+    rewards = 1.0 - 0.1 * np.abs(actions - best[states]) + 0.02 * rng.standard_normal(len(states))
+    return states, actions, rewards, best
+
+
+def test_tabular_cql_and_d3rlpy_both_find_the_best_action_of_each_synthetic_bandit_state():
+    states, actions, rewards, best = _synthetic_bandit()
+    q = tabular_cql(torch.from_numpy(states), torch.from_numpy(actions), torch.from_numpy(rewards), 11, 29, alpha=0.75)
+    assert q.argmax(dim=1).tolist() == best.tolist()
+    fit = fit_greedy_table(
+        one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings()
+    )
+    assert fit.actions.tolist() == best.tolist()  # including the state that saw only two actions: conservative
+    assert len(fit.learning_curve) == 10 and fit.learning_curve[-1] < fit.learning_curve[0]
+
+
+def test_learning_refuses_nan_rewards():
+    states, actions, rewards, _ = _synthetic_bandit()
+    rewards[5] = np.nan
+    with pytest.raises(KVRuntimeError, match="1 rewards are NaN"):
+        fit_greedy_table(one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings(steps=10))
+
+
+def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1))
+    context, continuation = ids[:, :80], ids[:, 80:]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(context, past_key_values=cache, use_cache=True).logits
+    first = float(-logits[0, -1].log_softmax(-1)[continuation[0, 0]])
+    prompt = PrefilledPrompt([l.keys for l in cache.layers], [l.values for l in cache.layers], continuation, first)
+
+    def reference(kept: list[torch.Tensor]) -> float:
+        compressed = DynamicCache(config=model.config)
+        for layer, indices in enumerate(kept):
+            compressed.update(prompt.keys[layer][:, :, indices], prompt.values[layer][:, :, indices], layer)
+        with per_layer_attention(model), torch.no_grad():
+            out = model(continuation[:, :-1], past_key_values=compressed, position_ids=torch.arange(80, 99)[None])
+        return (first + float(F.cross_entropy(out.logits[0], continuation[0, 1:], reduction="sum"))) / 20
+
+    g = torch.Generator().manual_seed(2)
+    kept = [torch.randperm(80, generator=g)[:40].sort().values for _ in range(4)]
+    scorer = ContinuationScorer(model, prompt, batch_size=2)
+    base = scorer.base(kept)
+    assert base.nll == pytest.approx(reference(kept), abs=1e-6)
+    variants = [torch.randperm(80, generator=g)[:n].sort().values for n in (30, 40, 55)]  # padded in one batch
+    got = scorer.variants(base, 2, variants)
+    assert got == pytest.approx([reference(kept[:2] + [v] + kept[3:]) for v in variants], abs=1e-6)
+
+
+class CharTokenizer:
+    """A tokenizer for tiny models: one token per character."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return type("Encoding", (), {"input_ids": [3 + ord(c) % 90 for c in text]})()
+
+
+CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(2)))
+SMALL = TablesSettings(
+    budgets=(80, 120), prompts=3, context=160, continuation=12, rounds=2, entropy_bins=3, perplexity_bins=2,
+    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5), cql=CQLSettings(steps=60),
+)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    model = tiny_model("llama")
+    out = tmp_path_factory.mktemp("tables") / "compilerkv_tables.safetensors"
+    tables, experience = compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+    return model, out, tables, experience
+
+
+def test_compiled_tables_have_the_issue_shapes_ranges_and_learning_records(compiled):
+    model, _, tables, experience = compiled
+    t = tables.tensors
+    assert t["head_reliability"].shape == (2, 4, 4) and t["risk_thresholds"].shape == (2, 4, 3, 2)
+    assert set(t["head_reliability"].unique().tolist()) <= set(HEAD_ACTIONS.tolist())
+    assert set(t["risk_thresholds"].unique().tolist()) <= set(GATE_ACTIONS.tolist())
+    assert t["entropy_edges"].shape == (2,) and t["perplexity_edges"].shape == (1,)
+    assert t["head_learning_curve"].shape == (tables.params["rounds_run"], 10)
+    assert t["round_changes"].shape == (tables.params["rounds_run"], 2)
+    assert int(t["head_support"].sum()) == tables.params["head_records"] == len(Experience.from_artifact(experience).head)
+    # States without records fall back: W_head 1.0; a (budget, layer) without gate records: 0.8.
+    assert bool((t["head_reliability"][t["head_support"] == 0] == 1.0).all())
+    CompilerKVTables.from_artifact(tables)  # valid for the runtime
+
+
+def test_relearning_from_the_stored_experience_reproduces_the_tables(compiled, tmp_path):
+    _, _, tables, experience = compiled
+    path = save_artifact(experience, tmp_path / "compilerkv_experience.safetensors")
+    relearned = relearn_tables(read_artifact(path))
+    for name in ("head_reliability", "risk_thresholds", "entropy_edges", "perplexity_edges"):
+        assert torch.equal(relearned.tensors[name], tables.tensors[name]), name
+
+
+def test_compiled_tables_run_in_the_runtime(compiled, tmp_path):
+    model, _, tables, _ = compiled
+    path = save_artifact(tables, tmp_path / "compilerkv_tables.safetensors")
+    ids = torch.randint(3, 96, (1, 150), generator=torch.Generator().manual_seed(4))
+    with kvruntime.compress(model, "compilerkv", budget=120, artifacts=[path]) as session:
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert max(session.report.slots_per_layer) <= 120
+
+
+def test_an_interrupted_compile_resumes_to_the_same_tables(compiled, tmp_path, monkeypatch):
+    model, _, tables, _ = compiled
+    out = tmp_path / "compilerkv_tables.safetensors"
+    real = tables_module.collect_unit
+    calls = {"n": 0}
+
+    def crash_in_round_two(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 15:  # 6 units per phase: the third unit of round 2's head phase
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tables_module, "collect_unit", crash_in_round_two)
+    with pytest.raises(KeyboardInterrupt):
+        compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+    monkeypatch.setattr(tables_module, "collect_unit", real)
+    resumed, _ = compile_tables(model, CharTokenizer(), CORPUS, SMALL, out, resume=True)
+    for name in ("head_reliability", "risk_thresholds", "head_support", "gate_support", "round_changes"):
+        assert torch.equal(resumed.tensors[name], tables.tensors[name]), name
+
+
+def test_experience_of_another_model_is_refused(compiled, tmp_path):
+    _, _, _, experience = compiled
+    path = save_artifact(experience, tmp_path / "compilerkv_experience.safetensors")
+    with pytest.raises(ArtifactError, match="another checkpoint"):
+        load_artifact(path, model=tiny_model("llama", seed=1), kind="compilerkv_experience")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(budgets=(40, 120)), "between the 64-token window and the 160-token context"),
+        (dict(budgets=(120, 80)), "distinct budgets in increasing order"),
+        (dict(prompts=1), "--prompts must be at least 2"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_model_work(change, message):
+    import dataclasses
+
+    with pytest.raises(KVRuntimeError, match=message):
+        compile_tables(tiny_model("llama"), CharTokenizer(), CORPUS, dataclasses.replace(SMALL, **change), Path("/nonexistent/x"))
+
+
+def test_a_corpus_too_short_for_the_prompts_is_refused():
+    short = Corpus("short", ("a few words only",))
+    with pytest.raises(KVRuntimeError, match="too short for 172-token prompts"):
+        compile_tables(tiny_model("llama"), CharTokenizer(), short, SMALL, Path("/nonexistent/x"))
+
+
+def test_a_model_with_non_finite_outputs_is_refused_and_nothing_is_written(tmp_path):
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
+    out = tmp_path / "compilerkv_tables.safetensors"
+    with pytest.raises(KVRuntimeError, match="continuation NLL is nan"):
+        compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+    assert not out.exists()
