@@ -97,6 +97,46 @@ def probed_states(kind: str, unit: int, layers: int, groups: int, design: Experi
     return [order[(unit * count + j) % population] for j in range(min(count, population))]
 
 
+# A probe: the layer whose kept set it changes, its record fields, and that kept set.
+Probe = tuple[int, dict, torch.Tensor]
+
+
+def head_probes(
+    signals: PromptSignals, head_reliability: torch.Tensor, thresholds: torch.Tensor, budget: int,
+    probes: list[int], count: int, rng: random.Random,
+) -> list[Probe]:
+    """For each probed (layer, KV group): `count` weights from HEAD_ACTIONS, each given to one query head of the
+    group at a time while every other head keeps its table weight."""
+    kv_heads = signals.rho.shape[1]
+    group = head_reliability.shape[1] // kv_heads
+    found = []
+    for probe in probes:
+        layer, kv_head = divmod(probe, kv_heads)
+        actions = sorted(rng.sample(range(len(HEAD_ACTIONS)), min(count, len(HEAD_ACTIONS))))
+        for head in range(kv_head * group, (kv_head + 1) * group):
+            for action in actions:
+                weights = head_reliability[layer].clone()
+                weights[head] = HEAD_ACTIONS[action]
+                varied = layer_scores(signals, layer, weights)
+                kept = _kept(varied, gated_count(varied, float(thresholds[layer]), budget))
+                found.append((layer, dict(head=head, action=action), kept))
+    return found
+
+
+def gate_probes(
+    prompt: CalibrationPrompt, scores: list[torch.Tensor], budget: int, probes: list[int], count: int, rng: random.Random
+) -> list[Probe]:
+    """For each probed layer: `count` thresholds from GATE_ACTIONS on the layer's current scores."""
+    found = []
+    for layer in probes:
+        actions = sorted(rng.sample(range(len(GATE_ACTIONS)), min(count, len(GATE_ACTIONS))))
+        for action in actions:
+            candidates = candidate_count(scores[layer], float(GATE_ACTIONS[action]))
+            row = dict(action=action, candidates=candidates, entropy_bin=prompt.entropy_bin, perplexity_bin=prompt.perplexity_bin)
+            found.append((layer, row, _kept(scores[layer], min(budget, candidates))))
+    return found
+
+
 def collect_unit(
     model: nn.Module,
     prompt: CalibrationPrompt,
@@ -115,49 +155,26 @@ def collect_unit(
     """Probe one (prompt, budget) under the current tables (W [L, Hq] and thresholds [L] for this prompt's risk
     bins) and append one record per probed (state, action)."""
     signals = prompt.signals
-    num_layers, num_heads = head_reliability.shape
-    group = num_heads // signals.rho.shape[1]
-    scores = [layer_scores(signals, layer, head_reliability[layer]) for layer in range(num_layers)]
-    base_kept = [
-        _kept(scores[layer], gated_count(scores[layer], float(risk_thresholds[layer]), budget))
-        for layer in range(num_layers)
-    ]
+    scores = [layer_scores(signals, layer, weights) for layer, weights in enumerate(head_reliability)]
+    base_kept = [_kept(s, gated_count(s, float(t), budget)) for s, t in zip(scores, risk_thresholds)]
     scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
     base = scorer.base(base_kept)
     _finite(base.nll, prompt.index)
-    probes_by_layer: dict[int, list[tuple[dict, torch.Tensor]]] = {}
-    for probe in probes:
-        if kind == "head":
-            layer, kv_head = divmod(probe, signals.rho.shape[1])
-            actions = sorted(rng.sample(range(len(HEAD_ACTIONS)), min(design.head_actions, len(HEAD_ACTIONS))))
-            for head in range(kv_head * group, (kv_head + 1) * group):
-                for action in actions:
-                    weights = head_reliability[layer].clone()
-                    weights[head] = HEAD_ACTIONS[action]
-                    varied = layer_scores(signals, layer, weights)
-                    kept = _kept(varied, gated_count(varied, float(risk_thresholds[layer]), budget))
-                    row = dict(head=head, action=action)
-                    probes_by_layer.setdefault(layer, []).append((row, kept))
-        else:
-            layer = probe
-            actions = sorted(rng.sample(range(len(GATE_ACTIONS)), min(design.gate_actions, len(GATE_ACTIONS))))
-            for action in actions:
-                candidates = candidate_count(scores[layer], float(GATE_ACTIONS[action]))
-                row = dict(
-                    action=action, candidates=candidates,
-                    entropy_bin=prompt.entropy_bin, perplexity_bin=prompt.perplexity_bin,
-                )
-                probes_by_layer.setdefault(layer, []).append((row, _kept(scores[layer], min(budget, candidates))))
-    for layer, probes_here in sorted(probes_by_layer.items()):
+    if kind == "head":
+        found = head_probes(signals, head_reliability, risk_thresholds, budget, probes, design.head_actions, rng)
+    else:
+        found = gate_probes(prompt, scores, budget, probes, design.gate_actions, rng)
+    for layer in sorted({layer for layer, _, _ in found}):
+        here = [(row, kept) for probe_layer, row, kept in found if probe_layer == layer]
         nll_of = {base_kept[layer].numpy().tobytes(): base.nll}
         unique = {}
-        for _, kept in probes_here:
+        for _, kept in here:
             key = kept.numpy().tobytes()
             if key not in nll_of:
                 unique.setdefault(key, kept)
         for key, nll in zip(unique, scorer.variants(base, layer, list(unique.values()))):
             nll_of[key] = _finite(nll, prompt.index)
-        for row, kept in probes_here:
+        for row, kept in here:
             records.append(
                 prompt=prompt.index, budget=budget_index, layer=layer, nll=nll_of[kept.numpy().tobytes()],
                 base_nll=base.nll, round=round_, **row,
