@@ -37,7 +37,7 @@ from .bandit_experience import (
 )
 from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus, calibration_prompts
-from .experience_collection import CalibrationPrompt, ExperienceDesign, collect_unit, prefill_prompt, probed_states
+from .experience_collection import ExperienceDesign, collect_unit, prefill_prompt, probed_states
 from .offline_cql import CQLSettings, GreedyTable, fit_greedy_table, gate_state_features, head_state_features
 from .provenance import provenance
 
