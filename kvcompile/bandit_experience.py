@@ -53,10 +53,7 @@ class Records:
             self.data[name].append(value)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {
-            f"{prefix}_{name}": torch.tensor(values, dtype=torch.float64 if name in _FLOAT_COLUMNS else torch.long)
-            for name, values in self.data.items()
-        }
+        return {f"{prefix}_{name}": self.column(name) for name in self.columns}
 
     def column(self, name: str) -> torch.Tensor:
         return torch.tensor(self.data[name], dtype=torch.float64 if name in _FLOAT_COLUMNS else torch.long)

@@ -239,17 +239,18 @@ def tables(
         from .plots import plot_compilerkv_tables
         from .tables import TablesSettings, compile_tables, relearn_tables
 
+        settings = TablesSettings(
+            budgets=tuple(_numbers(budgets, int)), prompts=prompts, context=context, continuation=continuation,
+            rounds=rounds, seed=seed,
+        )
+        if from_experience is None:
+            settings.check()  # bad settings are refused before the model and corpus are loaded
         loaded, tokenizer = _load(model)
         target = out or _default_artifact(model, "compilerkv_tables")
         if from_experience is not None:
             experience = load_artifact(from_experience, model=loaded, kind="compilerkv_experience")
             artifact = relearn_tables(experience)
         else:
-            settings = TablesSettings(
-                budgets=tuple(_numbers(budgets, int)), prompts=prompts, context=context, continuation=continuation,
-                rounds=rounds, seed=seed,
-            )
-            settings.check()
             artifact, experience = compile_tables(loaded, tokenizer, load_corpus(corpus), settings, target, resume)
             experience_path = target.with_name("compilerkv_experience.safetensors")
             save_artifact(experience, experience_path)

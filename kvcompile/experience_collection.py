@@ -165,17 +165,13 @@ def collect_unit(
     else:
         found = gate_probes(prompt, scores, budget, probes, design.gate_actions, rng)
     for layer in sorted({layer for layer, _, _ in found}):
-        here = [(row, kept) for probe_layer, row, kept in found if probe_layer == layer]
+        here = [(row, kept.numpy().tobytes(), kept) for probe_layer, row, kept in found if probe_layer == layer]
         nll_of = {base_kept[layer].numpy().tobytes(): base.nll}
-        unique = {}
-        for _, kept in here:
-            key = kept.numpy().tobytes()
-            if key not in nll_of:
-                unique.setdefault(key, kept)
+        unique = {key: kept for _, key, kept in here if key not in nll_of}
         for key, nll in zip(unique, scorer.variants(base, layer, list(unique.values()))):
             nll_of[key] = _finite(nll, prompt.index)
-        for row, kept in here:
+        for row, key, _ in here:
             records.append(
-                prompt=prompt.index, budget=budget_index, layer=layer, nll=nll_of[kept.numpy().tobytes()],
-                base_nll=base.nll, round=round_, **row,
+                prompt=prompt.index, budget=budget_index, layer=layer, nll=nll_of[key], base_nll=base.nll,
+                round=round_, **row,
             )

@@ -84,3 +84,12 @@ def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, mon
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
+    import kvcompile.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    result = runner.invoke(app, ["tables", "--budgets", "32,256"])
+    assert result.exit_code == 2
+    assert "--budgets must lie between the 64-token window and the 2048-token context" in result.output
