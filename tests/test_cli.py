@@ -72,6 +72,7 @@ def test_info_refuses_invalid_files_in_one_line(tmp_path, content, message):
         (["--prompt-file", "prompt.txt", "--method", "h2o"], "unknown method 'h2o'"),
         (["--prompt-file", "prompt.txt", "--model", "./no/such/model"], "model './no/such/model' not found"),
         (["--prompt-file", "binary.txt"], "is not UTF-8 text"),
+        (["--prompt-file", "prompt.txt", "--option", "mode"], "--option 'mode': write it as key=value"),
     ],
 )
 def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, monkeypatch, args, message):

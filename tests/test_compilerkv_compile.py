@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvruntime
-from conftest import tiny_model
+from conftest import CharTokenizer, tiny_model
 from kvcompile import tables as tables_module
 from kvcompile.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
 from kvcompile.continuation_nll import ContinuationScorer, PrefilledPrompt
@@ -84,13 +84,6 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     variants = [torch.randperm(80, generator=g)[:n].sort().values for n in (30, 40, 55)]  # padded in one batch
     got = scorer.variants(base, 2, variants)
     assert got == pytest.approx([reference(kept[:2] + [v] + kept[3:]) for v in variants], abs=1e-6)
-
-
-class CharTokenizer:
-    """A tokenizer for tiny models: one token per character."""
-
-    def __call__(self, text: str, add_special_tokens: bool = False):
-        return type("Encoding", (), {"input_ids": [3 + ord(c) % 90 for c in text]})()
 
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(2)))

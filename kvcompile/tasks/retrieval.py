@@ -41,6 +41,7 @@ class RetrievalPrompt:
     expected: tuple[str, ...]
     length: int
     depth: float
+    question_start: int  # character where the question begins: the context alone is prompt[:question_start]
 
     def score(self, generated: str) -> bool:
         return all(value.lower() in generated.lower() for value in self.expected)
@@ -51,11 +52,11 @@ def retrieval_prompt(
 ) -> RetrievalPrompt:
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
-        return RetrievalPrompt(task, prompt.text, (prompt.answer,), length, depth)
+        return RetrievalPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
     if task == "needle":
         index = seed % len(EVALUATION_NEEDLES)
         probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=True, needles=EVALUATION_NEEDLES)
-        return RetrievalPrompt(task, probe.prompt, (probe.answer,), length, depth)
+        return RetrievalPrompt(task, probe.prompt, (probe.answer,), length, depth, _question_start(probe.prompt))
     if task == "multikey":
         return _multikey(corpus, tokenizer, length, depth, seed)
     raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
@@ -78,4 +79,9 @@ def _multikey(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, d
     for offset, sentence in zip((0.3, 0.55, 0.8), sentences[1:]):
         cut = context.find(". ", int(((depth + offset) % 1.0) * len(context))) + 2
         context = context[:cut] + sentence + " " + context[cut:]
-    return RetrievalPrompt("multikey", render_prompt(tokenizer, context + question, chat=True), (values[asked],), length, depth)
+    prompt = render_prompt(tokenizer, context + question, chat=True)
+    return RetrievalPrompt("multikey", prompt, (values[asked],), length, depth, _question_start(prompt))
+
+
+def _question_start(prompt: str) -> int:
+    return prompt.rindex(QUESTION_TEMPLATE.split("{")[0])

@@ -11,9 +11,11 @@ from .engine import CompressedContext, CompressionSession, compress
 from .errors import ArtifactError, KVRuntimeError, UnsupportedModelError
 from .fingerprint import ModelFingerprint, model_fingerprint
 from .compilerkv_tables import CompilerKVTables
+from .kvcompose_stats import KVComposeStats
 from .methods import (
     METHOD_NAMES,
     CompilerKV,
+    KVCompose,
     KVCompress,
     Method,
     SemanticRetrievalHeads,
@@ -35,6 +37,8 @@ __all__ = [
     "CompressedContext",
     "CompressionReport",
     "CompressionSession",
+    "KVCompose",
+    "KVComposeStats",
     "KVCompress",
     "KVRuntimeError",
     "Method",

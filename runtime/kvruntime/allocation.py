@@ -1,8 +1,14 @@
-"""Per-layer budgets from per-layer compression error: CompressKV's Algorithm 1, a pure function."""
+"""Splitting a cache budget over layers (or heads): pure functions.
+
+`error_aware_budgets` is CompressKV's Algorithm 1 (budgets from per-layer compression error); `apportion` turns
+compiled shares (KVCompose's layer allocation) into integer counts with a floor and a ceiling.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 
 def error_aware_budgets(
@@ -32,3 +38,23 @@ def error_aware_budgets(
     while sum(budgets) > total:
         budgets[next(i for i in reversed(by_error) if budgets[i] > low)] -= 1
     return budgets
+
+
+def apportion(shares: torch.Tensor, total: int, low: int, high: int) -> torch.Tensor:
+    """Integer counts in [low, high], proportional to `shares` (non-negative), summing to exactly `total`.
+
+    Counts start at the floor of each share of `total`, clipped; then one entry at a time goes to the count furthest
+    below its exact share (or comes from the one furthest above it), among those still inside the bounds.
+    """
+    size = shares.numel()
+    if not low * size <= total <= high * size:
+        raise ValueError(f"{total} entries cannot be split into {size} counts in [{low}, {high}]")
+    weights = shares.double().clamp_min(0).flatten()
+    exact = weights / weights.sum() * total if float(weights.sum()) > 0 else torch.full_like(weights, total / size)
+    counts = exact.floor().clamp(low, high)
+    while int(counts.sum()) != total:
+        missing = int(counts.sum()) < total
+        gap = torch.where(counts < high if missing else counts > low, exact - counts, torch.nan)
+        index = int(gap.nan_to_num(-torch.inf).argmax()) if missing else int(gap.nan_to_num(torch.inf).argmin())
+        counts[index] += 1 if missing else -1
+    return counts.long().view(shares.shape)

@@ -135,11 +135,16 @@ def load_artifact(
     `force` accepts another checkpoint of the same shape (with a warning); a shape mismatch is always refused.
     """
     artifact = read_artifact(path)
-    if kind is not None and artifact.kind != kind:
-        raise ArtifactError(f"{artifact.path}: artifact of kind {artifact.kind!r}, expected {kind!r}")
+    if kind is not None:
+        check_kind(artifact, kind)
     if model is not None:
         check_artifact_matches_model(artifact, model_fingerprint(model), force=force)
     return artifact
+
+
+def check_kind(artifact: Artifact, kind: str) -> None:
+    if artifact.kind != kind:
+        raise ArtifactError(f"{artifact.path}: artifact of kind {artifact.kind!r}, expected {kind!r}")
 
 
 def check_artifact_matches_model(artifact: Artifact, model: ModelFingerprint, force: bool = False) -> None:

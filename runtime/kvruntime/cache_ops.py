@@ -46,3 +46,11 @@ def keep_entries(layer: DynamicLayer, indices: torch.Tensor) -> None:
     expanded = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]).to(layer.keys.device)
     layer.keys = layer.keys.gather(2, expanded)
     layer.values = layer.values.gather(2, expanded)
+
+
+def truncate(cache: Cache, length: int) -> None:
+    """Keep each layer's first `length` entries (views: the storage is freed when the layer is next rebuilt).
+    DynamicCache.crop would do this, but its argument changed meaning between transformers 5.2 and 5.23."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from .artifact import Artifact
+from .artifact import Artifact, check_kind
 from .errors import ArtifactError, KVRuntimeError
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)
@@ -47,8 +47,7 @@ class CompilerKVTables:
 
     @classmethod
     def from_artifact(cls, artifact: Artifact) -> "CompilerKVTables":
-        if artifact.kind != "compilerkv_tables":
-            raise ArtifactError(f"{artifact.path}: a {artifact.kind} artifact, not compilerkv_tables")
+        check_kind(artifact, "compilerkv_tables")
         t = artifact.tensors
         return cls(
             budgets=tuple(int(b) for b in t["budgets"]),

@@ -28,6 +28,7 @@ from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import Method, Prefill, get_method
 from .report import CompressionReport
 from .selection import kept_per_head, top_indices, top_mask
+from .task_attention import task_attention_maxima
 from .window_attention import hooked_window_queries
 
 MEMORY_MODES = ("padded", "masked")
@@ -58,6 +59,10 @@ class CompressionSession:
     ) -> None:
         self.check_request(ratio, budget, memory)
         method.check_request(ratio, budget)
+        if method.memory not in (None, memory):
+            raise KVRuntimeError(
+                f"{method.name} with these options keeps different numbers of entries per head: use memory={method.memory!r}"
+            )
         self.model = model
         self.method = method
         self.ratio = ratio
@@ -135,7 +140,7 @@ class CompressionSession:
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         state = self._prefill
-        if state is None:
+        if state is None or self.method.task_pass:
             return
         started = time.perf_counter()
         with torch.no_grad():
@@ -185,15 +190,20 @@ class CompressionSession:
     # -- selection -----------------------------------------------------------------------------------------
     def _compress_cache(self, cache: Cache, state: _Prefill, prefill: Prefill) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
-        if len(state.statistics) != len(cache.layers):
-            raise UnsupportedModelError(
-                f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
-            )
         keep = kept_per_head(state.length, min(self.method.window, state.length), self.ratio, self.budget)
         self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
             return full, [state.length * layer.keys.shape[1] for layer in cache.layers], []
+        if self.method.task_pass:
+            if prefill.input_ids is None:
+                raise KVRuntimeError(f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings")
+            maxima = task_attention_maxima(self.model, cache, prefill.input_ids, state.length)
+            state.statistics = dict(enumerate(self.method.task_statistics(maxima, cache.layers[0].keys.shape[1])))
+        if len(state.statistics) != len(cache.layers):
+            raise UnsupportedModelError(
+                f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
+            )
         statistics = [state.statistics[i] for i in range(len(cache.layers))]
         selection = self.method.select(statistics, keep, prefill)
         counts = selection.counts.clamp(max=state.length)

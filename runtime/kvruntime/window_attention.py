@@ -8,8 +8,13 @@ and attended against the layer's cached keys, which transformers stores after Ro
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 from torch import nn
+
+from .cache_ops import attention_modules
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,3 +64,24 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(diagonal=1)
     logits[..., length - window :].masked_fill_(future, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+# Called with (attention module, the last queries [B, Hq, w, D], the layer's cached keys and values, query length).
+QueryHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+@contextlib.contextmanager
+def query_hooks(model: nn.Module, callback: QueryHook, window: int = 1) -> Iterator[None]:
+    """Call `callback` after every attention layer with its last `window` queries (post-RoPE) and its cache."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        with torch.no_grad():
+            queries, layer, query_length = hooked_window_queries(module, args, kwargs, window)
+            callback(module, queries, layer.keys, layer.values, query_length)
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

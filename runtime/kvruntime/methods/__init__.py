@@ -1,8 +1,9 @@
 """Compression methods by name, built with the compiled artifacts they need.
 
 Names: `snapkv`, `kvcompress`, `srh` (needs an `srh_heads` artifact), `compresskv` (= `srh+budgets`),
-`<name>+budgets` for any of these with the error-aware layer budgets of a `layer_budgets` artifact, and
-`compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`).
+`<name>+budgets` for any of these with the error-aware layer budgets of a `layer_budgets` artifact,
+`compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`)
+and `kvcompose` (options `mode` = compiled, which needs a `kvcompose_stats` artifact, or dynamic; `unstructured`).
 """
 
 from __future__ import annotations
@@ -12,20 +13,27 @@ from collections.abc import Mapping, Sequence
 from ..artifact import Artifact
 from ..errors import KVRuntimeError
 from ..compilerkv_tables import CompilerKVTables
+from ..kvcompose_stats import KVComposeStats
 from .base import Method, Prefill, ScoringMethod, Selection
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
+from .kvcompose import KVCompose
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
 
 ARTIFACT_FREE: dict[str, type[Method]] = {cls.name: cls for cls in (SnapKV, KVCompress)}
-METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv")
+METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
+OPTIONS = {
+    "compilerkv": {"nearest_budget", "uniform_heads", "fixed_threshold"},
+    "kvcompose": {"mode", "unstructured"},
+}
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs, and the command that compiles it.
 NEEDS = {
     "srh": ("srh_heads", "kvcompile heads"),
     "budgets": ("layer_budgets", "kvcompile budgets"),
     "compilerkv": ("compilerkv_tables", "kvcompile tables"),
+    "kvcompose": ("kvcompose_stats", "kvcompile stats"),
 }
 
 
@@ -33,7 +41,7 @@ def parse_method_name(name: str) -> list[str]:
     """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
     parts = ALIASES.get(name, name).split("+")
     budgetable = parts[0] in (*ARTIFACT_FREE, "srh") and parts[1:] in ([], ["budgets"])
-    if not budgetable and parts != ["compilerkv"]:
+    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
         raise KVRuntimeError(
             f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
             f"{', '.join((*ARTIFACT_FREE, 'srh'))})"
@@ -41,8 +49,11 @@ def parse_method_name(name: str) -> list[str]:
     return parts
 
 
-def required_artifact_kinds(name: str) -> list[str]:
-    return [NEEDS[part][0] for part in parse_method_name(name) if part in NEEDS]
+def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:
+    parts = parse_method_name(name)
+    if parts == ["kvcompose"] and options.get("mode") == "dynamic":
+        return []
+    return [NEEDS[part][0] for part in parts if part in NEEDS]
 
 
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
@@ -61,11 +72,15 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
             raise KVRuntimeError(f"method {name!r} needs a {kind} artifact for this model (compile it with `{command}`)")
         return by_kind[kind]
 
+    if base in OPTIONS and set(options) - OPTIONS[base]:
+        unknown, known = sorted(set(options) - OPTIONS[base]), sorted(OPTIONS[base])
+        raise KVRuntimeError(f"unknown {base} options {unknown} (known: {known})")
     if base == "compilerkv":
-        known = {"nearest_budget", "uniform_heads", "fixed_threshold"}
-        if set(options) - known:
-            raise KVRuntimeError(f"unknown compilerkv options {sorted(set(options) - known)} (known: {sorted(known)})")
         return CompilerKV(tables=CompilerKVTables.from_artifact(artifact_for("compilerkv")), **options)
+    if base == "kvcompose":
+        compiled = options.get("mode", "compiled") == "compiled"
+        stats = KVComposeStats.from_artifact(artifact_for("kvcompose")) if compiled else None
+        return KVCompose(stats=stats, **options)
     if options:
         raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
     if base == "srh":
@@ -83,6 +98,7 @@ __all__ = [
     "Prefill",
     "ScoringMethod",
     "Selection",
+    "KVCompose",
     "KVCompress",
     "Method",
     "SemanticRetrievalHeads",

@@ -53,6 +53,11 @@ class Method(abc.ABC):
 
     name: ClassVar[str]
     window: int = 32
+    # A method that scores with a second pass sets `task_pass` (KVCompose's dynamic mode): the engine feeds the
+    # prompt again after itself and gives `task_statistics` every layer's task maxima instead of window statistics.
+    task_pass: ClassVar[bool] = False
+    # The memory mode the method's per-head counts need (None: either).
+    memory: ClassVar[str | None] = None
 
     def check_request(self, ratio: float | None, budget: int | None) -> None:
         """Refuse a ratio or budget this method cannot serve, before any model work (default: any)."""
@@ -63,6 +68,10 @@ class Method(abc.ABC):
     ) -> Any:
         """What the method keeps from one layer at the end of prefill: window queries [B, Hq, w, D] (post-RoPE),
         the layer's cached keys and values [B, Hkv, N, D]."""
+
+    def task_statistics(self, task_maxima: list[torch.Tensor], num_kv_heads: int) -> list[Any]:
+        """With `task_pass`: each layer's statistics from its task maxima [B, Hq, N] (`task_attention_maxima`)."""
+        raise NotImplementedError(f"{self.name} does not score with a second pass")
 
     @abc.abstractmethod
     def select(self, statistics: list[Any], keep: int, prefill: Prefill) -> Selection:

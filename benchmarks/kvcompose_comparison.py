@@ -1,0 +1,214 @@
+"""KVCompose on held-out retrieval prompts: kvcompile's compiled and dynamic modes against kvpress's KVComposePress,
+snapkv and the full cache, with prefill time and peak memory, all in the same run. Needs the `bench` extra.
+
+    .venv-bench/bin/python benchmarks/kvcompose_comparison.py [--grid 2048:0.1/0.5/0.9,4096:0.5]
+        [--ratios 0.5,0.75,0.9] [--stats artifacts/.../kvcompose_stats.safetensors] [--out benchmarks/kvcompose_comparison.md]
+
+Prompts: the pass key in filler, one needle and multi-key needles in Moby-Dick (none used for calibration, which
+read Austen), at each (length: depths) of the grid. Question-agnostic (default): the context is compressed alone,
+then the question is asked over the compressed cache; `--question-aware`: everything but the prompt's last token
+is compressed, so the question is in the observation window. Greedy, exact match; every method answers through
+the same decoding path. `--methods` keeps some of the methods (labels, comma-separated). Prefill: the prefill and compression of the context, timed per prompt and divided by the uncompressed
+prefill of the same prompt in the same run. Peak memory: the peak resident memory of that step above the resident
+memory before it (Linux VmHWM, reset before each prefill). Cache kept: KV bytes held after compression over the
+full cache's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from kvpress import KVComposePress
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+import kvruntime
+from kvcompile.corpus import load_corpus
+from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvruntime.cache_ops import cache_bytes
+from kvruntime.engine import CompressedContext
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reporting import machine, write_results  # noqa: E402
+
+STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
+FULL = "full cache"
+METHODS = (  # label, kvcompile method, options (None: kvpress's KVComposePress)
+    ("kvcompose compiled", "kvcompose", {}),
+    ("kvcompose compiled, unstructured (masked)", "kvcompose", {"unstructured": True}),
+    ("kvcompose dynamic", "kvcompose", {"mode": "dynamic"}),
+    ("kvpress KVComposePress", None, None),
+    ("snapkv", "snapkv", {}),
+)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+class PeakMemory:
+    """Peak resident memory of a block above the resident memory before it, in MiB (Linux, glibc)."""
+
+    def __enter__(self) -> "PeakMemory":
+        LIBC.malloc_trim(0)  # return freed heap pages first, or reused pages would not show as new
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+        self.before = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mib = (_status_kib("VmHWM") - self.before) / 1024
+
+
+def answer(model, tokenizer, session, cache, context_length, question_ids, new_tokens) -> str:
+    """Greedy answer over an already compressed context, through the runtime's question path (positions after
+    the full context, per-layer causal masks)."""
+    context = CompressedContext(session, cache, context_length, session.reports[-1] if session.reports else None, {})
+    output = context.generate(question_ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(output[0, question_ids.shape[1] :], skip_special_tokens=True)
+
+
+def run_kvcompile(model, tokenizer, context_ids, question_ids, method, ratio, options, stats, new_tokens):
+    artifacts = [stats] if method == "kvcompose" and options.get("mode") != "dynamic" else []
+    memory = "masked" if options.get("unstructured") else "padded"
+    with kvruntime.compress(model, method, ratio=ratio, memory=memory, artifacts=artifacts, options=options) as session:
+        with PeakMemory() as peak:
+            started = time.perf_counter()
+            context = session.prefill(context_ids)
+            seconds = time.perf_counter() - started
+        text = answer(model, tokenizer, session, context.cache, context_ids.shape[1], question_ids, new_tokens)
+    return text, seconds, peak.mib, context.report.bytes_after, context.report.bytes_before
+
+
+def run_kvpress(model, tokenizer, context_ids, question_ids, ratio, new_tokens, full_bytes):
+    cache = DynamicCache(config=model.config)
+    press = KVComposePress(compression_ratio=ratio)
+    with PeakMemory() as peak:
+        started = time.perf_counter()
+        with torch.no_grad(), press(model):
+            model.model(input_ids=context_ids, past_key_values=cache)
+        seconds = time.perf_counter() - started
+    with kvruntime.compress(model, "snapkv", ratio=0.0) as session:  # only for the decoding path
+        text = answer(model, tokenizer, session, cache, context_ids.shape[1], question_ids, new_tokens)
+    return text, seconds, peak.mib, cache_bytes(cache), full_bytes
+
+
+def split_prompt(tokenizer, prompt, question_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context ids, question ids): compressed and asked afterwards."""
+    if question_aware:
+        ids = tokenizer(prompt.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        return ids[:, :-1], ids[:, -1:]
+    encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+    return encode(prompt.prompt[: prompt.question_start]), encode(prompt.prompt[prompt.question_start :])
+
+
+def parse_grid(text: str) -> list[tuple[int, float]]:
+    cells = []
+    for part in text.split(","):
+        length, depths = part.split(":")
+        cells += [(int(length), float(d)) for d in depths.split("/")]
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", default="2048:0.1/0.5/0.9,4096:0.5")
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--stats", type=Path, default=STATS)
+    parser.add_argument("--question-aware", action="store_true")
+    parser.add_argument("--methods", default=",".join(label for label, _, _ in METHODS))
+    parser.add_argument("--out", default="benchmarks/kvcompose_comparison.md")
+    args = parser.parse_args()
+    ratios = [float(x) for x in args.ratios.split(",")]
+    methods = [m for m in METHODS if m[0] in args.methods.split(",")]
+    model, tokenizer = kvruntime.load_model()
+    haystack = load_corpus("moby-dick")
+    prompts = [
+        retrieval_prompt(task, haystack, tokenizer, length, depth, seed=index)
+        for index, (length, depth) in enumerate(parse_grid(args.grid))
+        for task in TASKS
+    ]
+    rows = []
+    out = Path(args.out)
+    bar = tqdm(total=len(prompts) * (1 + len(methods) * len(ratios)), desc="kvcompose comparison", unit="run")
+    for job, prompt in enumerate(prompts):
+        context_ids, question_ids = split_prompt(tokenizer, prompt, args.question_aware)
+        settings = [(FULL, "snapkv", 0.0, {})] + [(label, m, r, o) for r in ratios for label, m, o in methods]
+        full_seconds = full_bytes = None
+        for label, method, ratio, options in settings:
+            if method is None:
+                text, seconds, peak, after, before = run_kvpress(
+                    model, tokenizer, context_ids, question_ids, ratio, args.new_tokens, full_bytes
+                )
+            else:
+                text, seconds, peak, after, before = run_kvcompile(
+                    model, tokenizer, context_ids, question_ids, method, ratio, options, args.stats, args.new_tokens
+                )
+            if label == FULL:
+                full_seconds, full_bytes = seconds, before
+            rows.append(dict(
+                job=job, task=prompt.task, length=context_ids.shape[1], depth=prompt.depth, label=label, ratio=ratio,
+                correct=int(prompt.score(text)), prefill_seconds=round(seconds, 3),
+                prefill_vs_full=round(seconds / full_seconds, 3), peak_mib=round(peak, 1), cache_kept=round(after / before, 4),
+                answer=text.strip().replace("\n", " ")[:80],
+            ))
+            bar.update()
+        write_results(rows, out, render(rows, args, ratios, methods), quiet=True)
+    bar.close()
+    write_results(rows, out, render(rows, args, ratios, methods))
+
+
+def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], methods: tuple) -> str:
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        cells[(r["label"], r["ratio"])].append(r)
+    lengths = sorted({r["length"] for r in rows})
+    lines = [
+        "# KVCompose: compiled and dynamic modes against kvpress's KVComposePress (default model)",
+        "",
+        f"Command: `{Path(sys.executable).parent.parent.name}/bin/python {' '.join(sys.argv)}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Stats: `{args.stats}`. "
+        f"{len({r['job'] for r in rows})} held-out retrieval prompts (tasks {', '.join(TASKS)}; grid {args.grid}; "
+        f"context lengths {', '.join(map(str, lengths))} tokens), "
+        f"{'question-aware' if args.question_aware else 'question-agnostic'}, greedy, {args.new_tokens} new "
+        "tokens, exact match. Prefill: prefill + compression of the context, median over prompts of its ratio to the "
+        "uncompressed prefill of the same prompt. Peak memory: median over prompts of the peak resident memory "
+        "during that step above the memory before it. Cache kept: KV bytes held over the full cache's (mean).",
+        "",
+        "| ratio | method | accuracy | " + " | ".join(TASKS) + " | prefill vs full | prefill (s, median) | peak memory (MiB) | cache kept |",
+        "|---|---|---|" + "---|" * (len(TASKS) + 4),
+    ]
+    order = [(FULL, 0.0)] + [(label, r) for r in ratios for label, _, _ in methods]
+    for label, ratio in order:
+        cell = cells.get((label, ratio))
+        if not cell:
+            continue
+        per_task = " | ".join(
+            f"{sum(r['correct'] for r in cell if r['task'] == t)}/{sum(1 for r in cell if r['task'] == t)}" for t in TASKS
+        )
+        lines.append(
+            f"| {ratio or '-'} | {label} | {sum(r['correct'] for r in cell)}/{len(cell)} | {per_task} | "
+            f"{statistics.median(r['prefill_vs_full'] for r in cell):.2f}x | "
+            f"{statistics.median(r['prefill_seconds'] for r in cell):.2f} | "
+            f"{statistics.median(r['peak_mib'] for r in cell):.0f} | {statistics.mean(r['cache_kept'] for r in cell):.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

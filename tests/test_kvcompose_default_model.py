@@ -1,0 +1,41 @@
+"""Integration tests of KVCompose on the real default model: compiled against dynamic allocation on calibration
+prompts, and the shipped statistics in the runtime."""
+
+import pathlib
+
+import pytest
+import torch
+
+import kvruntime
+from conftest import dynamic_layer_shares
+from kvcompile.attention_stats import StatsSettings, compile_attention_stats
+from kvcompile.corpus import calibration_prompts, load_corpus
+
+pytestmark = pytest.mark.integration
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STATS = ROOT / "artifacts" / "smollm2-135m-instruct" / "kvcompose_stats.safetensors"
+PROMPT = ROOT / "calibration_data" / "prompts" / "passkey_2k.txt"
+
+
+def test_the_compiled_allocation_is_the_dynamic_allocation_averaged_over_calibration_prompts(default_model, tmp_path):
+    model, tokenizer = default_model
+    settings = StatsSettings(ratios=(0.5, 0.75, 0.9), prompts=2, prompt_tokens=512, seed=3)
+    corpus = load_corpus()
+    artifact = compile_attention_stats(model, tokenizer, corpus, settings, tmp_path / "kvcompose_stats.safetensors")
+    prompts = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
+    for index, ratio in enumerate(settings.ratios):
+        compiled = artifact.tensors["layer_fractions"][index].double()
+        assert torch.allclose(dynamic_layer_shares(model, prompts, ratio), compiled, atol=1e-6), ratio
+
+
+def test_the_shipped_stats_free_the_requested_ratio_and_the_pass_key_survives_half(default_model):
+    model, tokenizer = default_model
+    ids = tokenizer(PROMPT.read_text(), return_tensors="pt").input_ids
+    for ratio in (0.5, 0.75, 0.9):
+        with kvruntime.compress(model, "kvcompose", ratio=ratio, artifacts=[STATS]) as session:
+            output = model.generate(ids, max_new_tokens=12, do_sample=False)
+        report = session.report
+        assert abs(1 - report.bytes_after / report.bytes_before - ratio) < 0.01
+        assert f"compiled allocation (task-agnostic stats, compiled ratio {ratio:g})" in str(report)
+        if ratio == 0.5:
+            assert "25613" in tokenizer.decode(output[0, ids.shape[1] :])
