@@ -22,9 +22,8 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from kvruntime.artifact import Artifact
 from kvruntime.composite_tokens import (
     composite_curve,
-    head_allocation,
     kv_head_scores,
-    layer_allocation,
+    prompt_allocation,
     rank_quantile_values,
     sorted_head_scores,
 )
@@ -103,13 +102,12 @@ def prompt_scores(model: nn.Module, context_ids: torch.Tensor, tasks: list[torch
 def prompt_allocations(scores: torch.Tensor, ratios: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The dynamic mode's allocations on one prompt, as shares of it, for every ratio: layers [R, L] and
     (layer, KV head) [R, L, Hkv] (the unstructured variant)."""
-    num_layers, num_kv_heads, length = scores.shape
-    curves, ranked = composite_curve(scores), sorted_head_scores(scores)
+    length = scores.shape[-1]
     layers, heads = [], []
     for ratio in ratios:
         keep = kept_per_head(length, WINDOW, ratio=ratio)
-        layers.append(layer_allocation(curves, keep * num_layers).double() / length)
-        heads.append(head_allocation(ranked, keep * num_layers * num_kv_heads).double() / length)
+        layers.append(prompt_allocation(scores, keep, per_head=False).double() / length)
+        heads.append(prompt_allocation(scores, keep, per_head=True).double() / length)
     return torch.stack(layers), torch.stack(heads)
 
 

@@ -77,6 +77,15 @@ def head_allocation(sorted_scores: torch.Tensor, total: int) -> torch.Tensor:
     return counts.view(num_layers, num_kv_heads)
 
 
+def prompt_allocation(scores: torch.Tensor, keep: int, per_head: bool) -> torch.Tensor:
+    """The allocation of one prompt from its scores [L, Hkv, N], for `keep` entries per (layer, KV head) on
+    average: tokens per layer [L] (composite tokens), or per (layer, KV head) [L, Hkv] (the unstructured variant)."""
+    num_layers, num_kv_heads, _ = scores.shape
+    if per_head:
+        return head_allocation(sorted_head_scores(scores), keep * num_layers * num_kv_heads)
+    return layer_allocation(composite_curve(scores), keep * num_layers)
+
+
 def _counts_of_top(pool: torch.Tensor, total: int, length: int, groups: int) -> torch.Tensor:
     winners = pool.topk(total, sorted=False).indices
     return torch.bincount(winners // length, minlength=groups)

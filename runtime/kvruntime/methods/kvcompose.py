@@ -22,24 +22,16 @@ import dataclasses
 import torch
 
 from ..allocation import apportion
-from ..composite_tokens import (
-    composite_curve,
-    context_attention_max,
-    head_allocation,
-    kv_head_scores,
-    layer_allocation,
-    sorted_head_scores,
-)
+from ..composite_tokens import kv_head_scores, prompt_allocation
 from ..errors import KVRuntimeError
 from ..kvcompose_stats import KVComposeStats
-from ..selection import protect_window
-from .base import Method, Prefill, Selection
+from .base import Prefill, ScoringMethod, Selection
 
 MODES = ("compiled", "dynamic")
 
 
 @dataclasses.dataclass
-class KVCompose(Method):
+class KVCompose(ScoringMethod):
     name = "kvcompose"
     window: int = 32
     mode: str = "compiled"
@@ -64,11 +56,10 @@ class KVCompose(Method):
         if self.mode == "compiled" and ratio:
             self.stats.check_ratio(ratio)
 
-    def layer_statistics(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
-    ) -> torch.Tensor:
-        task_max = context_attention_max(queries, keys, scaling, keys.shape[2])
-        return protect_window(kv_head_scores(task_max, keys.shape[1]), queries.shape[2])
+    def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
+        """Eq. 14-16 with the window's queries as the task: max over them, per query head, then per KV head."""
+        batch, num_kv_heads, groups, _, length = attention.shape
+        return kv_head_scores(attention.amax(dim=-2).reshape(batch, num_kv_heads * groups, length), num_kv_heads)
 
     def task_statistics(self, task_maxima: list[torch.Tensor], num_kv_heads: int) -> list[torch.Tensor]:
         """The dynamic mode's scores, per layer [B, Hkv, N], from the scoring pass's task maxima [B, Hq, N]."""
@@ -78,17 +69,13 @@ class KVCompose(Method):
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"kvcompose selects for batch size 1 only (got {batch})")
-        total = keep * num_layers * (num_kv_heads if self.unstructured else 1)
         if self.mode == "dynamic":
-            if self.unstructured:
-                counts = head_allocation(torch.stack([sorted_head_scores(s[0]) for s in statistics]), total)
-            else:
-                curves = torch.stack([composite_curve(s)[0] for s in statistics])
-                counts = layer_allocation(curves, total)
+            counts = prompt_allocation(torch.stack([s[0] for s in statistics]), keep, self.unstructured)
             how = "dynamic allocation (two-pass scores on this prompt)"
         else:
             # keep = N - floor(ratio * N): the ratio served is within 1/N of the one requested.
             shares, how = self.stats.fractions(1.0 - keep / length, self.unstructured, tolerance=1.0 / length)
+            total = keep * shares.numel()
             counts = apportion(shares, total, low=min(self.window, length), high=length)
             how = f"compiled allocation ({self.stats.task_mode} stats, {how})"
         if not self.unstructured:
