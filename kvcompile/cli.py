@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -156,8 +156,9 @@ def _default_artifact(model: str, kind: str) -> Path:
     return ARTIFACTS_ROOT / folder / f"{kind}.safetensors"
 
 
-def _finish(artifact: object, out: Path) -> None:
-    """Save the artifact, then drop the run's checkpoint (only once the artifact is safely written)."""
+def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str]) -> None:
+    """Save the artifact, then drop the run's checkpoint (only once the artifact is safely written), then draw
+    its picture beside it."""
     from kvruntime.artifact import save_artifact
 
     from .checkpoint import discard_checkpoint
@@ -165,6 +166,7 @@ def _finish(artifact: object, out: Path) -> None:
     save_artifact(artifact, out)
     discard_checkpoint(out)
     typer.echo(f"wrote {out}")
+    typer.echo(plot(artifact, out.with_suffix(".png")))
 
 
 CorpusOption = Annotated[
@@ -203,8 +205,7 @@ def heads(
         artifact = compile_head_scores(
             loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume
         )
-        _finish(artifact, target)
-        typer.echo(plot_head_scores(artifact, target.with_suffix(".png")))
+        _finish(artifact, target, plot_head_scores)
         from .head_comparison import describe_head_comparison
 
         typer.echo(describe_head_comparison(artifact))
@@ -241,8 +242,7 @@ def budgets(
         artifact = compile_layer_errors(
             loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume
         )
-        _finish(artifact, target)
-        typer.echo(plot_layer_budgets(artifact, target.with_suffix(".png")))
+        _finish(artifact, target, plot_layer_budgets)
 
 
 @app.command()
@@ -285,8 +285,7 @@ def tables(
             experience_path = target.with_name("compilerkv_experience.safetensors")
             save_artifact(experience, experience_path)
             typer.echo(f"wrote {experience_path}")
-        _finish(artifact, target)
-        typer.echo(plot_compilerkv_tables(artifact, target.with_suffix(".png")))
+        _finish(artifact, target, plot_compilerkv_tables)
         typer.echo(describe_tables(artifact))
 
 
@@ -319,8 +318,7 @@ def stats(
         loaded, tokenizer = _load(model)
         target = out or _default_artifact(model, "kvcompose_stats")
         artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume)
-        _finish(artifact, target)
-        typer.echo(plot_kvcompose_stats(artifact, target.with_suffix(".png")))
+        _finish(artifact, target, plot_kvcompose_stats)
 
 
 def describe_tables(artifact: object) -> str:
