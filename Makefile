@@ -10,7 +10,7 @@ comma := ,
 # The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose
+.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval
 
 # $(call install,venv,extras): a venv with torch (CPU build unless one is there), the package and the default model.
 define install
@@ -60,3 +60,8 @@ kvcompose: setup
 # Against kvpress's KVComposePress, in the bench venv (about 45 minutes).
 bench-kvcompose: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python benchmarks/kvcompose_comparison.py
+
+# The evaluation suite on the default model, kvcompile's methods against kvpress's presses in one run, in the bench
+# venv (about 90 minutes on 2 CPU cores); results, tables and plots in benchmarks/eval/.
+bench-eval: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/kvcompile eval --lengths 1k,2k --samples 2 --out benchmarks/eval $(if $(RESUME),--resume)

@@ -17,102 +17,32 @@ full cache's.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from kvpress import KVComposePress
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 import kvruntime
 from kvcompile.corpus import load_corpus
+from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.runner import answer, split_prompt
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
-from kvruntime.cache_ops import cache_bytes
-from kvruntime.engine import CompressedContext
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine, write_results  # noqa: E402
 
 STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
 FULL = "full cache"
-METHODS = (  # label, kvcompile method, options (None: kvpress's KVComposePress)
-    ("kvcompose compiled", "kvcompose", {}),
-    ("kvcompose compiled, unstructured (masked)", "kvcompose", {"unstructured": True}),
-    ("kvcompose dynamic", "kvcompose", {"mode": "dynamic"}),
-    ("kvpress KVComposePress", None, None),
-    ("snapkv", "snapkv", {}),
+METHODS = (  # label, what runs it
+    ("kvcompose compiled", Contestant("kvcompose compiled", "kvcompile", "kvcompose")),
+    ("kvcompose compiled, unstructured (masked)", Contestant("unstructured", "kvcompile", "kvcompose", {"unstructured": True})),
+    ("kvcompose dynamic", Contestant("dynamic", "kvcompile", "kvcompose", {"mode": "dynamic"})),
+    ("kvpress KVComposePress", Contestant("kvpress-kvcompose", "kvpress", "kvcompose")),
+    ("snapkv", Contestant("snapkv", "kvcompile", "snapkv")),
 )
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-LIBC = ctypes.CDLL("libc.so.6")
-
-
-class PeakMemory:
-    """Peak resident memory of a block above the resident memory before it, in MiB (Linux, glibc)."""
-
-    def __enter__(self) -> "PeakMemory":
-        LIBC.malloc_trim(0)  # return freed heap pages first, or reused pages would not show as new
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-        self.before = _status_kib("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.mib = (_status_kib("VmHWM") - self.before) / 1024
-
-
-def answer(model, tokenizer, session, cache, context_length, question_ids, new_tokens) -> str:
-    """Greedy answer over an already compressed context, through the runtime's question path (positions after
-    the full context, per-layer causal masks)."""
-    context = CompressedContext(session, cache, context_length, session.reports[-1] if session.reports else None, {})
-    output = context.generate(question_ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, question_ids.shape[1] :], skip_special_tokens=True)
-
-
-def run_kvcompile(model, tokenizer, context_ids, question_ids, method, ratio, options, stats, new_tokens):
-    artifacts = [stats] if method == "kvcompose" and options.get("mode") != "dynamic" else []
-    memory = "masked" if options.get("unstructured") else "padded"
-    with kvruntime.compress(model, method, ratio=ratio, memory=memory, artifacts=artifacts, options=options) as session:
-        with PeakMemory() as peak:
-            started = time.perf_counter()
-            context = session.prefill(context_ids)
-            seconds = time.perf_counter() - started
-        text = answer(model, tokenizer, session, context.cache, context_ids.shape[1], question_ids, new_tokens)
-    return text, seconds, peak.mib, context.report.bytes_after, context.report.bytes_before
-
-
-def run_kvpress(model, tokenizer, context_ids, question_ids, ratio, new_tokens, full_bytes):
-    cache = DynamicCache(config=model.config)
-    press = KVComposePress(compression_ratio=ratio)
-    with PeakMemory() as peak:
-        started = time.perf_counter()
-        with torch.no_grad(), press(model):
-            model.model(input_ids=context_ids, past_key_values=cache)
-        seconds = time.perf_counter() - started
-    with kvruntime.compress(model, "snapkv", ratio=0.0) as session:  # only for the decoding path
-        text = answer(model, tokenizer, session, cache, context_ids.shape[1], question_ids, new_tokens)
-    return text, seconds, peak.mib, cache_bytes(cache), full_bytes
-
-
-def split_prompt(tokenizer, prompt, question_aware: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(context ids, question ids): compressed and asked afterwards."""
-    if question_aware:
-        ids = tokenizer(prompt.prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        return ids[:, :-1], ids[:, -1:]
-    encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
-    return encode(prompt.prompt[: prompt.question_start]), encode(prompt.prompt[prompt.question_start :])
 
 
 def parse_grid(text: str) -> list[tuple[int, float]]:
@@ -130,7 +60,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--stats", type=Path, default=STATS)
     parser.add_argument("--question-aware", action="store_true")
-    parser.add_argument("--methods", default=",".join(label for label, _, _ in METHODS))
+    parser.add_argument("--methods", default=",".join(label for label, _ in METHODS))
     parser.add_argument("--out", default="benchmarks/kvcompose_comparison.md")
     args = parser.parse_args()
     ratios = [float(x) for x in args.ratios.split(",")]
@@ -147,23 +77,18 @@ def main() -> None:
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(ratios)), desc="kvcompose comparison", unit="run")
     for job, prompt in enumerate(prompts):
         context_ids, question_ids = split_prompt(tokenizer, prompt, args.question_aware)
-        settings = [(FULL, "snapkv", 0.0, {})] + [(label, m, r, o) for r in ratios for label, m, o in methods]
-        full_seconds = full_bytes = None
-        for label, method, ratio, options in settings:
-            if method is None:
-                text, seconds, peak, after, before = run_kvpress(
-                    model, tokenizer, context_ids, question_ids, ratio, args.new_tokens, full_bytes
-                )
-            else:
-                text, seconds, peak, after, before = run_kvcompile(
-                    model, tokenizer, context_ids, question_ids, method, ratio, options, args.stats, args.new_tokens
-                )
-            if label == FULL:
-                full_seconds, full_bytes = seconds, before
+        settings = [(FULL, Contestant(FULL, "full"), 0.0)] + [(label, c, r) for r in ratios for label, c in methods]
+        full = None
+        for label, contestant, ratio in settings:
+            stats = [args.stats] if contestant.artifact_kinds() else []
+            result = answer(model, tokenizer, contestant, ratio, context_ids, question_ids, args.new_tokens, stats)
+            full = full or result
+            text, seconds = result.text, result.prefill_seconds
             rows.append(dict(
                 job=job, task=prompt.task, length=context_ids.shape[1], depth=prompt.depth, label=label, ratio=ratio,
                 correct=int(prompt.score(text)), prefill_seconds=round(seconds, 3),
-                prefill_vs_full=round(seconds / full_seconds, 3), peak_mib=round(peak, 1), cache_kept=round(after / before, 4),
+                prefill_vs_full=round(seconds / full.prefill_seconds, 3), peak_mib=round(result.peak_mib, 1),
+                cache_kept=round(result.cache_bytes / full.cache_bytes, 4),
                 answer=text.strip().replace("\n", " ")[:80],
             ))
             bar.update()
@@ -193,7 +118,7 @@ def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], meth
         "| ratio | method | accuracy | " + " | ".join(TASKS) + " | prefill vs full | prefill (s, median) | peak memory (MiB) | cache kept |",
         "|---|---|---|" + "---|" * (len(TASKS) + 4),
     ]
-    order = [(FULL, 0.0)] + [(label, r) for r in ratios for label, _, _ in methods]
+    order = [(FULL, 0.0)] + [(label, r) for r in ratios for label, _ in methods]
     for label, ratio in order:
         cell = cells.get((label, ratio))
         if not cell:

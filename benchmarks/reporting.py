@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 import csv
-import platform
 from pathlib import Path
 
-import torch
-import transformers
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return (
-        f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}"
-    )
+from kvcompile.evaluation.measure import machine  # noqa: F401  (re-exported for the benchmark scripts)
 
 
 def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = False) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,10 +64,14 @@ def _read_prompt(path: Path) -> str:
 def generate(
     prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
     method: Annotated[
-        str,
-        typer.Option(help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, compilerkv, or kvcompose."),
-    ] = "kvcompress",
-    ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1).")] = None,
+        Optional[str],
+        typer.Option(
+            help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, compilerkv, or kvcompose. "
+            "Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if "
+            "there is one, else kvcompress."
+        ),
+    ] = None,
+    ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")] = None,
     budget: Annotated[Optional[int], typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
     question: Annotated[
         Optional[list[str]],
@@ -89,15 +94,23 @@ def generate(
     with clear_errors():
         import kvruntime  # imported inside commands so that `--help` stays fast
 
-        if ratio is None and budget is None:
-            ratio = 0.5
         prompt = _read_prompt(prompt_file)
-        kvruntime.CompressionSession.check_request(ratio, budget, memory)
         options = _method_options(option or [])
         if nearest_budget:
             options["nearest_budget"] = True
-        kinds = kvruntime.required_artifact_kinds(method, options)
-        paths = list(artifact or []) or [_default_artifact(model, kind) for kind in kinds]
+        paths = list(artifact or [])
+        if method is None:
+            # The method and ratio of a tuned_defaults artifact (given, or the model's default one), else kvcompress.
+            tuned = _default_artifact(model, "tuned_defaults")
+            paths = paths or ([tuned] if tuned.exists() else [])
+            if not any(p.exists() and kvruntime.read_artifact(p).kind == "tuned_defaults" for p in paths):
+                method = "kvcompress"
+        if method is not None:
+            if ratio is None and budget is None:
+                ratio = 0.5
+            kinds = kvruntime.required_artifact_kinds(method, options)
+            paths = paths or [_default_artifact(model, kind) for kind in kinds]
+            kvruntime.CompressionSession.check_request(ratio, budget, memory)
         for path in paths:
             if not path.exists():
                 raise KVRuntimeError(
@@ -319,6 +332,146 @@ def stats(
         target = out or _default_artifact(model, "kvcompose_stats")
         artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume)
         _finish(artifact, target, plot_kvcompose_stats)
+
+
+MethodsOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress "
+        "(all presses; needs the bench extra). Default: full and kvcompile's five methods, plus kvpress if installed."
+    ),
+]
+TasksOption = Annotated[
+    str, typer.Option(help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated).")
+]
+LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
+QuestionAwareOption = Annotated[
+    bool, typer.Option(help="Compress with the question in the observation window (default: the context alone, then the question).")
+]
+ArtifactsOption = Annotated[
+    Optional[Path], typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
+]
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The command with every setting spelled out (defaults included), for the reports it writes."""
+    parts = ["kvcompile", ctx.info_name]
+    for name, value in ctx.params.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts += [flag] if value else []
+        elif value is not None:
+            parts += [flag, str(value)]
+    return " ".join(parts)
+
+
+@app.command(name="eval")
+def eval_(
+    ctx: typer.Context,
+    model: ModelOption = "default",
+    methods: MethodsOption = None,
+    ratios: Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")] = "0.5,0.75,0.9",
+    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
+    lengths: LengthsOption = "2k",
+    samples: Annotated[int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")] = 3,
+    seed: SeedOption = 0,
+    question_aware: QuestionAwareOption = False,
+    new_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")] = 48,
+    artifacts: ArtifactsOption = None,
+    out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path("eval_results"),
+    resume: ResumeOption = False,
+) -> None:
+    """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
+    with clear_errors():
+        import datetime
+
+        from .evaluation.contestants import artifact_paths, default_methods, parse_methods
+        from .evaluation.measure import machine
+        from .evaluation.report import write_report
+        from .evaluation.store import RunStore
+        from .evaluation.suite_run import SuiteSettings, evaluate
+        from .tasks.suite import parse_lengths
+
+        settings = SuiteSettings(
+            ratios=tuple(_numbers(ratios, float)), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+            lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
+            new_tokens=new_tokens,
+        )
+        settings.check()
+        ctx.params["methods"] = methods = methods or default_methods()
+        contestants = parse_methods(methods)
+        paths = artifact_paths(contestants, artifacts or _default_artifact(model, "x").parent)
+        record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
+        store = RunStore(out, record, resume)
+        loaded, tokenizer = _load(model)
+        records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
+        header = "\n".join(
+            [
+                f"# kvcompile eval: {model}",
+                "",
+                f"Command: `{_command_line(ctx)}`  ",
+                f"Machine: {machine()}  ",
+                f"Finished: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
+                f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
+                f"{', '.join(map(str, settings.lengths))}; {samples} per task and length; seed {seed}), "
+                f"{'question-aware' if question_aware else 'question-agnostic (the context is compressed before the question is seen)'}, "
+                f"greedy, {new_tokens} new tokens.",
+                "",
+            ]
+        )
+        for path in write_report(records, out, header):
+            typer.echo(f"wrote {path}")
+        typer.echo((out / "results.md").read_text().split("## Per method")[0])
+
+
+@app.command()
+def tune(
+    model: ModelOption = "default",
+    tolerance: Annotated[float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")] = 0.02,
+    methods: Annotated[str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")] = "compresskv,compilerkv,kvcompose,kvcompress,snapkv",
+    ratios: Annotated[str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",
+    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
+    lengths: LengthsOption = "2k",
+    samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the validation prompts (kvcompile eval uses 0 by default).")] = 1,
+    question_aware: QuestionAwareOption = False,
+    artifacts: ArtifactsOption = None,
+    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/tuned_defaults.safetensors).")] = None,
+    resume: ResumeOption = False,
+) -> None:
+    """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
+    full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
+    with clear_errors():
+        import shutil
+
+        from .evaluation.contestants import artifact_paths, parse_methods
+        from .evaluation.store import RunStore
+        from .evaluation.suite_run import SuiteSettings
+        from .evaluation.tuning import describe_tuning, tune as tune_ratios
+        from .plots import plot_tuned_defaults
+        from .tasks.suite import parse_lengths
+
+        settings = SuiteSettings(
+            ratios=tuple(sorted(_numbers(ratios, float))), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+            lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware, new_tokens=48,
+        )
+        settings.check()
+        if not 0.0 <= tolerance < 1.0:
+            raise KVRuntimeError(f"--tolerance {tolerance}: give an accuracy difference in [0, 1)")
+        contestants = parse_methods(methods)
+        if any(c.kind == "kvpress" for c in contestants):
+            raise KVRuntimeError("tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only")
+        target = out or _default_artifact(model, "tuned_defaults")
+        folder = artifacts or target.parent
+        paths = artifact_paths(contestants, folder)
+        records = target.with_name(target.stem + ".runs")
+        store = RunStore(records, {"model": model, "methods": [c.label for c in contestants], "tolerance": tolerance,
+                                   **dataclasses.asdict(settings)}, resume)
+        loaded, tokenizer = _load(model)
+        artifact = tune_ratios(loaded, tokenizer, contestants, paths, settings, tolerance, store, target.parent)
+        _finish(artifact, target, plot_tuned_defaults)
+        shutil.rmtree(records)  # the run records are in the artifact now
+        typer.echo(describe_tuning(artifact))
 
 
 def describe_tables(artifact: object) -> str:

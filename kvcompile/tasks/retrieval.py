@@ -1,5 +1,6 @@
 """Held-out long-context retrieval prompts for measuring compressed generation (never used for calibration):
-the pass key in repeated filler, one needle in Moby-Dick, and several key-value needles (RULER's multi-key NIAH).
+the pass key in repeated filler, one needle in Moby-Dick, several key-value needles of which one is asked (RULER's
+multi-key NIAH), and one key with several values, all asked (RULER's multi-value NIAH).
 Each prompt is scored by exact match: every expected value must appear in the generated text."""
 
 from __future__ import annotations
@@ -32,56 +33,85 @@ EVALUATION_NEEDLES = (
 )
 MULTIKEY_KEYS = ("amber", "willow", "falcon", "quartz", "harbor", "meadow", "cobalt", "lantern")
 TASKS = ("passkey", "needle", "multikey")
+# Depths of the other needles, relative to the asked (or first) one, wrapping around the context.
+OTHER_NEEDLE_OFFSETS = (0.3, 0.55, 0.8)
 
 
 @dataclasses.dataclass(frozen=True)
-class RetrievalPrompt:
+class TaskPrompt:
     task: str
     prompt: str
     expected: tuple[str, ...]
     length: int
-    depth: float
+    depth: float | None  # relative depth of the (first) inserted fact; None for tasks without one
     question_start: int  # character where the question begins: the context alone is prompt[:question_start]
 
     def score(self, generated: str) -> bool:
+        """Exact match: every expected value appears in the generated text (case-insensitive)."""
         return all(value.lower() in generated.lower() for value in self.expected)
 
 
 def retrieval_prompt(
     task: str, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int
-) -> RetrievalPrompt:
+) -> TaskPrompt:
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
-        return RetrievalPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
+        return TaskPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
     if task == "needle":
         index = seed % len(EVALUATION_NEEDLES)
         probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=True, needles=EVALUATION_NEEDLES)
-        return RetrievalPrompt(task, probe.prompt, (probe.answer,), length, depth, _question_start(probe.prompt))
+        return TaskPrompt(task, probe.prompt, (probe.answer,), length, depth, question_start(probe.prompt))
     if task == "multikey":
-        return _multikey(corpus, tokenizer, length, depth, seed)
-    raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
+        rng = random.Random(f"multikey:{seed}:{length}:{depth}")
+        keys = rng.sample(MULTIKEY_KEYS, 4)
+        values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+        return _magic_numbers(task, corpus, tokenizer, length, depth, seed, keys, values, f"the special magic number for {keys[0]}", values[:1])
+    if task == "multivalue":
+        rng = random.Random(f"multivalue:{seed}:{length}:{depth}")
+        key = rng.choice(MULTIKEY_KEYS)
+        values = [str(rng.randint(1_000_000, 9_999_999)) for _ in range(len(OTHER_NEEDLE_OFFSETS) + 1)]
+        return _magic_numbers(
+            task, corpus, tokenizer, length, depth, seed, [key] * len(values), values,
+            f"all the special magic numbers for {key}", values,
+        )
+    raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)}, multivalue)")
 
 
-def _multikey(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> RetrievalPrompt:
-    """Four key-value needles at spread depths; the question asks for the one placed at `depth`."""
-    rng = random.Random(f"multikey:{seed}:{length}:{depth}")
-    keys = rng.sample(MULTIKEY_KEYS, 4)
-    values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
-    asked = 0
+def _magic_numbers(
+    task: str,
+    corpus: Corpus,
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    depth: float,
+    seed: int,
+    keys: list[str],
+    values: list[str],
+    asked: str,
+    expected: list[str],
+) -> TaskPrompt:
+    """Key-value needles in book text: the first at `depth`, the others at spread depths; asks "What is/are <asked>?"."""
     sentences = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
-    question = QUESTION_TEMPLATE.format(question=f"What is the special magic number for {keys[asked]}?")
+    verb = "are" if len(expected) > 1 else "is"
+    question = QUESTION_TEMPLATE.format(question=f"What {verb} {asked}?")
     base = needle_probe(
         corpus, tokenizer, length - 20 * len(keys), depth, 0, seed, chat=False,
-        needles=(Needle(sentences[asked], "", values[asked]),),
+        needles=(Needle(sentences[0], "", values[0]),),
     )
     context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
-    # The distractor keys go at other depths, each after a sentence end.
-    for offset, sentence in zip((0.3, 0.55, 0.8), sentences[1:]):
-        cut = context.find(". ", int(((depth + offset) % 1.0) * len(context))) + 2
-        context = context[:cut] + sentence + " " + context[cut:]
+    others = [((depth + offset) % 1.0, sentence) for offset, sentence in zip(OTHER_NEEDLE_OFFSETS, sentences[1:])]
+    context = insert_sentences(context, others)
     prompt = render_prompt(tokenizer, context + question, chat=True)
-    return RetrievalPrompt("multikey", prompt, (values[asked],), length, depth, _question_start(prompt))
+    return TaskPrompt(task, prompt, tuple(expected), length, depth, question_start(prompt))
 
 
-def _question_start(prompt: str) -> int:
+def insert_sentences(context: str, placed: list[tuple[float, str]]) -> str:
+    """Insert each (depth, sentence) after the first sentence end at or after that relative depth, in order."""
+    for depth, sentence in placed:
+        found = context.find(". ", int(depth * len(context)))
+        cut = found + 2 if found >= 0 else len(context)
+        context = context[:cut] + sentence + " " + context[cut:]
+    return context
+
+
+def question_start(prompt: str) -> int:
     return prompt.rindex(QUESTION_TEMPLATE.split("{")[0])

@@ -26,6 +26,7 @@ from .methods import (
 )
 from .model_loading import DEFAULT_MODEL, load_model
 from .report import CompressionReport
+from .tuned_defaults import TunedDefaults
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -45,6 +46,7 @@ __all__ = [
     "ModelFingerprint",
     "SemanticRetrievalHeads",
     "SnapKV",
+    "TunedDefaults",
     "WithLayerBudgets",
     "UnsupportedModelError",
     "compress",

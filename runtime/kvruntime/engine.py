@@ -29,6 +29,7 @@ from .methods import Method, Prefill, get_method
 from .report import CompressionReport
 from .selection import kept_per_head, top_indices, top_mask
 from .task_attention import task_attention_maxima
+from .tuned_defaults import TunedDefaults
 from .window_attention import hooked_window_queries
 
 MEMORY_MODES = ("padded", "masked")
@@ -245,33 +246,37 @@ class CompressedContext:
         (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
         if not self.session.active:
             raise KVRuntimeError("answer questions inside the `with kvruntime.compress(...)` block that made the context")
-        question_length = question_ids.shape[1]
         saved = [(layer.keys, layer.values) for layer in self.cache.layers]
-        # Original positions: the question follows the full (uncompressed) context.
-        positions = torch.arange(self.context_length, self.context_length + question_length, device=question_ids.device)
-        attention_mask = torch.ones(1, self.context_length + question_length, dtype=torch.long, device=question_ids.device)
-        explicit = {"position_ids": positions[None]}
-        if hasattr(self.session.model, "_get_initial_cache_position"):
-            # transformers < 5.3 (kvpress's range) derives cache positions from the compressed cache length.
-            explicit["cache_position"] = positions
         self.session._keep_masks = self.keep_masks
         try:
-            return self.session.model.generate(
-                input_ids=question_ids,
-                attention_mask=attention_mask,
-                past_key_values=self.cache,
-                **explicit,
-                **generate_kwargs,
-            )
+            return generate_after_context(self.session.model, self.cache, self.context_length, question_ids, **generate_kwargs)
         finally:
             for layer, (keys, values) in zip(self.cache.layers, saved):
                 layer.keys, layer.values = keys, values
 
 
+def generate_after_context(
+    model: nn.Module, cache: Cache, context_length: int, question_ids: torch.Tensor, **generate_kwargs
+) -> object:
+    """`model.generate` on `question_ids` [1, q] after a context of `context_length` tokens held (compressed or
+    not) in `cache`: the question takes its original positions after the full context. A cache whose layers hold
+    different lengths needs `per_layer_attention` around this call."""
+    question_length = question_ids.shape[1]
+    positions = torch.arange(context_length, context_length + question_length, device=question_ids.device)
+    attention_mask = torch.ones(1, context_length + question_length, dtype=torch.long, device=question_ids.device)
+    explicit = {"position_ids": positions[None]}
+    if hasattr(model, "_get_initial_cache_position"):
+        # transformers < 5.3 (kvpress's range) derives cache positions from the compressed cache length.
+        explicit["cache_position"] = positions
+    return model.generate(
+        input_ids=question_ids, attention_mask=attention_mask, past_key_values=cache, **explicit, **generate_kwargs
+    )
+
+
 @contextlib.contextmanager
 def compress(
     model: nn.Module,
-    method: str | Method = "kvcompress",
+    method: str | Method | None = None,
     ratio: float | None = None,
     budget: int | None = None,
     memory: str = "padded",
@@ -281,6 +286,8 @@ def compress(
 ) -> Iterator[CompressionSession]:
     """Compress the KV cache of every prefill run inside the block.
 
+    method: a method name or instance; None takes the method and ratio of a `tuned_defaults` artifact among
+    `artifacts` (written by `kvcompile tune`), or `kvcompress` when there is none.
     ratio: fraction of cache entries removed, in [0, 1); budget: tokens kept per layer (give one of the two).
     memory: how per-head counts that differ inside a layer are stored: `padded` (default) gives every head of a
     layer the layer's largest count, filled with each head's next-best tokens; `masked` uses the same slots but
@@ -290,6 +297,14 @@ def compress(
     options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`).
     """
     loaded = [load_artifact(path, model=model, force=force) for path in artifacts]
-    session = CompressionSession(model, get_method(method, loaded, options), ratio, budget, memory, loaded)
+    tuned = [a for a in loaded if a.kind == "tuned_defaults"]
+    if method is None and tuned:
+        defaults = TunedDefaults.from_artifact(tuned[0])
+        method, options = defaults.method, options or defaults.options
+        if ratio is None and budget is None:
+            ratio = defaults.ratio
+        present = {a.path.resolve() for a in loaded if a.path is not None}
+        loaded += [load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present]
+    session = CompressionSession(model, get_method(method or "kvcompress", loaded, options), ratio, budget, memory, loaded)
     with per_layer_attention(model), session.attached():
         yield session

@@ -1,0 +1,113 @@
+"""What `kvcompile eval` compares: kvcompile's runtime methods, the presses of the peer library kvpress (with the
+`bench` extra), and the full cache every answer is measured against.
+
+`--methods` takes comma-separated entries: `full`; a runtime method name (`compresskv`, `kvcompose`, `snapkv`,
+`kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`); `kvpress-<press>`
+for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvruntime.errors import KVRuntimeError
+from kvruntime.methods import NEEDS, parse_method_name, required_artifact_kinds
+
+FULL = "full"
+# kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
+PRESSES: dict[str, tuple[str, dict]] = {
+    "snapkv": ("SnapKVPress", {}),
+    "tova": ("TOVAPress", {}),
+    "expected_attention": ("ExpectedAttentionPress", {}),
+    "streaming_llm": ("StreamingLLMPress", {}),
+    "pyramidkv": ("PyramidKVPress", {}),
+    "kvcompose": ("KVComposePress", {}),
+}
+KVCOMPILE_METHODS = ("compresskv", "compilerkv", "kvcompose", "kvcompress", "snapkv")
+# A ratio maps to a budget that is rarely one of compilerkv's compiled budgets: take the nearest compiled tables.
+DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"compilerkv": {"nearest_budget": True}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contestant:
+    label: str
+    kind: str  # "full", "kvcompile" or "kvpress"
+    method: str = ""  # runtime method name, or press name
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def artifact_kinds(self) -> list[str]:
+        return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
+
+    def press(self, ratio: float) -> object:
+        """A kvpress press at this compression ratio (kvpress is imported only here, when a press is run)."""
+        import kvpress
+
+        class_name, settings = PRESSES[self.method]
+        return getattr(kvpress, class_name)(compression_ratio=ratio, **settings)
+
+
+def kvpress_available() -> bool:
+    try:
+        import kvpress  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_methods() -> str:
+    return ",".join([FULL, *KVCOMPILE_METHODS, *(["kvpress"] if kvpress_available() else [])])
+
+
+def parse_methods(text: str) -> list[Contestant]:
+    """Contestants from `--methods`; the full cache always comes first (it is the reference of every score)."""
+    contestants = [Contestant(FULL, "full")]
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        if entry == FULL:
+            continue
+        if entry == "kvpress" or entry.startswith("kvpress-"):
+            contestants += _presses(entry)
+            continue
+        name, *pairs = entry.split(":")
+        parse_method_name(name)  # refuses an unknown method with the list of known ones
+        options = dict(DEFAULT_OPTIONS.get(name, {}))
+        for pair in pairs:
+            key, separator, value = pair.partition("=")
+            if not separator:
+                raise KVRuntimeError(f"method option {pair!r} in {entry!r}: write it as key=value")
+            options[key] = {"true": True, "false": False}.get(value, value)
+        contestants.append(Contestant(entry, "kvcompile", name, options))
+    labels = [c.label for c in contestants]
+    if len(set(labels)) != len(labels):
+        raise KVRuntimeError(f"--methods names a method twice: {text!r}")
+    if len(contestants) == 1:
+        raise KVRuntimeError("--methods names no method to compare with the full cache")
+    return contestants
+
+
+def _presses(entry: str) -> list[Contestant]:
+    names = list(PRESSES) if entry == "kvpress" else [entry.removeprefix("kvpress-")]
+    unknown = [n for n in names if n not in PRESSES]
+    if unknown:
+        raise KVRuntimeError(f"unknown kvpress press {unknown[0]!r} (compared presses: {', '.join(PRESSES)})")
+    if not kvpress_available():
+        raise KVRuntimeError(
+            f"{entry} needs kvpress: install the bench extra (`make .venv-bench/bin/.installed`, or pip install -e '.[bench]')"
+        )
+    return [Contestant(f"kvpress-{n}", "kvpress", n) for n in names]
+
+
+def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
+    """Each kvcompile contestant's artifacts in `folder` (`<kind>.safetensors`); a missing one is refused with the
+    command that compiles it, before any model work."""
+    commands = {kind: command for kind, command in NEEDS.values()}
+    paths = {}
+    for contestant in contestants:
+        paths[contestant.label] = [folder / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
+        for path in paths[contestant.label]:
+            if not path.exists():
+                kind = path.name.removesuffix(".safetensors")
+                raise KVRuntimeError(
+                    f"{contestant.label} needs {path}: compile it with `{commands[kind]}` or pass --artifacts DIR"
+                )
+    return paths

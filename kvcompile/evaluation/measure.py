@@ -1,0 +1,60 @@
+"""What a benchmark records besides its answers: peak memory of a step, and the machine it ran on."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+class PeakMemory:
+    """Peak resident memory of a block above the resident memory before it, in MiB (Linux with glibc; `mib` is
+    None elsewhere). The peak is a resident-set measure: pages the allocator keeps from earlier steps hide part of
+    a step's use, so small differences are noise."""
+
+    def __init__(self) -> None:
+        self.mib: float | None = None
+        self._clear_refs = Path("/proc/self/clear_refs")
+        self._libc = _libc()
+
+    def __enter__(self) -> "PeakMemory":
+        self._enabled = self._clear_refs.exists() and self._libc is not None
+        if self._enabled:
+            self._libc.malloc_trim(0)  # return freed heap pages first, or reused pages would not show as new
+            self._clear_refs.write_text("5")  # resets VmHWM to the current VmRSS
+            self._before = _status_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._enabled:
+            self.mib = (_status_kib("VmHWM") - self._before) / 1024
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    device = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
+    return (
+        f"{platform.node()}: {cpu}{device}, {torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )

@@ -1,0 +1,55 @@
+"""Scores of one compressed answer against the full cache's, and summaries over ratios (pure functions).
+
+Accuracy is exact match (`TaskPrompt.score`). Fidelity shows degradation before accuracy drops: the KL divergence
+of the first answer token's distribution from the full cache's, and greedy agreement, the share of the full
+cache's first greedy tokens reproduced before the first difference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+AGREEMENT_TOKENS = 32
+
+
+def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(full || compressed) in nats between the next-token distributions given by two logit vectors."""
+    reference = torch.log_softmax(reference_logits.double().reshape(-1), dim=-1)
+    compressed = torch.log_softmax(logits.double().reshape(-1), dim=-1)
+    return float((reference.exp() * (reference - compressed)).sum().clamp(min=0.0))
+
+
+def greedy_agreement(reference: Sequence[int], tokens: Sequence[int], count: int = AGREEMENT_TOKENS) -> float:
+    """Share of the reference's first `count` greedy tokens matched, position by position, up to the first
+    difference (after a difference the two continuations condition on different text)."""
+    target = list(reference[:count])
+    if not target:
+        return 1.0
+    matched = 0
+    for a, b in zip(target, tokens):
+        if a != b:
+            break
+        matched += 1
+    return matched / len(target)
+
+
+def accuracy_auc(full_accuracy: float, curve: dict[float, float]) -> float:
+    """Mean accuracy over [0, largest ratio] of the curve through (0, full accuracy) and (ratio, accuracy) points,
+    by the trapezoid rule: 1.0 is a method that never loses anything."""
+    points = sorted({0.0: full_accuracy, **curve}.items())
+    if len(points) < 2:
+        return full_accuracy
+    area = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in zip(points, points[1:]))
+    return area / points[-1][0]
+
+
+def largest_ratio_within(full_accuracy: float, curve: dict[float, float], tolerance: float) -> float | None:
+    """The largest ratio such that it and every smaller measured ratio keep accuracy within `tolerance` of the
+    full cache (a ratio past a failure is not trusted); None when even the smallest fails."""
+    chosen = None
+    for ratio in sorted(curve):
+        if curve[ratio] < full_accuracy - tolerance - 1e-9:
+            break
+        chosen = ratio
+    return chosen

@@ -1,0 +1,138 @@
+"""Tables and plots of an evaluation run: one row per method x ratio x task x length (CSV and Markdown), a summary
+per method x ratio with the area under the accuracy-versus-ratio curve, accuracy versus ratio per task, and a
+needle-in-a-haystack heatmap (depth x length) per method and ratio."""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from .contestants import FULL
+from .metrics import accuracy_auc
+from .store import write_text_atomically
+
+GROUP_COLUMNS = ("method", "ratio", "task", "length")
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def with_peak_ratios(records: list[dict]) -> list[dict]:
+    """Each record with `peak_vs_full`: its peak memory over the full cache's on the same prompt (None where
+    memory was not measured)."""
+    full = {r["prompt"]: r["peak_mib"] for r in records if r["method"] == FULL}
+    return [
+        {**r, "peak_vs_full": r["peak_mib"] / full[r["prompt"]] if r["peak_mib"] is not None and full.get(r["prompt"]) else None}
+        for r in records
+    ]
+
+
+def _summary(records: list[dict]) -> dict:
+    return dict(
+        prompts=len(records),
+        accuracy=round(statistics.mean(r["correct"] for r in records), 4),
+        kl=round(statistics.mean(r["kl"] for r in records), 4),
+        agreement=round(statistics.mean(r["agreement"] for r in records), 4),
+        prefill_vs_full=round(_median(r["prefill_vs_full"] for r in records), 3),
+        peak_mib=_median(r["peak_mib"] for r in records),
+        peak_vs_full=_round(_median(r.get("peak_vs_full") for r in records), 3),
+        cache_kept=round(statistics.mean(r["cache_kept"] for r in records), 4),
+    )
+
+
+def grouped(records: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[key(record)].append(record)
+    return groups
+
+
+def results_table(records: list[dict]) -> list[dict]:
+    """One row per method x ratio x task x length, in the order the records came."""
+    groups = grouped(records, lambda r: tuple(r[c] for c in GROUP_COLUMNS))
+    return [dict(zip(GROUP_COLUMNS, key), **_summary(rows)) for key, rows in groups.items()]
+
+
+def method_curves(records: list[dict]) -> dict[str, dict[float, float]]:
+    """Accuracy over the whole suite per method and ratio (the full cache at ratio 0)."""
+    curves: dict[str, dict[float, float]] = defaultdict(dict)
+    for (method, ratio), rows in grouped(records, lambda r: (r["method"], r["ratio"])).items():
+        curves[method][ratio] = statistics.mean(r["correct"] for r in rows)
+    return dict(curves)
+
+
+def summary_table(records: list[dict]) -> list[dict]:
+    """One row per method x ratio over the whole suite, with each method's area under its accuracy curve."""
+    curves = method_curves(records)
+    full = curves[FULL][0.0]
+    rows = []
+    for (method, ratio), group in grouped(records, lambda r: (r["method"], r["ratio"])).items():
+        auc = full if method == FULL else accuracy_auc(full, curves[method])
+        rows.append(dict(method=method, ratio=ratio, **_summary(group), auc=round(auc, 4)))
+    return sorted(rows, key=lambda r: (r["ratio"], -r["accuracy"], r["method"]))
+
+
+def to_csv(rows: list[dict]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def to_markdown(rows: list[dict]) -> str:
+    def cell(value: object) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.3f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(records: list[dict], folder: Path, header: str) -> list[Path]:
+    """results.csv (method x ratio x task x length), summary.csv, results.md and the plots; returns the paths."""
+    records = with_peak_ratios(records)
+    table, summary = results_table(records), summary_table(records)
+    write_text_atomically(folder / "results.csv", to_csv(table))
+    write_text_atomically(folder / "summary.csv", to_csv(summary))
+    markdown = "\n".join(
+        [
+            header,
+            "## Summary (all tasks): accuracy, fidelity, prefill time and memory per method and ratio",
+            "",
+            "accuracy: exact match of every expected value; kl: KL divergence (nats) of the first answer token's "
+            "distribution from the full cache's; agreement: share of the full cache's first 32 greedy tokens "
+            "reproduced before the first difference; prefill_vs_full: median ratio of prefill + compression time to "
+            "the full cache's prefill of the same prompt; peak_mib: median peak resident memory of that step above "
+            "the memory before it; peak_vs_full: median ratio of that peak to the full cache's on the same prompt; cache_kept: KV bytes held over the full cache's; auc: mean accuracy over ratios "
+            "0 to the largest (trapezoid through the full cache's accuracy at 0).",
+            "",
+            to_markdown(summary),
+            "## Per method, ratio, task and length",
+            "",
+            to_markdown(table),
+            "![accuracy versus ratio](accuracy_vs_ratio.png)",
+            "",
+            "![needle-in-a-haystack heatmap](niah_heatmap.png)",
+            "",
+        ]
+    )
+    write_text_atomically(folder / "results.md", markdown)
+    from .plots import plot_accuracy_vs_ratio, plot_niah_heatmap
+
+    plot_accuracy_vs_ratio(records, folder / "accuracy_vs_ratio.png")
+    plot_niah_heatmap(records, folder / "niah_heatmap.png")
+    return [folder / n for n in ("results.md", "results.csv", "summary.csv", "accuracy_vs_ratio.png", "niah_heatmap.png")]

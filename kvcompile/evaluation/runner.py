@@ -1,0 +1,96 @@
+"""One prompt through one contestant: prefill (timed, peak memory measured), compression, then the answer over the
+compressed context through the same greedy decoding path for every contestant.
+
+Question-agnostic (default): the context is compressed alone and the question is asked afterwards, at its original
+positions. Question-aware: everything but the prompt's last token is compressed, so the question is in the
+observation window of the window-scored methods."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+import kvruntime
+from kvruntime.attention import per_layer_attention
+from kvruntime.cache_ops import cache_bytes
+from kvruntime.engine import generate_after_context
+
+from ..tasks.retrieval import TaskPrompt
+from .contestants import Contestant
+from .measure import PeakMemory
+
+
+@dataclasses.dataclass
+class Answer:
+    text: str
+    tokens: list[int]
+    first_logits: torch.Tensor  # [vocab] logits of the first answer token
+    prefill_seconds: float  # prefill + compression of the context
+    peak_mib: float | None
+    cache_bytes: int  # KV bytes held after compression
+
+
+def split_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: TaskPrompt, question_aware: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context ids, question ids): the first part is compressed, the second asked afterwards."""
+    if question_aware:
+        ids = tokenizer(prompt.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        return ids[:, :-1], ids[:, -1:]
+
+    def encode(text: str) -> torch.Tensor:
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+    return encode(prompt.prompt[: prompt.question_start]), encode(prompt.prompt[prompt.question_start :])
+
+
+def answer(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    contestant: Contestant,
+    ratio: float,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor,
+    new_tokens: int,
+    artifacts: list[Path],
+) -> Answer:
+    greedy = dict(
+        max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    if contestant.kind == "kvcompile":
+        memory = "masked" if contestant.options.get("unstructured") else "padded"
+        with kvruntime.compress(
+            model, contestant.method, ratio=ratio, memory=memory, artifacts=artifacts, options=contestant.options
+        ) as session:
+            with PeakMemory() as peak:
+                started = time.perf_counter()
+                context = session.prefill(context_ids)
+                seconds = time.perf_counter() - started
+            output = context.generate(question_ids, **greedy)
+        held = context.report.bytes_after
+    else:
+        cache = DynamicCache(config=model.config)
+        with PeakMemory() as peak:
+            started = time.perf_counter()
+            with torch.no_grad(), contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext():
+                model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            seconds = time.perf_counter() - started
+        held = cache_bytes(cache)
+        with per_layer_attention(model):  # presses may leave layers of different lengths
+            output = generate_after_context(model, cache, context_ids.shape[1], question_ids, **greedy)
+    tokens = output.sequences[0, question_ids.shape[1] :].tolist()
+    return Answer(
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+        tokens=tokens,
+        first_logits=output.logits[0][0].float(),
+        prefill_seconds=seconds,
+        peak_mib=peak.mib,
+        cache_bytes=held,
+    )

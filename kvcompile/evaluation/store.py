@@ -1,0 +1,56 @@
+"""The records of an evaluation run, kept in its output folder so that an interrupted run can be resumed:
+`run.json` (the settings) and `runs.jsonl` (one record per prompt x contestant x ratio), both rewritten
+atomically after each prompt's work."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from kvruntime.errors import KVRuntimeError
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunStore:
+    def __init__(self, folder: Path, settings: dict, resume: bool) -> None:
+        self.folder = folder
+        self.records: list[dict] = []
+        settings_path, runs_path = folder / "run.json", folder / "runs.jsonl"
+        if runs_path.exists() and not resume:
+            raise KVRuntimeError(f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out")
+        if resume and runs_path.exists():
+            saved = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+            if saved != json.loads(json.dumps(settings)):
+                changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+                raise KVRuntimeError(f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out")
+            self.records = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
+        self._keys = {self.key(r["prompt"], r["method"], r["ratio"]) for r in self.records}
+        write_text_atomically(settings_path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
+        self._runs_path = runs_path
+
+    @staticmethod
+    def key(prompt: int, label: str, ratio: float) -> tuple:
+        return prompt, label, round(ratio, 6)
+
+    def done(self, prompt: int, label: str, ratio: float) -> bool:
+        return self.key(prompt, label, ratio) in self._keys
+
+    def add(self, records: list[dict]) -> None:
+        self.records += records
+        self._keys |= {self.key(r["prompt"], r["method"], r["ratio"]) for r in records}
+        write_text_atomically(self._runs_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))

@@ -1,0 +1,110 @@
+"""`kvcompile eval`: the suite's prompts through every contestant at every ratio, one prompt at a time (the full
+cache first: it is the reference of every fidelity score and of the prefill time), recorded after each prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from kvruntime.errors import KVRuntimeError
+
+from ..corpus import load_corpus
+from ..tasks.retrieval import TaskPrompt
+from ..tasks.suite import check_tasks, suite_prompts
+from .contestants import Contestant
+from .metrics import greedy_agreement, next_token_kl
+from .runner import Answer, answer, split_prompt
+from .store import RunStore
+
+HELD_OUT_BOOK = "moby-dick"  # calibration reads Austen
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteSettings:
+    ratios: tuple[float, ...]
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    samples: int
+    seed: int
+    question_aware: bool
+    new_tokens: int
+
+    def check(self) -> None:
+        if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
+            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give compression ratios in (0, 1)")
+        check_tasks(self.tasks)
+        if self.samples < 1 or self.new_tokens < 1:
+            raise KVRuntimeError("--samples and --new-tokens must be at least 1")
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    contestants: list[Contestant],
+    artifacts: dict[str, list[Path]],
+    settings: SuiteSettings,
+    store: RunStore,
+) -> list[dict]:
+    prompts = suite_prompts(
+        load_corpus(HELD_OUT_BOOK), tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed
+    )
+    jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
+    todo = [i for i in range(len(prompts)) if not store.done(i, contestants[0].label, 0.0)]  # stored per prompt
+    if todo:  # untimed: the first prefill of a process pays for allocations
+        reference_answer(model, tokenizer, todo[0], prompts[todo[0]], contestants[0], settings)
+    bar = tqdm(total=len(prompts) * (1 + len(jobs)), initial=(len(prompts) - len(todo)) * (1 + len(jobs)), desc="kvcompile eval", unit="run")
+    for index in todo:
+        prompt = prompts[index]
+        reference, record = reference_answer(model, tokenizer, index, prompt, contestants[0], settings)
+        bar.update()
+        results = run_prompt(model, tokenizer, index, prompt, jobs, artifacts, settings, reference, bar)
+        store.add([record, *(r for _, r in results)])
+    bar.close()
+    return store.records
+
+
+def reference_answer(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, index: int, prompt: TaskPrompt, full: Contestant, settings: SuiteSettings
+) -> tuple[Answer, dict]:
+    """The full cache's answer (the reference of every score of the prompt) and its record."""
+    records = run_prompt(model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, None)
+    return records[0][0], records[0][1]
+
+
+def run_prompt(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    index: int,
+    prompt: TaskPrompt,
+    jobs: list[tuple[Contestant, float]],
+    artifacts: dict[str, list[Path]],
+    settings: SuiteSettings,
+    reference: Answer | None,
+    bar: tqdm | None = None,
+) -> list[tuple[Answer, dict]]:
+    """Each job's answer and record, scored against the `reference` answer (None: the job is the reference)."""
+    context_ids, question_ids = split_prompt(tokenizer, prompt, settings.question_aware)
+    results = []
+    for contestant, ratio in jobs:
+        result = answer(
+            model, tokenizer, contestant, ratio, context_ids, question_ids, settings.new_tokens, artifacts.get(contestant.label, [])
+        )
+        base = reference or result
+        results.append((result, dict(
+            prompt=index, task=prompt.task, length=prompt.length, tokens=int(context_ids.shape[1]), depth=prompt.depth,
+            method=contestant.label, ratio=ratio, correct=int(prompt.score(result.text)),
+            kl=round(next_token_kl(base.first_logits, result.first_logits), 5),
+            agreement=round(greedy_agreement(base.tokens, result.tokens), 4),
+            prefill_seconds=round(result.prefill_seconds, 4),
+            prefill_vs_full=round(result.prefill_seconds / base.prefill_seconds, 4),
+            peak_mib=None if result.peak_mib is None else round(result.peak_mib, 1),
+            cache_kept=round(result.cache_bytes / base.cache_bytes, 4),
+            answer=" ".join(result.text.split())[:120],
+        )))
+        if bar is not None:
+            bar.update()
+    return results

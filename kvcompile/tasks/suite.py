@@ -1,0 +1,69 @@
+"""The evaluation suite (RULER-style): which tasks exist, and the prompts of a run (task x length x sample).
+
+Haystacks and needles differ from the calibration data: the book text is Moby-Dick (calibration reads Austen) and
+the needles, keys and questions are the evaluation ones. Sample i of a task with a depth puts its fact at depth
+0.1 + 0.8 i / (samples - 1) (0.5 for one sample), so that the samples of each length cover the context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from kvruntime.errors import KVRuntimeError
+
+from ..corpus import Corpus
+from .aggregation import common_words_prompt, variable_tracking_prompt
+from .qa import book_qa_prompt
+from .retrieval import TaskPrompt, retrieval_prompt
+
+Generator = Callable[[Corpus, PreTrainedTokenizerBase, int, float, int], TaskPrompt]
+
+SUITE: dict[str, Generator] = {
+    "passkey": lambda c, t, n, d, s: retrieval_prompt("passkey", c, t, n, d, s),
+    "needle": lambda c, t, n, d, s: retrieval_prompt("needle", c, t, n, d, s),
+    "multikey": lambda c, t, n, d, s: retrieval_prompt("multikey", c, t, n, d, s),
+    "multivalue": lambda c, t, n, d, s: retrieval_prompt("multivalue", c, t, n, d, s),
+    "variable_tracking": lambda c, t, n, d, s: variable_tracking_prompt(t, n, d, s),
+    "common_words": lambda c, t, n, d, s: common_words_prompt(c, t, n, s),
+    "qa": book_qa_prompt,
+}
+SUITE_TASKS = tuple(SUITE)
+WITHOUT_DEPTH = ("common_words",)
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'2k,4k,1500' -> [2048, 4096, 1500]."""
+    lengths = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        try:
+            lengths.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+        except ValueError:
+            raise KVRuntimeError(f"--lengths: {part!r} is not a length (write 2k, 4k or a token count)") from None
+    if not lengths or min(lengths) < 256:
+        raise KVRuntimeError("--lengths needs context lengths of at least 256 tokens")
+    return lengths
+
+
+def check_tasks(tasks: Sequence[str]) -> None:
+    unknown = [t for t in tasks if t not in SUITE]
+    if unknown or not tasks:
+        raise KVRuntimeError(f"unknown tasks {unknown or '(none given)'} (tasks: {', '.join(SUITE_TASKS)})")
+
+
+def sample_depth(sample: int, samples: int) -> float:
+    return 0.5 if samples == 1 else round(0.1 + 0.8 * sample / (samples - 1), 3)
+
+
+def suite_prompts(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int
+) -> list[TaskPrompt]:
+    check_tasks(tasks)
+    if samples < 1:
+        raise KVRuntimeError("--samples must be at least 1")
+    return [
+        SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample)
+        for task in tasks
+        for length in lengths
+        for sample in range(samples)
+    ]

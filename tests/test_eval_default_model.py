@@ -1,0 +1,76 @@
+"""kvcompile eval and tune end to end on the real default model, on a small grid (about a minute)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import kvruntime
+from kvcompile.cli import app
+from kvcompile.evaluation import suite_run
+
+pytestmark = pytest.mark.integration
+runner = CliRunner()
+SMALL = ["--tasks", "passkey,qa", "--lengths", "1k", "--samples", "1", "--ratios", "0.5"]
+
+
+def rows(path) -> list[dict]:
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_model, monkeypatch):
+    monkeypatch.setattr("kvcompile.cli._load", lambda model: default_model)
+    out = tmp_path / "eval"
+    args = ["eval", "--methods", "snapkv,kvcompose:mode=dynamic", *SMALL, "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    table = rows(out / "results.csv")
+    assert {(r["method"], r["task"]) for r in table} == {
+        (m, t) for m in ("full", "snapkv", "kvcompose:mode=dynamic") for t in ("passkey", "qa")
+    }
+    full = [r for r in table if r["method"] == "full"]
+    assert all(float(r["kl"]) == 0 and float(r["agreement"]) == 1 and float(r["cache_kept"]) == 1 for r in full)
+    snapkv = [r for r in table if r["method"] == "snapkv"]
+    assert all(float(r["cache_kept"]) == pytest.approx(0.5, abs=0.01) for r in snapkv)
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(r["tokens"] < 1024 for r in records)
+    for name in ("results.md", "summary.csv", "accuracy_vs_ratio.png", "niah_heatmap.png"):
+        assert (out / name).stat().st_size > 0
+    report = (out / "results.md").read_text()
+    assert "question-agnostic" in report and "Machine:" in report and "Command: `kvcompile eval" in report
+
+    # A finished run resumes without running anything; a new run into the same folder is refused.
+    monkeypatch.setattr(suite_run, "answer", lambda *a, **k: pytest.fail("a finished prompt was run again"))
+    assert runner.invoke(app, [*args, "--resume"]).exit_code == 0
+    assert rows(out / "results.csv") == table
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "pass --resume to continue it" in refused.output
+
+
+def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_model, monkeypatch):
+    monkeypatch.setattr("kvcompile.cli._load", lambda model: default_model)
+    target = tmp_path / "tuned_defaults.safetensors"
+    result = runner.invoke(
+        app,
+        ["tune", "--methods", "snapkv,kvcompose:mode=dynamic", "--ratios", "0.5,0.75", "--tasks", "passkey",
+         "--lengths", "1k", "--samples", "1", "--out", str(target)],
+    )
+    assert result.exit_code == 0, result.output
+    artifact = kvruntime.load_artifact(target, model=default_model[0], kind="tuned_defaults")
+    assert not target.with_name("tuned_defaults.runs").exists() and target.with_suffix(".png").exists()
+    recommended = artifact.params["recommended"]
+    # On this prompt the full cache answers; snapkv at 0.5 does not, the two-pass kvcompose does up to 0.75.
+    assert artifact.tensors["full_accuracy"].tolist() == [1.0]
+    assert artifact.tensors["chosen_ratio"].tolist() == [-1.0, 0.75]
+    assert (recommended["label"], recommended["ratio"]) == ("kvcompose:mode=dynamic", 0.75)
+    assert "recommended: kvcompose:mode=dynamic at ratio 0.75" in result.output
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text((Path(__file__).parents[1] / "calibration_data/prompts/passkey_2k.txt").read_text())
+    generated = runner.invoke(app, ["generate", "--prompt-file", str(prompt), "--artifact", str(target), "--max-new-tokens", "8"])
+    assert generated.exit_code == 0, generated.output
+    assert "kvcompose" in generated.output and "entries removed     75.0%" in generated.output

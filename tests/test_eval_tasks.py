@@ -1,0 +1,153 @@
+"""The evaluation suite's prompt generators, with the default model's tokenizer: each fact is really in the
+context at the stated depth, the expected answers are those inserted, lengths are as asked, and the haystacks and
+needles are not the calibration ones."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from kvcompile.corpus import load_corpus
+from kvcompile.tasks.needles import CALIBRATION_NEEDLES
+from kvcompile.tasks.qa import MOBY_DICK_QUESTIONS
+from kvcompile.tasks.suite import SUITE_TASKS, WITHOUT_DEPTH, parse_lengths, sample_depth, suite_prompts
+from kvruntime.errors import KVRuntimeError
+
+LENGTHS = [1024, 2048]
+SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    return default_model[1]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return suite_prompts(load_corpus("moby-dick"), tokenizer, SUITE_TASKS, LENGTHS, SAMPLES, seed=0)
+
+
+def of(prompts, task):
+    chosen = [p for p in prompts if p.task == task]
+    assert len(chosen) == len(LENGTHS) * SAMPLES
+    return chosen
+
+
+def context(prompt) -> str:
+    return prompt.prompt[: prompt.question_start]
+
+
+def relative_position(prompt, text: str) -> float:
+    """Where `text` starts in the context, as a share of the context (the chat template's few lines included)."""
+    body = context(prompt)
+    assert body.count(text) == 1, f"{text!r} occurs {body.count(text)} times in the {prompt.task} context"
+    return body.index(text) / len(body)
+
+
+def test_every_prompt_has_the_asked_length_and_a_question_after_its_context(prompts, tokenizer):
+    for prompt in prompts:
+        tokens = len(tokenizer(prompt.prompt, add_special_tokens=False).input_ids)
+        assert abs(tokens - prompt.length) <= 0.06 * prompt.length, (prompt.task, prompt.length, tokens)
+        question = prompt.prompt[prompt.question_start :]
+        assert "?" in question or "Question" in question
+        assert prompt.score(" ".join(prompt.expected)) and not prompt.score("")
+
+
+def first_fact(prompt) -> str:
+    """The words of the fact placed at the prompt's depth."""
+    value = prompt.expected[0]
+    if prompt.task == "qa":
+        return next(q.evidence for q in MOBY_DICK_QUESTIONS if q.answer == value)
+    return {
+        "passkey": f"The pass key is {value}",
+        "needle": value,
+        "multikey": f"is: {value}.",
+        "multivalue": f"is: {value}.",
+        "variable_tracking": f"VAR {value} =",
+    }[prompt.task]
+
+
+def test_facts_sit_at_the_stated_depth(prompts):
+    for task in SUITE_TASKS:
+        if task in WITHOUT_DEPTH:
+            continue
+        for prompt in of(prompts, task):
+            if task == "qa":  # the book's line breaks are spaces in the window
+                body = " ".join(context(prompt).split())
+                where = body.index(first_fact(prompt)) / len(body)
+            else:
+                where = relative_position(prompt, first_fact(prompt))
+            assert where == pytest.approx(prompt.depth, abs=0.06), (task, prompt.length, prompt.depth, where)
+
+
+def test_the_depths_of_a_task_cover_the_context():
+    assert [sample_depth(i, 3) for i in range(3)] == [0.1, 0.5, 0.9]
+    assert sample_depth(0, 1) == 0.5
+
+
+def test_expected_answers_are_the_inserted_values(prompts):
+    for prompt in of(prompts, "passkey"):
+        assert context(prompt).count(prompt.expected[0]) == 2  # "The pass key is K. ... K is the pass key."
+    for prompt in of(prompts, "multikey"):
+        sentences = re.findall(r"special magic numbers for (\w+) is: (\d+)\.", context(prompt))
+        assert len(sentences) == 4 and len({k for k, _ in sentences}) == 4
+        asked = re.search(r"magic number for (\w+)\?", prompt.prompt[prompt.question_start :]).group(1)
+        assert dict(sentences)[asked] == prompt.expected[0]
+    for prompt in of(prompts, "multivalue"):
+        sentences = re.findall(r"special magic numbers for (\w+) is: (\d+)\.", context(prompt))
+        assert {k for k, _ in sentences} == {re.search(r"numbers for (\w+)\?", prompt.prompt).group(1)}
+        assert sorted(v for _, v in sentences) == sorted(prompt.expected) and len(prompt.expected) == 4
+    for prompt in of(prompts, "variable_tracking"):
+        value = re.search(r"assigned the value (\d+)", prompt.prompt[prompt.question_start :]).group(1)
+        chain = re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", context(prompt))
+        holders, changed = {n for n, v in chain if v == value}, True
+        while changed:
+            before = len(holders)
+            holders |= {n for n, v in chain if v.removeprefix("VAR ") in holders}
+            changed = len(holders) > before
+        assert holders == set(prompt.expected) and len(chain) == 3
+    for prompt in of(prompts, "qa"):
+        item = next(q for q in MOBY_DICK_QUESTIONS if q.answer == prompt.expected[0])
+        assert item.question in prompt.prompt[prompt.question_start :]
+        assert item.answer in item.evidence and item.evidence in " ".join(context(prompt).split())
+
+
+def test_common_words_are_the_most_frequent_by_a_margin(prompts):
+    for prompt in of(prompts, "common_words"):
+        counts = Counter(re.findall(r"\d+\. ([a-z]+)", context(prompt)))
+        common = [w for w, _ in counts.most_common(len(prompt.expected))]
+        assert set(common) == set(prompt.expected)
+        rest = max(c for w, c in counts.items() if w not in prompt.expected)
+        assert min(counts[w] for w in prompt.expected) >= 3 * rest
+
+
+def test_haystacks_and_needles_are_not_the_calibration_ones(prompts):
+    austen = " ".join(" ".join(load_corpus("austen").documents).split())
+    moby = " ".join(load_corpus("moby-dick").documents[0].split())
+    for prompt in prompts:
+        body = context(prompt)
+        assert not any(n.sentence in body for n in CALIBRATION_NEEDLES)
+        if prompt.task in ("needle", "multikey", "multivalue", "qa"):
+            samples = [" ".join(body[len(body) * k // 4 :][:400].split()[2:10]) for k in (1, 2, 3)]
+            assert any(sample in moby for sample in samples), prompt.task  # (a sample may cross an inserted fact)
+            assert not any(sample in austen for sample in samples)
+
+
+def test_prompts_are_reproducible_and_seeds_change_them(tokenizer):
+    book = load_corpus("moby-dick")
+    again = suite_prompts(book, tokenizer, ["multikey", "variable_tracking"], [1024], 2, seed=0)
+    assert again == suite_prompts(book, tokenizer, ["multikey", "variable_tracking"], [1024], 2, seed=0)
+    other = suite_prompts(book, tokenizer, ["multikey", "variable_tracking"], [1024], 2, seed=1)
+    assert all(a.expected != b.expected for a, b in zip(again, other))
+
+
+def test_lengths_and_tasks_are_checked():
+    assert parse_lengths("2k, 4k,1500") == [2048, 4096, 1500]
+    with pytest.raises(KVRuntimeError, match="'2x' is not a length"):
+        parse_lengths("2x")
+    with pytest.raises(KVRuntimeError, match="at least 256 tokens"):
+        parse_lengths("100")
+    with pytest.raises(KVRuntimeError, match=r"unknown tasks \['ruler'\]"):
+        suite_prompts(load_corpus("moby-dick"), None, ["ruler"], [1024], 1, 0)

@@ -1,0 +1,212 @@
+"""kvcompile eval and tune, without the default model: the scores, the contestants, the run records, the
+answer path on tiny models, the tuning choice and the runtime's tuned defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvruntime
+from conftest import tiny_model
+from kvcompile.evaluation import contestants as contestants_module
+from kvcompile.evaluation.contestants import Contestant, artifact_paths, parse_methods
+from kvcompile.evaluation.metrics import accuracy_auc, greedy_agreement, largest_ratio_within, next_token_kl
+from kvcompile.evaluation.report import results_table, summary_table
+from kvcompile.evaluation.runner import answer
+from kvcompile.evaluation.store import RunStore
+from kvcompile.evaluation.suite_run import SuiteSettings
+from kvcompile.evaluation.tuning import recommendation
+from kvcompile.corpus import Corpus
+from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.errors import KVRuntimeError
+from kvruntime.fingerprint import model_fingerprint
+
+
+# -- scores ------------------------------------------------------------------------------------------------
+def test_next_token_kl_is_the_kl_divergence_of_the_two_distributions():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(50, generator=generator), torch.randn(50, generator=generator)
+    expected = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=a), torch.distributions.Categorical(logits=b))
+    assert next_token_kl(a, b) == pytest.approx(float(expected), rel=1e-6)
+    assert next_token_kl(a, a + 3.0) == pytest.approx(0.0, abs=1e-9)  # a shift of the logits is the same distribution
+    assert next_token_kl(a, b) != pytest.approx(next_token_kl(b, a))  # full cache first: not symmetric
+
+
+def test_greedy_agreement_counts_the_matching_prefix():
+    reference = list(range(40))
+    assert greedy_agreement(reference, reference) == 1.0
+    assert greedy_agreement(reference, reference[:5] + [99] + reference[6:]) == 5 / 32
+    assert greedy_agreement(reference, reference[:10]) == 10 / 32  # the compressed answer stopped early
+    assert greedy_agreement([7, 8, 2], [7, 8, 2, 5]) == 1.0  # the full cache's answer ended (EOS) after 3 tokens
+    assert greedy_agreement([1, 2, 3], [9, 2, 3]) == 0.0
+
+
+def test_accuracy_auc_and_the_largest_ratio_within_tolerance():
+    assert accuracy_auc(0.8, {0.5: 0.8, 0.9: 0.8}) == pytest.approx(0.8)
+    assert accuracy_auc(1.0, {0.5: 1.0, 1.0: 0.0}) == pytest.approx(0.75)
+    assert accuracy_auc(1.0, {0.5: 0.5}) == pytest.approx(0.75)
+    curve = {0.5: 0.80, 0.6: 0.79, 0.7: 0.70, 0.8: 0.80}
+    assert largest_ratio_within(0.80, curve, 0.02) == 0.6  # 0.8 passes again, but after a failure
+    assert largest_ratio_within(0.80, curve, 0.2) == 0.8
+    assert largest_ratio_within(0.80, {0.5: 0.5}, 0.02) is None
+
+
+# -- contestants -----------------------------------------------------------------------------------------
+def test_methods_parse_with_options_and_the_full_cache_first():
+    parsed = parse_methods("kvcompose:mode=dynamic:unstructured=true,compilerkv,snapkv+budgets")
+    assert [c.label for c in parsed] == ["full", "kvcompose:mode=dynamic:unstructured=true", "compilerkv", "snapkv+budgets"]
+    assert parsed[1].options == {"mode": "dynamic", "unstructured": True}
+    assert parsed[2].options == {"nearest_budget": True}  # ratios map to the nearest compiled budget
+    assert parsed[1].artifact_kinds() == [] and parsed[3].artifact_kinds() == ["layer_budgets"]
+
+
+@pytest.mark.parametrize(
+    "methods, message",
+    [
+        ("h2o", "unknown method 'h2o'"),
+        ("snapkv,snapkv", "names a method twice"),
+        ("full", "names no method"),
+        ("kvcompose:mode", "write it as key=value"),
+        ("kvpress-h2o", "unknown kvpress press 'h2o'"),
+    ],
+)
+def test_bad_methods_are_refused(methods, message):
+    with pytest.raises(KVRuntimeError, match=message):
+        parse_methods(methods)
+
+
+def test_kvpress_presses_without_the_bench_extra_say_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(contestants_module, "kvpress_available", lambda: False)
+    with pytest.raises(KVRuntimeError, match="needs kvpress: install the bench extra"):
+        parse_methods("kvpress-snapkv")
+    assert "kvpress" not in contestants_module.default_methods()
+
+
+def test_a_missing_artifact_is_refused_with_the_command_that_compiles_it(tmp_path):
+    with pytest.raises(KVRuntimeError, match=r"compresskv needs .*srh_heads.safetensors: compile it with `kvcompile heads`"):
+        artifact_paths(parse_methods("compresskv"), tmp_path)
+
+
+# -- run records ---------------------------------------------------------------------------------------
+def test_run_records_resume_only_the_same_run(tmp_path):
+    store = RunStore(tmp_path, {"ratios": [0.5]}, resume=False)
+    store.add([{"prompt": 0, "method": "full", "ratio": 0.0, "correct": 1}])
+    with pytest.raises(KVRuntimeError, match="pass --resume to continue it"):
+        RunStore(tmp_path, {"ratios": [0.5]}, resume=False)
+    with pytest.raises(KVRuntimeError, match=r"other settings \(ratios differ\)"):
+        RunStore(tmp_path, {"ratios": [0.9]}, resume=True)
+    resumed = RunStore(tmp_path, {"ratios": [0.5]}, resume=True)
+    assert resumed.done(0, "full", 0.0) and not resumed.done(1, "full", 0.0)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_tables_group_by_method_ratio_task_and_length():
+    records = [
+        dict(prompt=p, task=t, length=1024, method=m, ratio=r, correct=c, kl=k, agreement=1.0 - k, prefill_vs_full=1.0,
+             peak_mib=None, cache_kept=1.0 - r)
+        for p, t in ((0, "passkey"), (1, "qa"))
+        for m, r, c, k in (("full", 0.0, 1, 0.0), ("snapkv", 0.5, p, 0.2), ("snapkv", 0.9, 0, 0.5))
+    ]
+    table = results_table(records)
+    assert len(table) == 6 and {r["prompts"] for r in table} == {1}
+    summary = {(r["method"], r["ratio"]): r for r in summary_table(records)}
+    assert summary[("snapkv", 0.5)]["accuracy"] == 0.5 and summary[("snapkv", 0.9)]["kl"] == 0.5
+    # full 1.0 at 0, 0.5 at 0.5, 0 at 0.9: ((1 + 0.5) / 2 * 0.5 + (0.5 + 0) / 2 * 0.4) / 0.9
+    assert summary[("snapkv", 0.5)]["auc"] == pytest.approx((0.375 + 0.1) / 0.9, abs=1e-4)
+
+
+# -- answers on tiny models ------------------------------------------------------------------------------
+class DigitTokenizer:
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_less(kind, tokens):
+    model = tiny_model(kind)
+    context_ids, question_ids = tokens[:, :70], tokens[:, 70:]
+    full = answer(model, DigitTokenizer(), Contestant("full", "full"), 0.0, context_ids, question_ids, 8, [])
+    plain = model.generate(tokens, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert full.tokens == plain[0, 80:].tolist()
+    logits = model(tokens).logits[0, -1]
+    assert torch.allclose(full.first_logits, logits, atol=1e-4)
+    same = answer(model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.0, context_ids, question_ids, 8, [])
+    assert same.tokens == full.tokens and next_token_kl(full.first_logits, same.first_logits) < 1e-8
+    half = answer(model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.5, context_ids, question_ids, 8, [])
+    assert half.cache_bytes == pytest.approx(full.cache_bytes / 2, rel=0.02)
+    assert full.prefill_seconds > 0 and half.prefill_seconds > 0
+
+
+# -- tuning and the runtime's tuned defaults -----------------------------------------------------------
+SETTINGS = SuiteSettings(ratios=(0.5, 0.75, 0.9), tasks=("passkey",), lengths=(1024,), samples=2, seed=1,
+                         question_aware=False, new_tokens=48)
+
+
+def tuning_records(accuracies: dict[str, list[float]], full: float = 1.0) -> list[dict]:
+    """Two prompts per cell; a method's curve stops after its first ratio out of a 0.02 tolerance, as tune does."""
+    records = [dict(prompt=p, method="full", ratio=0.0, correct=int(p < 2 * full), kl=0.0) for p in range(2)]
+    for label, curve in accuracies.items():
+        for ratio, accuracy in zip(SETTINGS.ratios, curve):
+            records += [dict(prompt=p, method=label, ratio=ratio, correct=int(p < 2 * accuracy), kl=ratio) for p in range(2)]
+    return records
+
+
+def tuned(tmp_path, accuracies, methods="snapkv,kvcompress,compresskv", artifacts=None, full=1.0):
+    model = tiny_model("llama")
+    contestants = parse_methods(methods)
+    artifact = recommendation(model, contestants, artifacts or {}, SETTINGS, 0.02, tuning_records(accuracies, full),
+                              Corpus("validation", ("text",)), tmp_path)
+    return model, save_artifact(artifact, tmp_path / "tuned_defaults.safetensors")
+
+
+def test_tune_recommends_the_method_with_the_largest_ratio_within_tolerance(tmp_path):
+    _, path = tuned(tmp_path, {"snapkv": [1.0, 0.5], "kvcompress": [1.0, 1.0, 0.5], "compresskv": [0.5]})
+    artifact = kvruntime.read_artifact(path)
+    assert artifact.tensors["chosen_ratio"].tolist() == [0.5, 0.75, -1.0]
+    assert artifact.tensors["accuracy"][0].tolist() == [1.0, 0.5, -1.0]  # -1: not measured (the method had stopped)
+    assert artifact.params["recommended"]["method"] == "kvcompress" and artifact.params["recommended"]["ratio"] == 0.75
+
+
+def test_tune_breaks_a_tie_of_ratios_by_accuracy(tmp_path):
+    # Full cache 0.5: both pass at 0.5 and fail at 0.75; compresskv is more accurate at 0.5.
+    _, path = tuned(tmp_path, {"snapkv": [0.5, 0.0], "kvcompress": [0.0], "compresskv": [1.0, 0.0]}, full=0.5)
+    artifact = kvruntime.read_artifact(path)
+    assert artifact.tensors["chosen_ratio"].tolist() == [0.5, -1.0, 0.5]
+    assert artifact.params["recommended"]["method"] == "compresskv"
+
+
+def test_the_runtime_takes_the_tuned_method_ratio_and_artifacts(tmp_path, tokens):
+    model = tiny_model("llama")
+    fingerprint = model_fingerprint(model)
+    folder = tmp_path / "artifacts"
+    srh = save_artifact(Artifact("srh_heads", {"srh_score": torch.rand(4, 4)}, fingerprint, {"seed": 0}), folder / "srh_heads.safetensors")
+    budgets = save_artifact(Artifact("layer_budgets", {"layer_error": torch.rand(4) + 0.1}, fingerprint, {"seed": 0}), folder / "layer_budgets.safetensors")
+    artifacts = {"compresskv": [srh, budgets]}
+    _, path = tuned(folder, {"snapkv": [0.0], "kvcompress": [0.0], "compresskv": [1.0, 0.0]}, artifacts=artifacts)
+    assert kvruntime.read_artifact(path).params["recommended"]["artifacts"] == ["srh_heads.safetensors", "layer_budgets.safetensors"]
+    with kvruntime.compress(model, artifacts=[path]) as session:
+        session.prefill(tokens)
+    assert session.method.name == "compresskv" and session.ratio == 0.5
+    assert session.report.bytes_after == pytest.approx(session.report.bytes_before / 2, rel=0.05)
+    with kvruntime.compress(model, "snapkv", ratio=0.9, artifacts=[path]) as session:  # an explicit choice wins
+        session.prefill(tokens)
+    assert session.method.name == "snapkv" and session.ratio == 0.9
+    with kvruntime.compress(model, ratio=0.25, artifacts=[path]) as session:  # so does an explicit ratio
+        pass
+    assert session.ratio == 0.25
+
+
+def test_tuned_defaults_without_a_recommendation_are_refused_with_the_reason(tmp_path):
+    model, path = tuned(tmp_path, {"snapkv": [0.0], "kvcompress": [0.5], "compresskv": [0.0]})
+    with pytest.raises(KVRuntimeError, match="tuning found no method within 0.02"):
+        with kvruntime.compress(model, artifacts=[path]):
+            pass
+    other = tiny_model("qwen2")
+    with pytest.raises(KVRuntimeError, match="compiled for"):
+        with kvruntime.compress(other, artifacts=[path]):
+            pass
+    assert json.loads(json.dumps(kvruntime.read_artifact(path).params))["recommended"] is None
