@@ -10,7 +10,7 @@ comma := ,
 # The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval
+.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead
 
 # $(call install,venv,extras): a venv with torch (CPU build unless one is there), the package and the default model.
 define install
@@ -37,6 +37,10 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/prefill_overhead.py
+
+# The same against kvpress's presses as well, in the bench venv.
+bench-overhead: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python benchmarks/prefill_overhead.py
 
 # CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
 compresskv: setup

@@ -348,6 +348,9 @@ LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or to
 QuestionAwareOption = Annotated[
     bool, typer.Option(help="Compress with the question in the observation window (default: the context alone, then the question).")
 ]
+PromptFormatOption = Annotated[
+    str, typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template).")
+]
 ArtifactsOption = Annotated[
     Optional[Path], typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
 ]
@@ -376,6 +379,7 @@ def eval_(
     samples: Annotated[int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")] = 3,
     seed: SeedOption = 0,
     question_aware: QuestionAwareOption = False,
+    prompt_format: PromptFormatOption = "auto",
     new_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")] = 48,
     artifacts: ArtifactsOption = None,
     out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path("eval_results"),
@@ -395,7 +399,7 @@ def eval_(
         settings = SuiteSettings(
             ratios=tuple(_numbers(ratios, float)), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
             lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
-            new_tokens=new_tokens,
+            new_tokens=new_tokens, prompt_format=prompt_format,
         )
         settings.check()
         ctx.params["methods"] = methods = methods or default_methods()
@@ -435,6 +439,7 @@ def tune(
     samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the validation prompts (kvcompile eval uses 0 by default).")] = 1,
     question_aware: QuestionAwareOption = False,
+    prompt_format: PromptFormatOption = "auto",
     artifacts: ArtifactsOption = None,
     out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/tuned_defaults.safetensors).")] = None,
     resume: ResumeOption = False,
@@ -454,6 +459,7 @@ def tune(
         settings = SuiteSettings(
             ratios=tuple(sorted(_numbers(ratios, float))), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
             lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware, new_tokens=48,
+            prompt_format=prompt_format,
         )
         settings.check()
         if not 0.0 <= tolerance < 1.0:

@@ -27,7 +27,7 @@ def tiny_artifact(path):
 
 
 def test_every_command_has_a_one_line_help():
-    for command in ("generate", "info", "heads", "budgets"):
+    for command in ("generate", "info", "heads", "budgets", "tables", "stats", "eval", "tune"):
         result = runner.invoke(app, [command, "--help"])
         assert result.exit_code == 0
     listing = runner.invoke(app, ["--help"]).output
@@ -35,6 +35,8 @@ def test_every_command_has_a_one_line_help():
     assert "Print an artifact's kind, model, tensors and metadata" in listing
     assert "Score every query head as a Semantic Retrieval Head" in listing
     assert "Measure each layer's compression error" in listing
+    assert "Run the long-context suite through each method" in listing
+    assert "Pick, per method, the largest compression ratio" in listing
 
 
 def test_info_prints_kind_model_tensors_and_metadata(tmp_path):
@@ -94,3 +96,31 @@ def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
     result = runner.invoke(app, ["tables", "--budgets", "32,256"])
     assert result.exit_code == 2
     assert "--budgets must lie between the 64-token window and the 2048-token context" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval", "--tasks", "passkey,ruler"], "unknown tasks ['ruler']"),
+        (["eval", "--lengths", "2q"], "--lengths: '2q' is not a length"),
+        (["eval", "--ratios", "0.5,1.2"], "--ratios [0.5, 1.2]: give compression ratios in (0, 1)"),
+        (["eval", "--methods", "h2o"], "unknown method 'h2o'"),
+        (["eval", "--methods", "kvpress-h2o"], "unknown kvpress press 'h2o'"),
+        (["eval", "--samples", "0"], "--samples and --new-tokens must be at least 1"),
+        (["eval", "--prompt-format", "xml"], "--prompt-format 'xml': use one of auto, chat, raw"),
+        (["eval", "--methods", "compresskv", "--artifacts", "nowhere"], "compresskv needs nowhere/srh_heads.safetensors"),
+        (["tune", "--tolerance", "1.5"], "--tolerance 1.5: give an accuracy difference in [0, 1)"),
+        (["tune", "--methods", "snapkv,kvpress-snapkv"], "kvpress"),
+        (["tune", "--ratios", "0"], "give compression ratios in (0, 1)"),
+    ],
+)
+def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothing(tmp_path, monkeypatch, args, message):
+    import kvcompile.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []

@@ -151,3 +151,15 @@ def test_lengths_and_tasks_are_checked():
         parse_lengths("100")
     with pytest.raises(KVRuntimeError, match=r"unknown tasks \['ruler'\]"):
         suite_prompts(load_corpus("moby-dick"), None, ["ruler"], [1024], 1, 0)
+
+
+def test_raw_prompts_for_base_models_carry_no_chat_markup(tokenizer):
+    book = load_corpus("moby-dick")
+    chat = suite_prompts(book, tokenizer, SUITE_TASKS, [1024], 1, seed=0, prompt_format="auto")
+    raw = suite_prompts(book, tokenizer, SUITE_TASKS, [1024], 1, seed=0, prompt_format="raw")
+    assert all("<|im_start|>" in p.prompt for p in chat if p.task != "passkey")
+    for plain, templated in zip(raw, chat):
+        assert "<|im_start|>" not in plain.prompt and plain.expected == templated.expected
+        assert plain.prompt.rstrip().endswith(("Answer:", "they are:", "are:", "pass key is"))
+    with pytest.raises(KVRuntimeError, match="--prompt-format 'xml'"):
+        suite_prompts(book, tokenizer, ["qa"], [1024], 1, seed=0, prompt_format="xml")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,6 +51,46 @@ def split_prompt(
     return encode(prompt.prompt[: prompt.question_start]), encode(prompt.prompt[prompt.question_start :])
 
 
+@dataclasses.dataclass
+class Prefill:
+    """A context prefilled (and compressed) by a contestant, ready to answer."""
+
+    seconds: float  # prefill + compression
+    peak_mib: float | None
+    cache_bytes: int  # KV bytes held after compression
+    generate: Callable[..., object]  # (question_ids, **generate kwargs) -> generate's output
+
+
+@contextlib.contextmanager
+def prefilled(
+    model: nn.Module, contestant: Contestant, ratio: float, context_ids: torch.Tensor, artifacts: list[Path]
+) -> Iterator[Prefill]:
+    """Prefill and compress the context (timed, peak memory measured); answer inside the block."""
+    if contestant.kind == "kvcompile":
+        memory = "masked" if contestant.options.get("unstructured") else "padded"
+        with kvruntime.compress(
+            model, contestant.method, ratio=ratio, memory=memory, artifacts=artifacts, options=contestant.options
+        ) as session:
+            with PeakMemory() as peak:
+                started = time.perf_counter()
+                context = session.prefill(context_ids)
+                seconds = time.perf_counter() - started
+            yield Prefill(seconds, peak.mib, context.report.bytes_after, context.generate)
+        return
+    cache = DynamicCache(config=model.config)
+    with PeakMemory() as peak:
+        started = time.perf_counter()
+        with torch.no_grad(), contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext():
+            model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - started
+
+    def generate(question_ids: torch.Tensor, **kwargs) -> object:
+        with per_layer_attention(model):  # presses may leave layers of different lengths
+            return generate_after_context(model, cache, context_ids.shape[1], question_ids, **kwargs)
+
+    yield Prefill(seconds, peak.mib, cache_bytes(cache), generate)
+
+
 def answer(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -60,37 +101,18 @@ def answer(
     new_tokens: int,
     artifacts: list[Path],
 ) -> Answer:
-    greedy = dict(
-        max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    if contestant.kind == "kvcompile":
-        memory = "masked" if contestant.options.get("unstructured") else "padded"
-        with kvruntime.compress(
-            model, contestant.method, ratio=ratio, memory=memory, artifacts=artifacts, options=contestant.options
-        ) as session:
-            with PeakMemory() as peak:
-                started = time.perf_counter()
-                context = session.prefill(context_ids)
-                seconds = time.perf_counter() - started
-            output = context.generate(question_ids, **greedy)
-        held = context.report.bytes_after
-    else:
-        cache = DynamicCache(config=model.config)
-        with PeakMemory() as peak:
-            started = time.perf_counter()
-            with torch.no_grad(), contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext():
-                model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            seconds = time.perf_counter() - started
-        held = cache_bytes(cache)
-        with per_layer_attention(model):  # presses may leave layers of different lengths
-            output = generate_after_context(model, cache, context_ids.shape[1], question_ids, **greedy)
+    """The contestant's greedy answer to the question over its compressed context, with the prefill's measures."""
+    with prefilled(model, contestant, ratio, context_ids, artifacts) as context:
+        output = context.generate(
+            question_ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id,
+        )
     tokens = output.sequences[0, question_ids.shape[1] :].tolist()
     return Answer(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         tokens=tokens,
         first_logits=output.logits[0][0].float(),
-        prefill_seconds=seconds,
-        peak_mib=peak.mib,
-        cache_bytes=held,
+        prefill_seconds=context.seconds,
+        peak_mib=context.peak_mib,
+        cache_bytes=context.cache_bytes,
     )

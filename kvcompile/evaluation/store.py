@@ -1,6 +1,7 @@
 """The records of an evaluation run, kept in its output folder so that an interrupted run can be resumed:
 `run.json` (the settings) and `runs.jsonl` (one record per prompt x contestant x ratio), both rewritten
-atomically after each prompt's work."""
+atomically after each prompt's work. Nothing is written before the first records (a run refused at the start
+leaves no folder behind)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ class RunStore:
                 raise KVRuntimeError(f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out")
             self.records = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
         self._keys = {self.key(r["prompt"], r["method"], r["ratio"]) for r in self.records}
-        write_text_atomically(settings_path, json.dumps(settings, indent=1, sort_keys=True) + "\n")
-        self._runs_path = runs_path
+        self._settings = settings
+        self._settings_path, self._runs_path = settings_path, runs_path
 
     @staticmethod
     def key(prompt: int, label: str, ratio: float) -> tuple:
@@ -53,4 +54,5 @@ class RunStore:
     def add(self, records: list[dict]) -> None:
         self.records += records
         self._keys |= {self.key(r["prompt"], r["method"], r["ratio"]) for r in records}
+        write_text_atomically(self._settings_path, json.dumps(self._settings, indent=1, sort_keys=True) + "\n")
         write_text_atomically(self._runs_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))

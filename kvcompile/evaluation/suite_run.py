@@ -14,7 +14,7 @@ from kvruntime.errors import KVRuntimeError
 
 from ..corpus import load_corpus
 from ..tasks.retrieval import TaskPrompt
-from ..tasks.suite import check_tasks, suite_prompts
+from ..tasks.suite import PROMPT_FORMATS, check_tasks, suite_prompts
 from .contestants import Contestant
 from .metrics import greedy_agreement, next_token_kl
 from .runner import Answer, answer, split_prompt
@@ -32,11 +32,14 @@ class SuiteSettings:
     seed: int
     question_aware: bool
     new_tokens: int
+    prompt_format: str = "auto"
 
     def check(self) -> None:
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
             raise KVRuntimeError(f"--ratios {list(self.ratios)}: give compression ratios in (0, 1)")
         check_tasks(self.tasks)
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise KVRuntimeError(f"--prompt-format {self.prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
         if self.samples < 1 or self.new_tokens < 1:
             raise KVRuntimeError("--samples and --new-tokens must be at least 1")
 
@@ -50,7 +53,8 @@ def evaluate(
     store: RunStore,
 ) -> list[dict]:
     prompts = suite_prompts(
-        load_corpus(HELD_OUT_BOOK), tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed
+        load_corpus(HELD_OUT_BOOK), tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed,
+        settings.prompt_format,
     )
     jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
     todo = [i for i in range(len(prompts)) if not store.done(i, contestants[0].label, 0.0)]  # stored per prompt

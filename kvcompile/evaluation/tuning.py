@@ -43,7 +43,9 @@ def tune(
 ) -> Artifact:
     """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
     corpus = load_corpus(HELD_OUT_BOOK)
-    prompts = suite_prompts(corpus, tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed)
+    prompts = suite_prompts(
+        corpus, tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed, settings.prompt_format
+    )
     full, methods = contestants[0], contestants[1:]
     references = {}
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(settings.ratios)), desc="kvcompile tune", unit="run")

@@ -19,7 +19,9 @@ CHAIN_HOPS = 2  # VAR B = VAR A, VAR C = VAR B: three names to find
 COMMON_WORDS = 3
 
 
-def variable_tracking_prompt(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> TaskPrompt:
+def variable_tracking_prompt(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, chat: bool = True
+) -> TaskPrompt:
     """A chain `VAR A = 12345`, `VAR B = VAR A`, ... in repeated filler, the first assignment at `depth` and the
     others spread after it; asks for every variable that holds the value."""
     rng = random.Random(f"variable_tracking:{seed}:{length}:{depth}")
@@ -36,10 +38,12 @@ def variable_tracking_prompt(tokenizer: PreTrainedTokenizerBase, length: int, de
     context = FILLER * max(1, (length - overhead) // filler_tokens)
     spread = [depth + (1.0 - depth) * 0.9 * i / len(statements) for i in range(len(statements))]
     context = insert_sentences(context, list(zip(spread, statements)))
-    return _chat_prompt("variable_tracking", tokenizer, context, question, tuple(names), length, depth)
+    return _prompt("variable_tracking", tokenizer, context, question, tuple(names), length, depth, chat)
 
 
-def common_words_prompt(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, seed: int) -> TaskPrompt:
+def common_words_prompt(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, seed: int, chat: bool = True
+) -> TaskPrompt:
     """A numbered list of words (from the held-out book's vocabulary) in which a few words recur far more often
     than the others; asks for the most common ones."""
     rng = random.Random(f"common_words:{seed}:{length}")
@@ -60,12 +64,13 @@ def common_words_prompt(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, leng
         entries = int(len(listed) * room / len(tokenizer(numbered(listed)).input_ids))
     rng.shuffle(listed)
     context = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n" + numbered(listed)
-    return _chat_prompt("common_words", tokenizer, context, question, tuple(common), length, None)
+    return _prompt("common_words", tokenizer, context, question, tuple(common), length, None, chat)
 
 
-def _chat_prompt(
+def _prompt(
     task: str, tokenizer: PreTrainedTokenizerBase, context: str, question: str, expected: tuple[str, ...],
-    length: int, depth: float | None,
+    length: int, depth: float | None, chat: bool,
 ) -> TaskPrompt:
-    prompt = render_prompt(tokenizer, context + question, chat=True)
+    # Raw text needs no answer cue: the question ends in RULER's answer prefix.
+    prompt = render_prompt(tokenizer, context + question, chat=True) if chat else context + question
     return TaskPrompt(task, prompt, expected, length, depth, prompt.index(question))

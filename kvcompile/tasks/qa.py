@@ -32,7 +32,9 @@ MOBY_DICK_QUESTIONS = (
 )
 
 
-def book_qa_prompt(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> TaskPrompt:
+def book_qa_prompt(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, chat: bool = True
+) -> TaskPrompt:
     """A window of about `length` tokens of the book holding the answer's evidence as near `depth` as the book
     allows (the depth stored is the one reached), then the question."""
     item = MOBY_DICK_QUESTIONS[seed % len(MOBY_DICK_QUESTIONS)]
@@ -49,6 +51,6 @@ def book_qa_prompt(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: i
     evidence = next(i for i, (a, b) in enumerate(offsets) if b > document.index(item.evidence))
     start = min(max(0, evidence - round(depth * window)), len(ids) - window)
     context = tokenizer.decode(ids[start : start + window])
-    prompt = render_prompt(tokenizer, context + question, chat=True)
+    prompt = render_prompt(tokenizer, context + question, chat)
     reached = (evidence - start) / window
     return TaskPrompt("qa", prompt, (item.answer,), length, round(reached, 3), question_start(prompt))

@@ -52,27 +52,30 @@ class TaskPrompt:
 
 
 def retrieval_prompt(
-    task: str, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int
+    task: str, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, chat: bool = True
 ) -> TaskPrompt:
+    """One prompt of a retrieval task; `chat` renders the question turn through the model's chat template (the
+    pass key is always raw text ending in its answer cue)."""
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
         return TaskPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
     if task == "needle":
         index = seed % len(EVALUATION_NEEDLES)
-        probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=True, needles=EVALUATION_NEEDLES)
+        probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=chat, needles=EVALUATION_NEEDLES)
         return TaskPrompt(task, probe.prompt, (probe.answer,), length, depth, question_start(probe.prompt))
     if task == "multikey":
         rng = random.Random(f"multikey:{seed}:{length}:{depth}")
         keys = rng.sample(MULTIKEY_KEYS, 4)
         values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
-        return _magic_numbers(task, corpus, tokenizer, length, depth, seed, keys, values, f"the special magic number for {keys[0]}", values[:1])
+        asked = f"the special magic number for {keys[0]}"
+        return _magic_numbers(task, corpus, tokenizer, length, depth, seed, keys, values, asked, values[:1], chat)
     if task == "multivalue":
         rng = random.Random(f"multivalue:{seed}:{length}:{depth}")
         key = rng.choice(MULTIKEY_KEYS)
         values = [str(rng.randint(1_000_000, 9_999_999)) for _ in range(len(OTHER_NEEDLE_OFFSETS) + 1)]
         return _magic_numbers(
             task, corpus, tokenizer, length, depth, seed, [key] * len(values), values,
-            f"all the special magic numbers for {key}", values,
+            f"all the special magic numbers for {key}", values, chat,
         )
     raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)}, multivalue)")
 
@@ -88,6 +91,7 @@ def _magic_numbers(
     values: list[str],
     asked: str,
     expected: list[str],
+    chat: bool,
 ) -> TaskPrompt:
     """Key-value needles in book text: the first at `depth`, the others at spread depths; asks "What is/are <asked>?"."""
     sentences = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
@@ -100,7 +104,7 @@ def _magic_numbers(
     context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
     others = [((depth + offset) % 1.0, sentence) for offset, sentence in zip(OTHER_NEEDLE_OFFSETS, sentences[1:])]
     context = insert_sentences(context, others)
-    prompt = render_prompt(tokenizer, context + question, chat=True)
+    prompt = render_prompt(tokenizer, context + question, chat)
     return TaskPrompt(task, prompt, tuple(expected), length, depth, question_start(prompt))
 
 

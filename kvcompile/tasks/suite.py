@@ -17,17 +17,19 @@ from .aggregation import common_words_prompt, variable_tracking_prompt
 from .qa import book_qa_prompt
 from .retrieval import TaskPrompt, retrieval_prompt
 
-Generator = Callable[[Corpus, PreTrainedTokenizerBase, int, float, int], TaskPrompt]
+# (corpus, tokenizer, length, depth, seed, chat) -> prompt
+Generator = Callable[[Corpus, PreTrainedTokenizerBase, int, float, int, bool], TaskPrompt]
 
 SUITE: dict[str, Generator] = {
-    "passkey": lambda c, t, n, d, s: retrieval_prompt("passkey", c, t, n, d, s),
-    "needle": lambda c, t, n, d, s: retrieval_prompt("needle", c, t, n, d, s),
-    "multikey": lambda c, t, n, d, s: retrieval_prompt("multikey", c, t, n, d, s),
-    "multivalue": lambda c, t, n, d, s: retrieval_prompt("multivalue", c, t, n, d, s),
-    "variable_tracking": lambda c, t, n, d, s: variable_tracking_prompt(t, n, d, s),
-    "common_words": lambda c, t, n, d, s: common_words_prompt(c, t, n, s),
+    "passkey": lambda c, t, n, d, s, chat: retrieval_prompt("passkey", c, t, n, d, s, chat),
+    "needle": lambda c, t, n, d, s, chat: retrieval_prompt("needle", c, t, n, d, s, chat),
+    "multikey": lambda c, t, n, d, s, chat: retrieval_prompt("multikey", c, t, n, d, s, chat),
+    "multivalue": lambda c, t, n, d, s, chat: retrieval_prompt("multivalue", c, t, n, d, s, chat),
+    "variable_tracking": lambda c, t, n, d, s, chat: variable_tracking_prompt(t, n, d, s, chat),
+    "common_words": lambda c, t, n, d, s, chat: common_words_prompt(c, t, n, s, chat),
     "qa": book_qa_prompt,
 }
+PROMPT_FORMATS = ("auto", "chat", "raw")
 SUITE_TASKS = tuple(SUITE)
 WITHOUT_DEPTH = ("common_words",)
 
@@ -56,13 +58,24 @@ def sample_depth(sample: int, samples: int) -> float:
 
 
 def suite_prompts(
-    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int
+    corpus: Corpus,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    samples: int,
+    seed: int,
+    prompt_format: str = "auto",
 ) -> list[TaskPrompt]:
+    """The prompts of a run, task by task, length by length. `prompt_format`: `chat` (the model's chat template),
+    `raw` (plain text ending in an answer cue, for base models) or `auto` (chat when the tokenizer has a template)."""
     check_tasks(tasks)
     if samples < 1:
         raise KVRuntimeError("--samples must be at least 1")
+    if prompt_format not in PROMPT_FORMATS:
+        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
+    chat = prompt_format == "chat" or (prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None)))
     return [
-        SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample)
+        SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample, chat)
         for task in tasks
         for length in lengths
         for sample in range(samples)
