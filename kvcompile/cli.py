@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 
 from kvruntime.errors import KVRuntimeError
@@ -19,6 +21,12 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+@app.callback()
+def _started(ctx: typer.Context) -> None:
+    """Compile KV-cache compression artifacts for a model, and run compressed generation."""
+    ctx.obj = {"started": time.perf_counter()}  # compile commands record their wall time in the artifact
+
 
 ModelOption = Annotated[
     str, typer.Option(help="'default' (SmolLM2-135M-Instruct), a local model directory, or a cached hub id.")
@@ -176,6 +184,9 @@ def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str]) ->
 
     from .checkpoint import discard_checkpoint
 
+    root = click.get_current_context().find_root()
+    if root.obj:  # the wall time of the command that finished it (a resumed run counts its last part only)
+        artifact.provenance["compile_seconds"] = round(time.perf_counter() - root.obj["started"], 1)
     save_artifact(artifact, out)
     discard_checkpoint(out)
     typer.echo(f"wrote {out}")

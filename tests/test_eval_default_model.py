@@ -63,6 +63,7 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
     assert result.exit_code == 0, result.output
     artifact = kvruntime.load_artifact(target, model=default_model[0], kind="tuned_defaults")
     assert not target.with_name("tuned_defaults.runs").exists() and target.with_suffix(".png").exists()
+    assert artifact.provenance["compile_seconds"] > 0  # the command's wall time
     recommended = artifact.params["recommended"]
     # On this prompt the full cache answers; snapkv at 0.5 does not, the two-pass kvcompose does up to 0.75.
     assert artifact.tensors["full_accuracy"].tolist() == [1.0]
