@@ -44,12 +44,16 @@ def accuracy_auc(full_accuracy: float, curve: dict[float, float]) -> float:
     return area / points[-1][0]
 
 
+def within_tolerance(full_accuracy: float, accuracy: float, tolerance: float) -> bool:
+    return accuracy >= full_accuracy - tolerance - 1e-9  # 1e-9: accuracies are means of 0/1 scores
+
+
 def largest_ratio_within(full_accuracy: float, curve: dict[float, float], tolerance: float) -> float | None:
     """The largest ratio such that it and every smaller measured ratio keep accuracy within `tolerance` of the
     full cache (a ratio past a failure is not trusted); None when even the smallest fails."""
     chosen = None
     for ratio in sorted(curve):
-        if curve[ratio] < full_accuracy - tolerance - 1e-9:
+        if not within_tolerance(full_accuracy, curve[ratio], tolerance):
             break
         chosen = ratio
     return chosen

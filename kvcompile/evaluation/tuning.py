@@ -24,7 +24,7 @@ from ..corpus import load_corpus
 from ..provenance import provenance
 from ..tasks.suite import suite_prompts
 from .contestants import Contestant
-from .metrics import largest_ratio_within
+from .metrics import largest_ratio_within, within_tolerance
 from .store import RunStore
 from .suite_run import HELD_OUT_BOOK, SuiteSettings, reference_answer, run_prompt
 
@@ -57,13 +57,16 @@ def tune(
     full_accuracy = _accuracy(store.records, full.label, 0.0)
     alive = list(methods)
     for ratio in settings.ratios:
+        if not alive:
+            break
         jobs = [(c, ratio) for c in alive]
         for index, prompt in enumerate(prompts):
             left = [(c, r) for c, r in jobs if not store.done(index, c.label, r)]
             bar.update(len(jobs) - len(left))
-            results = run_prompt(model, tokenizer, index, prompt, left, artifacts, settings, references[index], bar)
-            store.add([r for _, r in results])
-        alive = [c for c in alive if _accuracy(store.records, c.label, ratio) >= full_accuracy - tolerance - 1e-9]
+            if left:
+                results = run_prompt(model, tokenizer, index, prompt, left, artifacts, settings, references[index], bar)
+                store.add([r for _, r in results])
+        alive = [c for c in alive if within_tolerance(full_accuracy, _accuracy(store.records, c.label, ratio), tolerance)]
         later = len(settings.ratios) - settings.ratios.index(ratio) - 1
         bar.total = bar.n + len(prompts) * len(alive) * later  # stopped methods run no more
         bar.refresh()
