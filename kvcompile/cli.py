@@ -394,7 +394,9 @@ def eval_(
     new_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")] = 48,
     artifacts: ArtifactsOption = None,
     out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path("eval_results"),
-    resume: ResumeOption = False,
+    resume: Annotated[
+        bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
+    ] = False,
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
     with clear_errors():
@@ -417,7 +419,7 @@ def eval_(
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or _default_artifact(model, "x").parent)
         record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
-        store = RunStore(out, record, resume)
+        store = RunStore(out, record, resume, extendable=("methods",))
         loaded, tokenizer = _load(model)
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
         header = "\n".join(

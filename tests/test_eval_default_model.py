@@ -45,11 +45,21 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
     assert "question-agnostic" in report and "Machine:" in report and "Command: `kvcompile eval" in report
 
     # A finished run resumes without running anything; a new run into the same folder is refused.
+    real_answer = suite_run.answer
     monkeypatch.setattr(suite_run, "answer", lambda *a, **k: pytest.fail("a finished prompt was run again"))
     assert runner.invoke(app, [*args, "--resume"]).exit_code == 0
     assert rows(out / "results.csv") == table
     refused = runner.invoke(app, args)
     assert refused.exit_code == 2 and "pass --resume to continue it" in refused.output
+
+    # A method added to the finished run runs alone (plus the full cache's reference, whose logits are not stored).
+    calls = []
+    monkeypatch.setattr(suite_run, "answer", lambda *a, **k: calls.append(a[2].label) or real_answer(*a, **k))
+    added = [*args[:2], "snapkv,kvcompose:mode=dynamic,kvcompress", *args[3:], "--resume"]
+    assert runner.invoke(app, added).exit_code == 0
+    assert calls == ["full"] + ["full", "kvcompress"] * 2  # warm-up, then each prompt
+    grown = rows(out / "results.csv")
+    assert [r for r in grown if r["method"] != "kvcompress"] == table and len(grown) == len(table) + 2
 
 
 def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_model, monkeypatch):

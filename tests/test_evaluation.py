@@ -102,6 +102,17 @@ def test_run_records_resume_only_the_same_run(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_methods_may_be_added_to_a_run_but_not_dropped(tmp_path):
+    store = RunStore(tmp_path, {"methods": ["full", "snapkv"], "ratios": [0.5]}, resume=False, extendable=("methods",))
+    store.add([{"prompt": 0, "method": "snapkv", "ratio": 0.5, "correct": 1}])
+    grown = RunStore(tmp_path, {"methods": ["full", "snapkv", "tova"], "ratios": [0.5]}, resume=True, extendable=("methods",))
+    assert grown.done(0, "snapkv", 0.5) and not grown.done(0, "tova", 0.5)
+    with pytest.raises(KVRuntimeError, match=r"methods differ"):
+        RunStore(tmp_path, {"methods": ["full", "tova"], "ratios": [0.5]}, resume=True, extendable=("methods",))
+    with pytest.raises(KVRuntimeError, match=r"methods differ"):
+        RunStore(tmp_path, {"methods": ["full", "snapkv", "tova"], "ratios": [0.5]}, resume=True)
+
+
 def test_tables_group_by_method_ratio_task_and_length():
     records = [
         dict(prompt=p, task=t, length=1024, method=m, ratio=r, correct=c, kl=k, agreement=1.0 - k, prefill_vs_full=1.0,

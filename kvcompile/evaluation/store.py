@@ -28,7 +28,10 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 class RunStore:
-    def __init__(self, folder: Path, settings: dict, resume: bool) -> None:
+    """`extendable`: settings whose lists may grow on resume (methods added to an earlier run: only their runs are
+    made); every other setting must be the same."""
+
+    def __init__(self, folder: Path, settings: dict, resume: bool, extendable: tuple[str, ...] = ()) -> None:
         self.folder = folder
         self.records: list[dict] = []
         settings_path, runs_path = folder / "run.json", folder / "runs.jsonl"
@@ -36,8 +39,13 @@ class RunStore:
             raise KVRuntimeError(f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out")
         if resume and runs_path.exists():
             saved = json.loads(settings_path.read_text()) if settings_path.exists() else {}
-            if saved != json.loads(json.dumps(settings)):
-                changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+            given = json.loads(json.dumps(settings))
+            changed = sorted(
+                k for k in set(saved) | set(given)
+                if saved.get(k) != given.get(k)
+                and not (k in extendable and set(saved.get(k) or []) <= set(given.get(k) or []))
+            )
+            if changed:
                 raise KVRuntimeError(f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out")
             self.records = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
         self._keys = {self.key(r["prompt"], r["method"], r["ratio"]) for r in self.records}

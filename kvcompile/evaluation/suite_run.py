@@ -56,17 +56,23 @@ def evaluate(
         load_corpus(HELD_OUT_BOOK), tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed,
         settings.prompt_format,
     )
+    full = contestants[0]
     jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
-    todo = [i for i in range(len(prompts)) if not store.done(i, contestants[0].label, 0.0)]  # stored per prompt
+    # Per prompt, the runs not recorded yet (all of them, or those of methods added to a resumed run).
+    left = {i: [(c, r) for c, r in jobs if not store.done(i, c.label, r)] for i in range(len(prompts))}
+    todo = [i for i in left if left[i] or not store.done(i, full.label, 0.0)]
     if todo:  # untimed: the first prefill of a process pays for allocations
-        reference_answer(model, tokenizer, todo[0], prompts[todo[0]], contestants[0], settings)
-    bar = tqdm(total=len(prompts) * (1 + len(jobs)), initial=(len(prompts) - len(todo)) * (1 + len(jobs)), desc="kvcompile eval", unit="run")
+        reference_answer(model, tokenizer, todo[0], prompts[todo[0]], full, settings)
+    done = len(prompts) * (1 + len(jobs)) - sum(1 + len(left[i]) for i in todo)
+    bar = tqdm(total=len(prompts) * (1 + len(jobs)), initial=done, desc="kvcompile eval", unit="run")
     for index in todo:
         prompt = prompts[index]
-        reference, record = reference_answer(model, tokenizer, index, prompt, contestants[0], settings)
+        # The reference is run again for added methods: their scores need its logits, which are not stored.
+        reference, record = reference_answer(model, tokenizer, index, prompt, full, settings)
         bar.update()
-        results = run_prompt(model, tokenizer, index, prompt, jobs, artifacts, settings, reference, bar)
-        store.add([record, *(r for _, r in results)])
+        results = run_prompt(model, tokenizer, index, prompt, left[index], artifacts, settings, reference, bar)
+        fresh = [] if store.done(index, full.label, 0.0) else [record]
+        store.add([*fresh, *(r for _, r in results)])
     bar.close()
     return store.records
 
