@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 
 from kvruntime.errors import KVRuntimeError
@@ -21,12 +20,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-@app.callback()
-def _started(ctx: typer.Context) -> None:
-    """Compile KV-cache compression artifacts for a model, and run compressed generation."""
-    ctx.obj = {"started": time.perf_counter()}  # compile commands record their wall time in the artifact
-
 
 ModelOption = Annotated[
     str, typer.Option(help="'default' (SmolLM2-135M-Instruct), a local model directory, or a cached hub id.")
@@ -118,6 +111,7 @@ def generate(
                 ratio = 0.5
             kinds = kvruntime.required_artifact_kinds(method, options)
             paths = paths or [_default_artifact(model, kind) for kind in kinds]
+        if ratio is not None or budget is not None:  # else the tuned defaults give the ratio
             kvruntime.CompressionSession.check_request(ratio, budget, memory)
         for path in paths:
             if not path.exists():
@@ -177,16 +171,14 @@ def _default_artifact(model: str, kind: str) -> Path:
     return ARTIFACTS_ROOT / folder / f"{kind}.safetensors"
 
 
-def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str]) -> None:
-    """Save the artifact, then drop the run's checkpoint (only once the artifact is safely written), then draw
-    its picture beside it."""
+def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str], started: float) -> None:
+    """Save the artifact with the command's wall time since `started` (a resumed run counts its last part only),
+    then drop the run's checkpoint (only once the artifact is safely written), then draw its picture beside it."""
     from kvruntime.artifact import save_artifact
 
     from .checkpoint import discard_checkpoint
 
-    root = click.get_current_context().find_root()
-    if root.obj:  # the wall time of the command that finished it (a resumed run counts its last part only)
-        artifact.provenance["compile_seconds"] = round(time.perf_counter() - root.obj["started"], 1)
+    artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
     save_artifact(artifact, out)
     discard_checkpoint(out)
     typer.echo(f"wrote {out}")
@@ -213,6 +205,7 @@ def heads(
     resume: ResumeOption = False,
 ) -> None:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
+    started = time.perf_counter()
     with clear_errors():
         from .corpus import load_corpus
         from .heads import compile_head_scores
@@ -229,7 +222,7 @@ def heads(
         artifact = compile_head_scores(
             loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume
         )
-        _finish(artifact, target, plot_head_scores)
+        _finish(artifact, target, plot_head_scores, started)
         from .head_comparison import describe_head_comparison
 
         typer.echo(describe_head_comparison(artifact))
@@ -250,6 +243,7 @@ def budgets(
     resume: ResumeOption = False,
 ) -> None:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
+    started = time.perf_counter()
     with clear_errors():
         from kvruntime.artifact import load_artifact
 
@@ -266,7 +260,7 @@ def budgets(
         artifact = compile_layer_errors(
             loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume
         )
-        _finish(artifact, target, plot_layer_budgets)
+        _finish(artifact, target, plot_layer_budgets, started)
 
 
 @app.command()
@@ -286,6 +280,7 @@ def tables(
     ] = None,
 ) -> None:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
+    started = time.perf_counter()
     with clear_errors():
         from kvruntime.artifact import load_artifact, save_artifact
 
@@ -309,7 +304,7 @@ def tables(
             experience_path = target.with_name("compilerkv_experience.safetensors")
             save_artifact(experience, experience_path)
             typer.echo(f"wrote {experience_path}")
-        _finish(artifact, target, plot_compilerkv_tables)
+        _finish(artifact, target, plot_compilerkv_tables, started)
         typer.echo(describe_tables(artifact))
 
 
@@ -330,6 +325,7 @@ def stats(
     resume: ResumeOption = False,
 ) -> None:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
+    started = time.perf_counter()
     with clear_errors():
         from .attention_stats import StatsSettings, compile_attention_stats, load_task_set
         from .corpus import load_corpus
@@ -342,7 +338,7 @@ def stats(
         loaded, tokenizer = _load(model)
         target = out or _default_artifact(model, "kvcompose_stats")
         artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume)
-        _finish(artifact, target, plot_kvcompose_stats)
+        _finish(artifact, target, plot_kvcompose_stats, started)
 
 
 MethodsOption = Annotated[
@@ -459,6 +455,7 @@ def tune(
 ) -> None:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
+    started = time.perf_counter()
     with clear_errors():
         import shutil
 
@@ -488,7 +485,7 @@ def tune(
                                    **dataclasses.asdict(settings)}, resume)
         loaded, tokenizer = _load(model)
         artifact = tune_ratios(loaded, tokenizer, contestants, paths, settings, tolerance, store, target.parent)
-        _finish(artifact, target, plot_tuned_defaults)
+        _finish(artifact, target, plot_tuned_defaults, started)
         shutil.rmtree(records)  # the run records are in the artifact now
         typer.echo(describe_tuning(artifact))
 
