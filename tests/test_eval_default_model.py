@@ -15,7 +15,7 @@ from kvcompile.evaluation import suite_run
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
-SMALL = ["--tasks", "passkey,qa", "--lengths", "1k", "--samples", "1", "--ratios", "0.5"]
+SMALL = ["--tasks", "passkey,qa", "--lengths", "1k", "--samples", "1", "--ratios", "0.5", "--new-tokens", "16"]
 
 
 def rows(path) -> list[dict]:
