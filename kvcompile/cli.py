@@ -166,9 +166,12 @@ def _numbers(text: str, convert: type) -> list:
         raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
+def _artifact_folder(model: str) -> Path:
+    return ARTIFACTS_ROOT / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
+
+
 def _default_artifact(model: str, kind: str) -> Path:
-    folder = DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name
-    return ARTIFACTS_ROOT / folder / f"{kind}.safetensors"
+    return _artifact_folder(model) / f"{kind}.safetensors"
 
 
 def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str], started: float) -> None:
@@ -375,6 +378,23 @@ def _command_line(ctx: typer.Context) -> str:
     return " ".join(parts)
 
 
+def _suite_settings(
+    ratios: list[float], tasks: str, lengths: str, samples: int, seed: int, question_aware: bool, new_tokens: int,
+    prompt_format: str,
+) -> object:
+    """The checked suite settings of eval and tune, from their options."""
+    from .evaluation.suite_run import SuiteSettings
+    from .tasks.suite import parse_lengths
+
+    settings = SuiteSettings(
+        ratios=tuple(ratios), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+        lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
+        new_tokens=new_tokens, prompt_format=prompt_format,
+    )
+    settings.check()
+    return settings
+
+
 @app.command(name="eval")
 def eval_(
     ctx: typer.Context,
@@ -402,18 +422,14 @@ def eval_(
         from .evaluation.measure import machine
         from .evaluation.report import write_report
         from .evaluation.store import RunStore
-        from .evaluation.suite_run import SuiteSettings, evaluate
-        from .tasks.suite import parse_lengths
+        from .evaluation.suite_run import evaluate
 
-        settings = SuiteSettings(
-            ratios=tuple(_numbers(ratios, float)), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-            lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
-            new_tokens=new_tokens, prompt_format=prompt_format,
+        settings = _suite_settings(
+            _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
         )
-        settings.check()
         ctx.params["methods"] = methods = methods or default_methods()
         contestants = parse_methods(methods)
-        paths = artifact_paths(contestants, artifacts or _default_artifact(model, "x").parent)
+        paths = artifact_paths(contestants, artifacts or _artifact_folder(model))
         record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
         store = RunStore(out, record, resume, extendable=("methods",))
         loaded, tokenizer = _load(model)
@@ -461,17 +477,12 @@ def tune(
 
         from .evaluation.contestants import artifact_paths, parse_methods
         from .evaluation.store import RunStore
-        from .evaluation.suite_run import SuiteSettings
         from .evaluation.tuning import describe_tuning, tune as tune_ratios
         from .plots import plot_tuned_defaults
-        from .tasks.suite import parse_lengths
 
-        settings = SuiteSettings(
-            ratios=tuple(sorted(_numbers(ratios, float))), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-            lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware, new_tokens=48,
-            prompt_format=prompt_format,
+        settings = _suite_settings(
+            sorted(_numbers(ratios, float)), tasks, lengths, samples, seed, question_aware, 48, prompt_format
         )
-        settings.check()
         if not 0.0 <= tolerance < 1.0:
             raise KVRuntimeError(f"--tolerance {tolerance}: give an accuracy difference in [0, 1)")
         contestants = parse_methods(methods)

@@ -6,25 +6,14 @@ leaves no folder behind)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from kvruntime.artifact import write_atomically
 from kvruntime.errors import KVRuntimeError
 
 
 def write_text_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda tmp_name: Path(tmp_name).write_text(text))
 
 
 class RunStore:

@@ -14,7 +14,7 @@ from kvruntime.errors import KVRuntimeError
 
 from ..corpus import load_corpus
 from ..tasks.retrieval import TaskPrompt
-from ..tasks.suite import PROMPT_FORMATS, check_tasks, suite_prompts
+from ..tasks.suite import check_prompt_format, check_tasks, suite_prompts
 from .contestants import Contestant
 from .metrics import greedy_agreement, next_token_kl
 from .runner import Answer, answer, split_prompt
@@ -38,8 +38,7 @@ class SuiteSettings:
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
             raise KVRuntimeError(f"--ratios {list(self.ratios)}: give compression ratios in (0, 1)")
         check_tasks(self.tasks)
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise KVRuntimeError(f"--prompt-format {self.prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
+        check_prompt_format(self.prompt_format)
         if self.samples < 1 or self.new_tokens < 1:
             raise KVRuntimeError("--samples and --new-tokens must be at least 1")
 

@@ -25,6 +25,7 @@ from ..provenance import provenance
 from ..tasks.suite import suite_prompts
 from .contestants import Contestant
 from .metrics import largest_ratio_within, within_tolerance
+from .report import grouped, method_curves
 from .store import RunStore
 from .suite_run import HELD_OUT_BOOK, SuiteSettings, reference_answer, run_prompt
 
@@ -54,7 +55,7 @@ def tune(
         if not store.done(index, full.label, 0.0):
             store.add([record])
         bar.update()
-    full_accuracy = _accuracy(store.records, full.label, 0.0)
+    full_accuracy = method_curves(store.records)[full.label][0.0]
     alive = list(methods)
     for ratio in settings.ratios:
         if not alive:
@@ -66,16 +67,13 @@ def tune(
             if left:
                 results = run_prompt(model, tokenizer, index, prompt, left, artifacts, settings, references[index], bar)
                 store.add([r for _, r in results])
-        alive = [c for c in alive if within_tolerance(full_accuracy, _accuracy(store.records, c.label, ratio), tolerance)]
+        curves = method_curves(store.records)
+        alive = [c for c in alive if within_tolerance(full_accuracy, curves[c.label][ratio], tolerance)]
         later = len(settings.ratios) - settings.ratios.index(ratio) - 1
         bar.total = bar.n + len(prompts) * len(alive) * later  # stopped methods run no more
         bar.refresh()
     bar.close()
     return recommendation(model, contestants, artifacts, settings, tolerance, store.records, corpus, folder)
-
-
-def _accuracy(records: list[dict], label: str, ratio: float) -> float:
-    return statistics.mean(r["correct"] for r in records if r["method"] == label and r["ratio"] == ratio)
 
 
 def recommendation(
@@ -91,17 +89,16 @@ def recommendation(
     """The `tuned_defaults` artifact: every method's measured curve and largest ratio within tolerance, and the
     recommended method (the largest such ratio; ties go to the better accuracy, then the smaller KL), with the
     artifacts it needs named relative to `folder`."""
-    full_accuracy = _accuracy(records, contestants[0].label, 0.0)
+    cells = grouped(records, lambda r: (r["method"], r["ratio"]))
+
+    def mean(field: str, label: str, ratio: float) -> float | None:
+        cell = cells.get((label, ratio))
+        return statistics.mean(x[field] for x in cell) if cell else None
+
+    full_accuracy = mean("correct", contestants[0].label, 0.0)
     methods = contestants[1:]
-    curves = [
-        {
-            ratio: [x for x in records if x["method"] == c.label and x["ratio"] == ratio]
-            for ratio in settings.ratios
-        }
-        for c in methods
-    ]
-    accuracy = [[statistics.mean(x["correct"] for x in cell) if cell else None for cell in curve.values()] for curve in curves]
-    kl = [[statistics.mean(x["kl"] for x in cell) if cell else None for cell in curve.values()] for curve in curves]
+    accuracy = [[mean("correct", c.label, r) for r in settings.ratios] for c in methods]
+    kl = [[mean("kl", c.label, r) for r in settings.ratios] for c in methods]
     chosen = [
         largest_ratio_within(full_accuracy, {r: a for r, a in zip(settings.ratios, row) if a is not None}, tolerance)
         for row in accuracy

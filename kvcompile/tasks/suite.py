@@ -47,6 +47,11 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
+def check_prompt_format(prompt_format: str) -> None:
+    if prompt_format not in PROMPT_FORMATS:
+        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
+
+
 def check_tasks(tasks: Sequence[str]) -> None:
     unknown = [t for t in tasks if t not in SUITE]
     if unknown or not tasks:
@@ -71,8 +76,7 @@ def suite_prompts(
     check_tasks(tasks)
     if samples < 1:
         raise KVRuntimeError("--samples must be at least 1")
-    if prompt_format not in PROMPT_FORMATS:
-        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
+    check_prompt_format(prompt_format)
     chat = prompt_format == "chat" or (prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None)))
     return [
         SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample, chat)

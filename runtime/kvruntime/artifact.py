@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,17 @@ def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
 def write_safetensors_atomically(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike
 ) -> Path:
-    """A temporary file in the target folder, fsync, then rename: the final name never holds half a file."""
+    return write_atomically(path, lambda tmp_name: save_file(tensors, tmp_name, metadata=metadata))
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """`write(temporary name)` in the target folder, fsync, then rename: the final name never holds half a file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp_name, metadata=metadata)
+        write(tmp_name)
         with open(tmp_name, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp_name, target)

@@ -44,9 +44,3 @@ class TunedDefaults:
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ArtifactError(f"{artifact.path}: malformed tuned_defaults ({exc})") from None
-
-    def describe(self) -> str:
-        return (
-            f"tuned default: {self.method} at ratio {self.ratio} (validation accuracy {self.accuracy:.3f}, full cache "
-            f"{self.full_accuracy:.3f}, tolerance {self.tolerance})"
-        )
