@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from kvruntime.artifact import Artifact
@@ -33,13 +32,15 @@ from kvruntime.methods.kvcompose import KVCompose
 from kvruntime.selection import kept_per_head
 from kvruntime.task_attention import task_attention_maxima
 
-from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus, calibration_prompts
+from .distributed import Shard
+from .partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from .provenance import provenance
 
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.
 RANK_QUANTILES = torch.cat([torch.zeros(1), torch.logspace(-3, 0, 96)])
 WINDOW = KVCompose.window  # the runtime's protected window: the least a layer keeps
+STATISTICS = ("layer_fractions", "layer_fraction_squares", "head_fractions", "composite_curves", "head_score_quantiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,21 +121,28 @@ def compile_attention_stats(
     task_set: TaskSet | None = None,
     resume: bool = False,
     checkpoint_every: int = 4,
+    shard: Shard = Shard(),
 ) -> Artifact:
+    """The kvcompose_stats artifact (or this shard's partial statistics)."""
     settings.check()
-    fingerprint = model_fingerprint(model)
     calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
     tasks = None
     if task_set is not None:
         tasks = [torch.tensor([tokenizer(p, add_special_tokens=False).input_ids]) for p in task_set.prompts]
-    run_settings = {
-        "model": fingerprint.to_dict(),
-        "corpus_sha256": corpus.sha256,
-        "task_set_sha256": task_set.sha256 if task_set else None,
-        **dataclasses.asdict(settings),
-        "window": WINDOW,
-    }
-    layers, heads, ratios = fingerprint.num_layers, fingerprint.num_kv_heads, len(settings.ratios)
+    run = StatisticsRun(
+        kind="kvcompose_stats",
+        model=model_fingerprint(model),
+        settings={
+            "corpus_sha256": corpus.sha256,
+            "task_set_sha256": task_set.sha256 if task_set else None,
+            "task_prompts": len(task_set.prompts) if task_set else 0,
+            **dataclasses.asdict(settings),
+            "window": WINDOW,
+        },
+        items=len(calibration),
+        provenance=provenance(corpus, settings.seed, task_set=task_set.name if task_set else None),
+    )
+    layers, heads, ratios = run.model.num_layers, run.model.num_kv_heads, len(settings.ratios)
     sums = {
         "layer_fractions": torch.zeros(ratios, layers, dtype=torch.float64),
         "layer_fraction_squares": torch.zeros(ratios, layers, dtype=torch.float64),
@@ -142,13 +150,8 @@ def compile_attention_stats(
         "composite_curves": torch.zeros(layers, len(RANK_QUANTILES), dtype=torch.float64),
         "head_score_quantiles": torch.zeros(layers, heads, len(RANK_QUANTILES), dtype=torch.float64),
     }
-    start = 0
-    saved = load_checkpoint(out, run_settings) if resume else None
-    if saved is not None:
-        sums, start = saved[0], saved[1]["next_prompt"]
-    mode = "task-aware" if task_set else "task-agnostic"
-    bar = tqdm(total=len(calibration), initial=start, desc=f"attention stats ({mode})", unit="prompt")
-    for index in range(start, len(calibration)):
+
+    def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
         scores = prompt_scores(model, calibration[index][1], tasks).double()
         layer_shares, head_shares = prompt_allocations(scores, settings.ratios)
         sums["layer_fractions"] += layer_shares
@@ -156,17 +159,21 @@ def compile_attention_stats(
         sums["head_fractions"] += head_shares
         sums["composite_curves"] += rank_quantile_values(composite_curve(scores), RANK_QUANTILES)
         sums["head_score_quantiles"] += rank_quantile_values(sorted_head_scores(scores), RANK_QUANTILES)
-        bar.update()
-        if (index + 1) % checkpoint_every == 0 and index + 1 < len(calibration):
-            save_checkpoint(out, sums, {"next_prompt": index + 1}, run_settings)
-    bar.close()
-    count = len(calibration)
-    mean = {name: total / count for name, total in sums.items()}
+
+    label = f"attention stats ({'task-aware' if task_set else 'task-agnostic'})"
+    sums = accumulate(run, sums, add_prompt, out, shard, resume, checkpoint_every, label, "prompt")
+    return finish_or_partial(run, sums, [shard.describe()], finish_attention_stats)
+
+
+def finish_attention_stats(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
+    """Means over the prompts, and the spread of the layer shares."""
+    mean = {name: sums[name] / run.items for name in STATISTICS}
     spread = (mean["layer_fraction_squares"] - mean["layer_fractions"].square()).clamp_min(0).sqrt()
+    settings = run.settings
     return Artifact(
         kind="kvcompose_stats",
         tensors={
-            "ratios": torch.tensor(settings.ratios, dtype=torch.float32),
+            "ratios": torch.tensor(settings["ratios"], dtype=torch.float32),
             "layer_fractions": mean["layer_fractions"].float(),
             "layer_fraction_std": spread.float(),
             "head_fractions": mean["head_fractions"].float(),
@@ -174,13 +181,13 @@ def compile_attention_stats(
             "composite_curves": mean["composite_curves"].float(),
             "head_score_quantiles": mean["head_score_quantiles"].float(),
         },
-        model=fingerprint,
-        provenance=provenance(corpus, settings.seed, task_set=task_set.name if task_set else None),
+        model=run.model,
+        provenance=run.provenance,
         params={
-            "task_mode": mode,
-            "task_prompts": len(task_set.prompts) if task_set else 0,
-            "prompts": settings.prompts,
-            "prompt_tokens": settings.prompt_tokens,
+            "task_mode": "task-aware" if settings["task_set_sha256"] else "task-agnostic",
+            "task_prompts": settings["task_prompts"],
+            "prompts": settings["prompts"],
+            "prompt_tokens": settings["prompt_tokens"],
             "window": WINDOW,
             "aggregation": {"task": "max", "group": "mean", "head": "mean", "consistency": "plus mean over KV heads"},
             "first_layer": "composite curve lifted to the largest of any layer (reference implementation)",

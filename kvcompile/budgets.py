@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from kvruntime.artifact import Artifact, tensors_checksum
@@ -22,8 +21,9 @@ from kvruntime.selection import top_indices
 from kvruntime.window_attention import query_hooks
 
 from .attention_capture import attention_output
-from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus, calibration_prompts
+from .distributed import Shard
+from .partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from .provenance import provenance
 
 PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
@@ -78,46 +78,46 @@ def compile_layer_errors(
     out: Path,
     resume: bool = False,
     checkpoint_every: int = 4,
+    shard: Shard = Shard(),
 ) -> Artifact:
-    fingerprint = model_fingerprint(model)
+    """The layer_budgets artifact (or this shard's partial statistics)."""
     selection = SemanticRetrievalHeads(head_scores=heads.tensors["srh_score"])
     calibration = calibration_prompts(corpus, tokenizer, prompts, prompt_tokens, seed)
-    sources = len({source for source, _ in calibration})
-    settings = {
-        "model": fingerprint.to_dict(),
-        "corpus_sha256": corpus.sha256,
-        "heads_sha256": tensors_checksum(heads.tensors),
-        "prompts": prompts,
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": new_tokens,
-        "seed": seed,
-    }
-    per_source = torch.zeros(len(corpus.documents), fingerprint.num_layers, dtype=torch.float64)
-    start = 0
-    saved = load_checkpoint(out, settings) if resume else None
-    if saved is not None:
-        per_source, start = saved[0]["per_source"], saved[1]["next_prompt"]
-    bar = tqdm(total=len(calibration), initial=start, desc="layer errors", unit="prompt")
-    for index in range(start, len(calibration)):
+    sources = min(prompts, len(corpus.documents))  # prompts are taken round-robin from the documents
+    run = StatisticsRun(
+        kind="layer_budgets",
+        model=model_fingerprint(model),
+        settings={
+            "corpus_sha256": corpus.sha256, "heads_sha256": tensors_checksum(heads.tensors), "prompts": prompts,
+            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "seed": seed, "sources": sources,
+        },
+        items=len(calibration),
+        provenance=provenance(corpus, seed, heads=str(heads.path)),
+    )
+    sums = {"per_source": torch.zeros(sources, run.model.num_layers, dtype=torch.float64)}
+
+    def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
         source, ids = calibration[index]
-        per_source[source] += layer_errors_of_prompt(model, selection, ids, new_tokens)
-        bar.update()
-        if (index + 1) % checkpoint_every == 0 and index + 1 < len(calibration):
-            save_checkpoint(out, {"per_source": per_source}, {"next_prompt": index + 1}, settings)
-    bar.close()
-    used = per_source[per_source.sum(dim=1) > 0]
+        sums["per_source"][source] += layer_errors_of_prompt(model, selection, ids, new_tokens)
+
+    sums = accumulate(run, sums, add_prompt, out, shard, resume, checkpoint_every, "layer errors", "prompt")
+    return finish_or_partial(run, sums, [shard.describe()], finish_layer_budgets)
+
+
+def finish_layer_budgets(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
+    per_source = sums["per_source"]
     return Artifact(
         kind="layer_budgets",
-        tensors={"layer_error": normalised_layer_error(used).float(), "raw_error": per_source.float()},
-        model=fingerprint,
-        provenance=provenance(corpus, seed, heads=str(heads.path)),
+        tensors={"layer_error": normalised_layer_error(per_source).float(), "raw_error": per_source.float()},
+        model=run.model,
+        provenance=run.provenance,
         params={
             "probe_budget": PROBE_BUDGET,
             "selection": "srh",
-            "prompts": prompts,
-            "prompt_tokens": prompt_tokens,
-            "new_tokens": new_tokens,
-            "sources": sources,
+            "prompts": run.settings["prompts"],
+            "prompt_tokens": run.settings["prompt_tokens"],
+            "new_tokens": run.settings["new_tokens"],
+            "sources": run.settings["sources"],
             "allocation": {"rule": "CompressKV Algorithm 1", "minimum": 32, "maximum_factor": 3},
         },
     )

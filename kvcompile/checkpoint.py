@@ -13,19 +13,28 @@ from safetensors import safe_open
 from kvruntime.artifact import write_safetensors_atomically
 from kvruntime.errors import KVRuntimeError
 
-
-def checkpoint_path(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
+from .distributed import Shard
 
 
-def save_checkpoint(out: Path, tensors: dict[str, torch.Tensor], progress: dict[str, Any], settings: dict) -> None:
+def checkpoint_path(out: Path, shard: Shard = Shard()) -> Path:
+    """`<out>.partial`; each rank of a process group has its own, `<out>.rank<i>of<n>.partial`."""
+    rank = f".rank{shard.index}of{shard.count}" if shard.in_process_group else ""
+    return out.with_name(f"{out.name}{rank}.partial")
+
+
+def save_checkpoint(
+    out: Path, tensors: dict[str, torch.Tensor], progress: dict[str, Any], settings: dict, shard: Shard = Shard()
+) -> None:
     metadata = {"settings": json.dumps(settings, sort_keys=True), "progress": json.dumps(progress, sort_keys=True)}
-    write_safetensors_atomically({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata, checkpoint_path(out))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    write_safetensors_atomically(tensors, metadata, checkpoint_path(out, shard))
 
 
-def load_checkpoint(out: Path, settings: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+def load_checkpoint(
+    out: Path, settings: dict, shard: Shard = Shard()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
     """The saved state of an interrupted run with these settings; None when there is none."""
-    path = checkpoint_path(out)
+    path = checkpoint_path(out, shard)
     if not path.exists():
         return None
     try:
@@ -42,5 +51,5 @@ def load_checkpoint(out: Path, settings: dict) -> tuple[dict[str, torch.Tensor],
     return tensors, progress
 
 
-def discard_checkpoint(out: Path) -> None:
-    checkpoint_path(out).unlink(missing_ok=True)
+def discard_checkpoint(out: Path, shard: Shard = Shard()) -> None:
+    checkpoint_path(out, shard).unlink(missing_ok=True)

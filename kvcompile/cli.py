@@ -174,18 +174,39 @@ def _default_artifact(model: str, kind: str) -> Path:
     return _artifact_folder(model) / f"{kind}.safetensors"
 
 
-def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str], started: float) -> None:
+def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str], started: float, shard: object = None) -> None:
     """Save the artifact with the command's wall time since `started` (a resumed run counts its last part only),
-    then drop the run's checkpoint (only once the artifact is safely written), then draw its picture beside it."""
+    then drop the run's checkpoints (only once the artifact is safely written), then draw its picture beside it.
+    In a process group rank 0 writes; partial statistics of a separate job get no picture."""
     from kvruntime.artifact import save_artifact
 
     from .checkpoint import discard_checkpoint
+    from .distributed import Shard, wait_for_all
+    from .partial_statistics import PARTIAL_KIND
 
-    artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
-    save_artifact(artifact, out)
-    discard_checkpoint(out)
+    shard = shard or Shard()
+    if shard.writes_results:
+        artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
+        save_artifact(artifact, out)
+    wait_for_all(shard)
+    discard_checkpoint(out, shard)
+    if not shard.writes_results:
+        return
     typer.echo(f"wrote {out}")
-    typer.echo(plot(artifact, out.with_suffix(".png")))
+    if artifact.kind == PARTIAL_KIND:
+        done, total = int(artifact.tensors["items_done"].sum()), artifact.params["items"]
+        typer.echo(f"partial statistics ({done} of {total} items): add the other shards with `kvcompile merge`")
+    else:
+        typer.echo(plot(artifact, out.with_suffix(".png")))
+
+
+def _compile_target(out: Optional[Path], model: str, kind: str, shard: object) -> Path:
+    """--out, else the model's default artifact; a separate job's partial statistics get a name of their own."""
+    if out is not None:
+        return out
+    if shard.in_process_group or shard.is_whole:
+        return _default_artifact(model, kind)
+    return _default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
 
 
 CorpusOption = Annotated[
@@ -193,6 +214,14 @@ CorpusOption = Annotated[
     typer.Option(help="Calibration text: 'austen' (shipped, default), a .txt/.txt.gz file or folder, a jsonl/parquet."),
 ]
 ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
+ShardOption = Annotated[
+    Optional[str],
+    typer.Option(
+        help="i/n: do the i-th of n shares of the work as a separate job and write partial statistics for "
+        "`kvcompile merge` (under torchrun every rank takes its share without this)."
+    ),
+]
+CheckpointOption = Annotated[int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")]
 SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
 
 
@@ -206,11 +235,14 @@ def heads(
     seed: SeedOption = 0,
     out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/srh_heads.safetensors).")] = None,
     resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 8,
 ) -> None:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
     started = time.perf_counter()
     with clear_errors():
         from .corpus import load_corpus
+        from .distributed import parse_shard
         from .heads import compile_head_scores
         from .plots import plot_head_scores
 
@@ -219,16 +251,20 @@ def heads(
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
         if prompt_format not in ("chat", "raw"):
             raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
+        _check_checkpoint_every(checkpoint_every)
         text = load_corpus(corpus)
+        share = parse_shard(shard)
         loaded, tokenizer = _load(model)
-        target = out or _default_artifact(model, "srh_heads")
+        target = _compile_target(out, model, "srh_heads", share)
         artifact = compile_head_scores(
-            loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume
+            loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume,
+            checkpoint_every, share,
         )
-        _finish(artifact, target, plot_head_scores, started)
-        from .head_comparison import describe_head_comparison
+        _finish(artifact, target, plot_head_scores, started, share)
+        if share.writes_results and artifact.kind == "srh_heads":
+            from .head_comparison import describe_head_comparison
 
-        typer.echo(describe_head_comparison(artifact))
+            typer.echo(describe_head_comparison(artifact))
 
 
 @app.command()
@@ -244,6 +280,8 @@ def budgets(
     seed: SeedOption = 0,
     out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/layer_budgets.safetensors).")] = None,
     resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 4,
 ) -> None:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
     started = time.perf_counter()
@@ -252,18 +290,22 @@ def budgets(
 
         from .budgets import compile_layer_errors
         from .corpus import load_corpus
+        from .distributed import parse_shard
         from .plots import plot_layer_budgets
 
         if min(prompts, prompt_tokens, new_tokens) < 1:
             raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")
+        _check_checkpoint_every(checkpoint_every)
         text = load_corpus(corpus)
+        share = parse_shard(shard)
         loaded, tokenizer = _load(model)
         head_scores = load_artifact(heads_artifact or _default_artifact(model, "srh_heads"), model=loaded, kind="srh_heads")
-        target = out or _default_artifact(model, "layer_budgets")
+        target = _compile_target(out, model, "layer_budgets", share)
         artifact = compile_layer_errors(
-            loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume
+            loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume,
+            checkpoint_every, share,
         )
-        _finish(artifact, target, plot_layer_budgets, started)
+        _finish(artifact, target, plot_layer_budgets, started, share)
 
 
 @app.command()
@@ -326,22 +368,27 @@ def stats(
     seed: SeedOption = 0,
     out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/kvcompose_stats.safetensors).")] = None,
     resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 4,
 ) -> None:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
     started = time.perf_counter()
     with clear_errors():
         from .attention_stats import StatsSettings, compile_attention_stats, load_task_set
         from .corpus import load_corpus
+        from .distributed import parse_shard
         from .plots import plot_kvcompose_stats
 
         settings = StatsSettings(ratios=tuple(_numbers(ratios, float)), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
         settings.check()  # bad settings and inputs are refused before the model is loaded
+        _check_checkpoint_every(checkpoint_every)
         tasks = load_task_set(task_set) if task_set is not None else None
         text = load_corpus(corpus)
+        share = parse_shard(shard)
         loaded, tokenizer = _load(model)
-        target = out or _default_artifact(model, "kvcompose_stats")
-        artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume)
-        _finish(artifact, target, plot_kvcompose_stats, started)
+        target = _compile_target(out, model, "kvcompose_stats", share)
+        artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume, checkpoint_every, share)
+        _finish(artifact, target, plot_kvcompose_stats, started, share)
 
 
 MethodsOption = Annotated[
@@ -499,6 +546,37 @@ def tune(
         _finish(artifact, target, plot_tuned_defaults, started)
         shutil.rmtree(records)  # the run records are in the artifact now
         typer.echo(describe_tuning(artifact))
+
+
+def _check_checkpoint_every(items: int) -> None:
+    if items < 1:
+        raise KVRuntimeError(f"--checkpoint-every {items}: give a number of items of at least 1")
+
+
+@app.command()
+def merge(
+    partials: Annotated[list[Path], typer.Argument(help="Partial statistics written by `--shard i/n` jobs.")],
+    out: Annotated[Path, typer.Option(help="Output: the finished artifact, or partial statistics if shards are missing.")],
+) -> None:
+    """Add up the partial statistics of separate jobs (heads, budgets, stats) into the artifact one run would write."""
+    started = time.perf_counter()
+    with clear_errors():
+        from kvruntime.artifact import load_artifact
+
+        from .attention_stats import finish_attention_stats
+        from .budgets import finish_layer_budgets
+        from .heads import finish_head_scores
+        from .partial_statistics import PARTIAL_KIND, merge_partials
+        from .plots import plot_head_scores, plot_kvcompose_stats, plot_layer_budgets
+
+        recipes = {
+            "srh_heads": (finish_head_scores, plot_head_scores),
+            "layer_budgets": (finish_layer_budgets, plot_layer_budgets),
+            "kvcompose_stats": (finish_attention_stats, plot_kvcompose_stats),
+        }
+        loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
+        artifact = merge_partials(loaded, {kind: finish for kind, (finish, _) in recipes.items()})
+        _finish(artifact, out, recipes[artifact.kind][1] if artifact.kind in recipes else None, started)
 
 
 def describe_tables(artifact: object) -> str:

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from kvruntime.artifact import Artifact
@@ -14,9 +13,10 @@ from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 
 from .attention_capture import generate_with_attention_rows
-from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus
+from .distributed import Shard
 from .head_scores import copy_retrieval_score, rouge1_recall, semantic_retrieval_score
+from .partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from .provenance import provenance
 from .tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, probe_grid
 
@@ -34,29 +34,28 @@ def compile_head_scores(
     chat: bool = True,
     resume: bool = False,
     checkpoint_every: int = 8,
+    shard: Shard = Shard(),
 ) -> Artifact:
-    fingerprint = model_fingerprint(model)
+    """The srh_heads artifact (or this shard's partial statistics)."""
     probes = probe_grid(corpus, tokenizer, lengths, depths, seed, chat)
-    settings = {
-        "model": fingerprint.to_dict(),
-        "corpus_sha256": corpus.sha256,
-        "lengths": lengths,
-        "depths": depths,
-        "seed": seed,
-        "needles": len(CALIBRATION_NEEDLES),
-        "chat": chat,
+    run = StatisticsRun(
+        kind="srh_heads",
+        model=model_fingerprint(model),
+        settings={
+            "corpus_sha256": corpus.sha256, "lengths": lengths, "depths": depths, "seed": seed,
+            "needles": len(CALIBRATION_NEEDLES), "chat": chat,
+        },
+        items=len(probes),
+        provenance=provenance(corpus, seed),
+    )
+    shape = (run.model.num_layers, run.model.num_query_heads)
+    sums = {
+        "srh": torch.zeros(shape, dtype=torch.float64),
+        "copy": torch.zeros(shape, dtype=torch.float64),
+        "recalls": torch.zeros(len(probes), dtype=torch.float64),
     }
-    shape = (fingerprint.num_layers, fingerprint.num_query_heads)
-    sums = {"srh": torch.zeros(shape, dtype=torch.float64), "copy": torch.zeros(shape, dtype=torch.float64)}
-    recalls = torch.full((len(probes),), -1.0)
-    start = 0
-    saved = load_checkpoint(out, settings) if resume else None
-    if saved is not None:
-        tensors, progress = saved
-        sums = {"srh": tensors["srh"], "copy": tensors["copy"]}
-        recalls, start = tensors["recalls"], progress["next_probe"]
-    bar = tqdm(total=len(probes), initial=start, desc="needle probes", unit="probe")
-    for index in range(start, len(probes)):
+
+    def add_probe(index: int, sums: dict[str, torch.Tensor]) -> None:
         probe = probes[index]
         prompt_ids, span = answer_token_positions(tokenizer, probe)
         # Small models often restate the whole needle sentence before (or as) the answer: leave room for it.
@@ -64,36 +63,37 @@ def compile_head_scores(
         rows, generated = generate_with_attention_rows(
             model, torch.tensor([prompt_ids]), sentence_tokens + 8, tokenizer.eos_token_id
         )
-        recalls[index] = rouge1_recall(probe.answer, tokenizer.decode(generated, skip_special_tokens=True))
-        if recalls[index] > SUCCESS_RECALL:
+        sums["recalls"][index] = recall = rouge1_recall(probe.answer, tokenizer.decode(generated, skip_special_tokens=True))
+        if recall > SUCCESS_RECALL:
             sums["srh"] += semantic_retrieval_score(rows.double(), prompt_ids, span, generated)
             sums["copy"] += copy_retrieval_score(rows.double(), prompt_ids, span, generated)
-        bar.update()
-        bar.set_postfix(answered=int((recalls[: index + 1] > SUCCESS_RECALL).sum()))
-        if (index + 1) % checkpoint_every == 0 and index + 1 < len(probes):
-            save_checkpoint(out, {**sums, "recalls": recalls}, {"next_probe": index + 1}, settings)
-    bar.close()
-    successes = int((recalls > SUCCESS_RECALL).sum())
+
+    sums = accumulate(run, sums, add_probe, out, shard, resume, checkpoint_every, "needle probes", "probe")
+    return finish_or_partial(run, sums, [shard.describe()], finish_head_scores)
+
+
+def finish_head_scores(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
+    """Mean scores over the probes the model answered."""
+    successes = int((sums["recalls"] > SUCCESS_RECALL).sum())
     if successes == 0:
         raise KVRuntimeError("the model answered none of the needle probes: no SRH score can be computed")
-    artifact = Artifact(
+    return Artifact(
         kind="srh_heads",
         tensors={
             "srh_score": (sums["srh"] / successes).float(),
             "retrieval_score": (sums["copy"] / successes).float(),
             "successful_probes": torch.tensor(successes),
-            "probe_recall": recalls,
+            "probe_recall": sums["recalls"].float(),
         },
-        model=fingerprint,
-        provenance=provenance(corpus, seed),
+        model=run.model,
+        provenance=run.provenance,
         params={
-            "lengths": lengths,
-            "depths": depths,
+            "lengths": run.settings["lengths"],
+            "depths": run.settings["depths"],
             "needles": [n.sentence for n in CALIBRATION_NEEDLES],
-            "probes": len(probes),
+            "probes": run.items,
             "success_recall": SUCCESS_RECALL,
             "top_heads": 4,
-            "prompt_format": "chat" if chat else "raw",
+            "prompt_format": "chat" if run.settings["chat"] else "raw",
         },
     )
-    return artifact

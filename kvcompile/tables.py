@@ -37,6 +37,7 @@ from .bandit_experience import (
 )
 from .checkpoint import load_checkpoint, save_checkpoint
 from .corpus import Corpus, calibration_prompts
+from .distributed import Shard, agree_on_settings, from_rank, gather_dicts, gather_json, gather_tensors
 from .experience_collection import ExperienceDesign, collect_unit, prefill_prompt, probed_states
 from .offline_cql import CQLSettings, GreedyTable, fit_greedy_table, gate_state_features, head_state_features
 from .provenance import provenance
@@ -148,35 +149,45 @@ def compile_tables(
     settings: TablesSettings,
     out: Path,
     resume: bool = False,
+    shard: Shard = Shard(),
 ) -> tuple[Artifact, Artifact]:
-    """Collect experience and learn both tables; returns the tables and the experience artifacts."""
+    """Collect experience and learn both tables; returns the tables and the experience artifacts.
+
+    In a process group each rank prefills and probes its own share of the prompts; before every fit the ranks
+    pool their records (in the order one process would have made them), and every rank continues with rank 0's
+    table."""
     settings.check()
     fingerprint = model_fingerprint(model)
     if fingerprint.num_query_heads % fingerprint.num_kv_heads:
         raise KVRuntimeError("query heads must be a multiple of KV heads")
-    started = time.perf_counter()
-    prompts = [
-        prefill_prompt(model, ids, settings.context, index, settings.batch_size)
-        for index, (_, ids) in enumerate(
-            tqdm(
-                calibration_prompts(corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed),
-                desc="prefill calibration prompts",
-                unit="prompt",
-            )
-        )
-    ]
+    checkpoint_settings = {
+        "model": fingerprint.to_dict(),
+        "corpus_sha256": corpus.sha256,
+        "settings": settings.to_dict(),
+    }
+    agree_on_settings(shard, checkpoint_settings)
+    calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed)
+    own = list(shard.items(settings.prompts))
+    prompts = {
+        index: prefill_prompt(model, calibration[index][1], settings.context, index, settings.batch_size)
+        for index in tqdm(own, desc="prefill calibration prompts", unit="prompt")
+    }
+    signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
+    for index, prompt in prompts.items():
+        signals[index] = torch.tensor([prompt.full_nll, prompt.signals.entropy, prompt.signals.perplexity])
+    signals = sum(part["signals"] for part in gather_dicts(shard, {"signals": signals}))  # one rank fills each row
     experience = Experience(
         head=Records(HEAD_COLUMNS),
         gate=Records(GATE_COLUMNS),
-        full_nll=torch.tensor([p.full_nll for p in prompts], dtype=torch.float64),
-        entropy=torch.tensor([p.signals.entropy for p in prompts], dtype=torch.float64),
-        perplexity=torch.tensor([p.signals.perplexity for p in prompts], dtype=torch.float64),
+        full_nll=signals[:, 0].clone(),
+        entropy=signals[:, 1].clone(),
+        perplexity=signals[:, 2].clone(),
         budgets=settings.budgets,
         context_tokens=settings.context,
         penalty=settings.penalty,
     )
     edges = risk_edges(experience, settings.entropy_bins, settings.perplexity_bins)
-    for prompt in prompts:
+    for prompt in prompts.values():
         prompt.entropy_bin = risk_bin(prompt.signals.entropy, edges[0])
         prompt.perplexity_bin = risk_bin(prompt.signals.perplexity, edges[1])
     layers, heads = fingerprint.num_layers, fingerprint.num_query_heads
@@ -186,41 +197,38 @@ def compile_tables(
         "head_reliability": torch.full(shape_head, HEAD_FALLBACK),
         "risk_thresholds": torch.full(shape_gate, GATE_FALLBACK),
     }
-    history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": [], "seconds": []}
+    history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": []}
     progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
-    checkpoint_settings = {
-        "model": fingerprint.to_dict(),
-        "corpus_sha256": corpus.sha256,
-        "settings": settings.to_dict(),
-    }
     round_start = {name: table.clone() for name, table in state.items()}
-    saved = load_checkpoint(out, checkpoint_settings) if resume else None
+    # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
+    own_records = {"head": Records(HEAD_COLUMNS), "gate": Records(GATE_COLUMNS)}
+    units = [(p, b) for p in own for b in range(len(settings.budgets))]
+    saved = load_checkpoint(out, checkpoint_settings, shard) if resume else None
     if saved is not None:
         tensors, progress = saved
-        experience.head = Records.from_tensors(HEAD_COLUMNS, tensors, "head")
-        experience.gate = Records.from_tensors(GATE_COLUMNS, tensors, "gate")
+        own_records = {kind: Records.from_tensors(experience_columns(kind), tensors, kind) for kind in PHASES}
         state = {name: tensors[name] for name in state}
         round_start = {name: tensors[f"round_start_{name}"] for name in state}
         history = progress["history"]
-    units = [(p, b) for p in range(len(prompts)) for b in range(len(settings.budgets))]
+    if shard.in_process_group:
+        progress, state, round_start, history = _catch_up(shard, progress, state, round_start, len(units))
     learned: dict[str, LearnedTable] = {}
     converged = False
 
     def save(round_: int, phase: int, unit: int) -> None:
         tensors = {
-            **experience.head.tensors("head"), **experience.gate.tensors("gate"), **state,
+            **own_records["head"].tensors("head"), **own_records["gate"].tensors("gate"), **state,
             **{f"round_start_{name}": table for name, table in round_start.items()},
         }
-        save_checkpoint(out, tensors, {"round": round_, "phase": phase, "unit": unit, "history": history}, checkpoint_settings)
+        progress = {"round": round_, "phase": phase, "unit": unit, "history": history}
+        save_checkpoint(out, tensors, progress, checkpoint_settings, shard)
 
     for round_ in range(progress["round"], settings.rounds):
         if round_ > progress["round"]:
             round_start = {name: table.clone() for name, table in state.items()}
         for phase in range(progress["phase"] if round_ == progress["round"] else 0, len(PHASES)):
             kind = PHASES[phase]
-            records = experience.head if kind == "head" else experience.gate
             first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
-            phase_started = time.perf_counter()
             bar = tqdm(
                 total=len(units), initial=first_unit, desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
                 unit="unit",
@@ -228,24 +236,26 @@ def compile_tables(
             for unit in range(first_unit, len(units)):
                 prompt_index, budget_index = units[unit]
                 prompt = prompts[prompt_index]
+                global_unit = prompt_index * len(settings.budgets) + budget_index  # the unit's seeds: shard-free
                 collect_unit(
                     model, prompt,
                     state["head_reliability"][budget_index],
                     state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
                     budget_index, settings.budgets[budget_index], kind,
-                    probed_states(kind, unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_),
+                    probed_states(kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_),
                     settings.design,
-                    random.Random(f"{settings.seed}:{round_}:{kind}:{unit}"),
-                    round_, records, settings.batch_size,
+                    random.Random(f"{settings.seed}:{round_}:{kind}:{global_unit}"),
+                    round_, own_records[kind], settings.batch_size,
                 )
                 bar.update()
-                bar.set_postfix(records=len(records))
+                bar.set_postfix(records=len(own_records[kind]))
                 save(round_, phase, unit + 1)
             bar.close()
+            experience.head, experience.gate = (pooled_records(shard, own_records[k], settings.prompts, len(settings.budgets)) for k in PHASES)
             learned[kind] = _learn(kind, experience, layers, heads, settings)
+            learned[kind].values = from_rank(shard, learned[kind].values)
             state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
             history[f"{kind}_curves"].append(learned[kind].learning_curve)
-            history["seconds"].append(time.perf_counter() - phase_started)
             save(round_, phase + 1, 0)
         changes = [float((state[name] != round_start[name]).float().mean()) for name in state]
         history["changes"].append(changes)
@@ -253,11 +263,11 @@ def compile_tables(
         if round_ > 0 and max(changes) < settings.tolerance:
             converged = True
             break
+    experience.head, experience.gate = (pooled_records(shard, own_records[k], settings.prompts, len(settings.budgets)) for k in PHASES)
     for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
         if kind not in learned:
             learned[kind] = _learn(kind, experience, layers, heads, settings)
-    params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged,
-              "seconds": round(time.perf_counter() - started, 1)}
+    params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged}
     source = provenance(corpus, settings.seed)
     experience_artifact = Artifact(
         kind="compilerkv_experience", tensors=experience.tensors(), model=fingerprint, provenance=source,
@@ -265,6 +275,41 @@ def compile_tables(
     )
     tables = tables_artifact(fingerprint, experience, learned, history, edges, source, params)
     return tables, experience_artifact
+
+
+def experience_columns(kind: str) -> tuple[str, ...]:
+    return HEAD_COLUMNS if kind == "head" else GATE_COLUMNS
+
+
+def pooled_records(shard: Shard, own: Records, prompts: int, budgets: int) -> Records:
+    """Every rank's records in the order one process makes them: by round, prompt and budget, and within a
+    (prompt, budget) unit in the order they were made (all by one rank)."""
+    columns = {name: torch.cat(gather_tensors(shard, own.column(name))) for name in own.columns}
+    unit_order = (columns["round"] * prompts + columns["prompt"]) * budgets + columns["budget"]
+    order = torch.sort(unit_order, stable=True).indices
+    return Records(own.columns, {name: column[order] for name, column in columns.items()})
+
+
+def _catch_up(
+    shard: Shard, progress: dict, state: dict[str, torch.Tensor], round_start: dict[str, torch.Tensor], own_units: int
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Ranks killed together may have saved one step apart: one saved after the fit every rank took part in,
+    another had finished its units but not yet saved the fit. The laggards take the leader's tables and step."""
+    everyone = gather_json(shard, progress)
+    steps = [p["round"] * (len(PHASES) + 1) + p["phase"] for p in everyone]
+    leader = max(range(shard.count), key=lambda rank: steps[rank])
+    step = steps[shard.index]
+    if all(s == steps[leader] for s in steps):
+        return progress, state, round_start, progress["history"]
+    finished = progress["phase"] == len(PHASES) or progress["unit"] == own_units
+    if any(s < steps[leader] - 1 for s in steps) or (step < steps[leader] and not finished):
+        raise KVRuntimeError(
+            "the ranks' checkpoints are more than one step apart: resume with the same number of ranks as the "
+            "interrupted run, or start over without --resume"
+        )
+    state = {name: from_rank(shard, table, leader) for name, table in state.items()}
+    round_start = {name: from_rank(shard, table, leader) for name, table in round_start.items()}
+    return everyone[leader], state, round_start, everyone[leader]["history"]
 
 
 def _learn(kind: str, experience: Experience, layers: int, heads: int, settings: TablesSettings) -> LearnedTable:

@@ -24,10 +24,10 @@ def test_text_folder_gzip_and_tables_load(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("first document")
     (tmp_path / "docs" / "b.txt.gz").write_bytes(gzip.compress("second document".encode()))
-    assert load_corpus(tmp_path / "docs").documents == ("first document", "second document")
+    assert list(load_corpus(tmp_path / "docs").documents) == ["first document", "second document"]
     lines = tmp_path / "c.jsonl"
     lines.write_text("\n".join(json.dumps({"text": t}) for t in ["one", "two", ""]))
-    assert load_corpus(lines).documents == ("one", "two")
+    assert list(load_corpus(lines).documents) == ["one", "two"]
 
 
 @pytest.mark.parametrize(

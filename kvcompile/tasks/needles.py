@@ -60,12 +60,13 @@ class NeedleProbe:
 
 def _haystack(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of contiguous text from one document, starting at a random paragraph."""
-    candidates = [d for d in corpus.documents if len(d) > tokens * 6]
+    # Indices, from the lengths noted at loading: documents on disk are not all read again for every probe.
+    candidates = [index for index, length in enumerate(corpus.lengths) if length > tokens * 6]
     if not candidates:
         raise KVRuntimeError(
             f"corpus {corpus.name} is too short for {tokens}-token probes: no document has {tokens * 6} characters"
         )
-    document = rng.choice(candidates)
+    document = corpus.documents[rng.choice(candidates)]
     start = rng.randrange(0, len(document) - tokens * 6)
     start = document.find("\n\n", start) + 2 if document.find("\n\n", start) >= 0 else start
     return tokenizer.decode(passage_ids(tokenizer, document, start, tokens))

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .errors import ArtifactError
+from .errors import ArtifactError, short_repr
 from .fingerprint import ModelFingerprint, model_fingerprint
 
 FORMAT_NAME = "kvcompile-artifact"
@@ -35,10 +35,43 @@ KNOWN_KINDS = (
     "compilerkv_experience",
     "kvcompose_stats",
     "tuned_defaults",
+    "partial_statistics",  # sums of a share of a compile run, for `kvcompile merge`; never applied to a model
 )
 # Kinds whose tables are resampled over relative depth, so that they may serve a model with another layer count
 # (with force, like another checkpoint); every other shape difference is always refused.
 DEPTH_PORTABLE_KINDS = ("compilerkv_tables",)
+# The tensors the runtime reads from each kind (others are not checked): name -> (values, shape[, value rule]).
+# A size in a shape is a number, a size of the artifact's model (layers, query_heads, kv_heads), or a name: any size
+# of at least 1, the same in every tensor of the artifact ("name-1": one less than it).
+REQUIRED_TENSORS: dict[str, dict[str, tuple]] = {
+    "srh_heads": {"srh_score": ("numeric", ("layers", "query_heads"))},
+    "layer_budgets": {"layer_error": ("numeric", ("layers",), "non-negative with a positive sum")},
+    "compilerkv_tables": {
+        "budgets": ("integer", ("budgets",)),
+        "head_reliability": ("numeric", ("budgets", "layers", "query_heads")),
+        "risk_thresholds": ("numeric", ("budgets", "layers", "entropy_bins", "perplexity_bins")),
+        "entropy_edges": ("numeric", ("entropy_bins-1",)),
+        "perplexity_edges": ("numeric", ("perplexity_bins-1",)),
+    },
+    "compilerkv_experience": {
+        "budgets": ("integer", ("budgets",)),
+        **{f"prompt_{name}": ("numeric", ("prompts",)) for name in ("full_nll", "entropy", "perplexity")},
+    },
+    "kvcompose_stats": {
+        "ratios": ("numeric", ("ratios",)),
+        "layer_fractions": ("numeric", ("ratios", "layers")),
+        "head_fractions": ("numeric", ("ratios", "layers", "kv_heads")),
+    },
+    "tuned_defaults": {"full_accuracy": ("numeric", (1,))},
+}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = {
+    "integer": (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
+    "numeric": (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, *_FLOATS),
+}
+_VALUE_RULES: dict[str, Callable[[torch.Tensor], bool]] = {
+    "non-negative with a positive sum": lambda t: bool((t >= 0).all() and t.sum() > 0),
+}
 
 
 @dataclasses.dataclass
@@ -62,8 +95,7 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
     """Write the artifact atomically (a crash never leaves a half-written artifact under the final name)."""
-    if artifact.kind not in KNOWN_KINDS:
-        raise ArtifactError(f"unknown artifact kind {artifact.kind!r} (known: {', '.join(KNOWN_KINDS)})")
+    _check_known_kind(artifact.kind, str(path))
     tensors = {name: t.detach().contiguous().cpu() for name, t in artifact.tensors.items()}
     _check_finite(tensors, str(path))
     metadata = {
@@ -102,7 +134,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> P
 
 
 def read_artifact(path: str | os.PathLike) -> Artifact:
-    """Read and validate the file itself (format, version, checksum, finite values); no model is needed."""
+    """Read and validate the file itself (format, version, checksum, finite values, well-formed metadata of a known
+    kind); no model is needed."""
     source = Path(path)
     if not source.is_file():
         raise ArtifactError(f"{source}: no such artifact file")
@@ -116,26 +149,38 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
         raise ArtifactError(f"{source}: a safetensors file without kvcompile metadata (not a kvcompile artifact)")
     if metadata.get("format_version") != str(FORMAT_VERSION):
         raise ArtifactError(
-            f"{source}: artifact format version {metadata.get('format_version')!r}, this kvruntime reads "
+            f"{source}: artifact format version {short_repr(metadata.get('format_version'))}, this kvruntime reads "
             f"version {FORMAT_VERSION}; recompile it with this kvcompile"
         )
     if metadata.get("checksum") != tensors_checksum(tensors):
         raise ArtifactError(f"{source}: corrupted artifact (tensor checksum does not match its metadata)")
     _check_finite(tensors, str(source))
+    missing = [key for key in ("kind", "model", "provenance", "params") if key not in metadata]
     try:
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
         model = ModelFingerprint.from_dict(json.loads(metadata["model"]))
-        provenance = json.loads(metadata["provenance"])
-        params = json.loads(metadata["params"])
-        kind = metadata["kind"]
-    except (KeyError, ValueError, TypeError) as exc:
+        provenance, params = (_json_object(metadata[key], key) for key in ("provenance", "params"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
         raise ArtifactError(f"{source}: malformed kvcompile metadata ({_first_line(exc)})") from None
-    return Artifact(kind=kind, tensors=tensors, model=model, provenance=provenance, params=params, path=source)
+    _check_known_kind(metadata["kind"], str(source))
+    return Artifact(
+        kind=metadata["kind"], tensors=tensors, model=model, provenance=provenance, params=params, path=source
+    )
+
+
+def _json_object(text: str, key: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} is a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def load_artifact(
     path: str | os.PathLike, model: nn.Module | None = None, kind: str | None = None, force: bool = False
 ) -> Artifact:
-    """Read an artifact and check it against the expected kind and the model it will be applied to.
+    """Read an artifact and check it against the expected kind and the model it will be applied to, and that it
+    holds the tensors the runtime reads from its kind (`REQUIRED_TENSORS`).
 
     `force` accepts another checkpoint of the same shape (with a warning); a shape mismatch is always refused.
     """
@@ -144,7 +189,57 @@ def load_artifact(
         check_kind(artifact, kind)
     if model is not None:
         check_artifact_matches_model(artifact, model_fingerprint(model), force=force)
+    check_tensors(artifact)
     return artifact
+
+
+def check_tensors(artifact: Artifact) -> None:
+    """Refuse an artifact that lacks a tensor the runtime reads from its kind, or holds one of another dtype, shape
+    (against its own fingerprint) or range: one line naming the tensor instead of a crash inside a method."""
+    fingerprint = artifact.model
+    sizes = {"layers": fingerprint.num_layers, "query_heads": fingerprint.num_query_heads, "kv_heads": fingerprint.num_kv_heads}
+    for name, (values, shape, *rules) in REQUIRED_TENSORS.get(artifact.kind, {}).items():
+        where = f"{artifact.path}: {artifact.kind} tensor {name!r}"
+        tensor = artifact.tensors.get(name)
+        if tensor is None:
+            raise ArtifactError(f"{where} is missing")
+        if tensor.dtype not in _DTYPES[values]:
+            raise ArtifactError(f"{where} is {str(tensor.dtype).removeprefix('torch.')}, expected {values} values")
+        known = dict(sizes)
+        if not _shape_fits(tuple(tensor.shape), shape, sizes):
+            expected = ", ".join(_describe_size(term, known) for term in shape)
+            raise ArtifactError(f"{where} has shape {list(tensor.shape)}, expected [{expected}]")
+        for rule in rules:
+            if not _VALUE_RULES[rule](tensor):
+                raise ArtifactError(f"{where} must be {rule}")
+
+
+def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int]) -> bool:
+    """Whether `actual` fits `expected` (see REQUIRED_TENSORS); binds the names seen for the first time in `sizes`."""
+    if len(actual) != len(expected):
+        return False
+    for size, term in zip(actual, expected):
+        if isinstance(term, int):
+            if size != term:
+                return False
+            continue
+        name, less = (term[:-2], 1) if term.endswith("-1") else (term, 0)
+        wanted = sizes.setdefault(name, size + less)
+        if size + less != wanted or wanted < 1:
+            return False
+    return True
+
+
+def _describe_size(term: int | str, sizes: dict[str, int]) -> str:
+    if isinstance(term, int):
+        return str(term)
+    name, less = (term[:-2], 1) if term.endswith("-1") else (term, 0)
+    return f"{term}={sizes[name] - less}" if name in sizes else term
+
+
+def _check_known_kind(kind: str, where: str) -> None:
+    if kind not in KNOWN_KINDS:
+        raise ArtifactError(f"{where}: unknown artifact kind {short_repr(kind)} (known: {', '.join(KNOWN_KINDS)})")
 
 
 def check_kind(artifact: Artifact, kind: str) -> None:
@@ -182,7 +277,13 @@ def _refuse_unless_forced(message: str, how: str, force: bool) -> None:
 
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if tensor.dtype in _FLOATS or tensor.is_complex():
+            finite = torch.isfinite(tensor).all()
+        elif tensor.is_floating_point():  # float8 and smaller: torch has no isfinite for them
+            finite = torch.isfinite(tensor.float()).all()
+        else:
+            continue
+        if not finite:
             raise ArtifactError(f"{where}: tensor {name!r} holds NaN or infinite values")
 
 

@@ -11,3 +11,9 @@ class ArtifactError(KVRuntimeError):
 
 class UnsupportedModelError(KVRuntimeError):
     """A model whose architecture, cache layout or batch size the runtime cannot compress."""
+
+
+def short_repr(value: object, limit: int = 40) -> str:
+    """repr(value), cut to `limit` characters: bad input quoted in a one-line message stays short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

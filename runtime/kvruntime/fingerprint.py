@@ -8,6 +8,8 @@ import hashlib
 import torch
 from torch import nn
 
+from .errors import short_repr
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelFingerprint:
@@ -25,11 +27,20 @@ class ModelFingerprint:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelFingerprint":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        missing = fields - set(data)
+        """The fingerprint of a JSON object; ValueError naming the first field missing or of the wrong type."""
+        if not isinstance(data, dict):
+            raise ValueError(f"fingerprint is a JSON {type(data).__name__}, not an object")
+        fields = dataclasses.fields(cls)
+        missing = {f.name for f in fields} - set(data)
         if missing:
             raise ValueError(f"fingerprint lacks {sorted(missing)}")
-        return cls(**{k: data[k] for k in fields})
+        for field in fields:
+            value = data[field.name]
+            if field.type in (int, "int") and (type(value) is not int or value < 1):
+                raise ValueError(f"fingerprint {field.name} is {short_repr(value)}, not a positive integer")
+            if field.type in (str, "str") and (type(value) is not str or not value):
+                raise ValueError(f"fingerprint {field.name} is {short_repr(value)}, not a non-empty string")
+        return cls(**{f.name: data[f.name] for f in fields})
 
     def shape_differences(self, other: "ModelFingerprint") -> dict[str, str]:
         """Differences that make an artifact's tensors meaningless for the other model: field -> 'a vs b'."""

@@ -1,0 +1,69 @@
+"""One rank of a gloo process group on the CPU, running the compile recipes on a tiny model (tests/test_distributed.py
+starts it with torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from conftest import CharTokenizer, tiny_model
+from kvcompile.attention_stats import StatsSettings, compile_attention_stats
+from kvcompile.budgets import compile_layer_errors
+from kvcompile.corpus import Corpus
+from kvcompile.distributed import Shard, process_group_shard
+from kvcompile.experience_collection import ExperienceDesign
+from kvcompile.offline_cql import CQLSettings
+from kvcompile.tables import TablesSettings, compile_tables
+from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.errors import KVRuntimeError
+from kvruntime.fingerprint import model_fingerprint
+
+CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(3)))
+STATS = StatsSettings(ratios=(0.3, 0.6), prompts=5, prompt_tokens=96)
+TABLES = TablesSettings(
+    budgets=(80, 120), prompts=3, context=160, continuation=12, rounds=2, entropy_bins=3, perplexity_bins=2,
+    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5), cql=CQLSettings(steps=40),
+)
+RECIPES = ("stats", "budgets", "tables")
+
+
+def heads_artifact(model: torch.nn.Module) -> Artifact:
+    scores = torch.rand(4, 4, generator=torch.Generator().manual_seed(3))
+    return Artifact(kind="srh_heads", tensors={"srh_score": scores}, model=model_fingerprint(model), provenance={})
+
+
+def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> None:
+    """Every recipe into `folder` (artifacts written by the shard that writes results)."""
+    torch.set_num_threads(1)
+    model = tiny_model("llama")
+    artifacts = {
+        "stats": compile_attention_stats(model, CharTokenizer(), CORPUS, stats, folder / "stats", shard=shard),
+        "budgets": compile_layer_errors(
+            model, CharTokenizer(), CORPUS, heads_artifact(model), prompts=4, prompt_tokens=64, new_tokens=3, seed=0,
+            out=folder / "budgets", shard=shard,
+        ),
+        "tables": compile_tables(model, CharTokenizer(), CORPUS, TABLES, folder / "tables", shard=shard)[0],
+    }
+    if shard.writes_results:
+        for name, artifact in artifacts.items():
+            save_artifact(artifact, folder / f"{name}.safetensors")
+
+
+def rank_main(rank: int, world: int, folder: str, disagreeing_rank: int) -> None:
+    """Join the group through a file store, compile everything (rank `disagreeing_rank` with another seed), and
+    write any project error to error<rank>.txt."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        stats = dataclasses.replace(STATS, seed=1) if rank == disagreeing_rank else STATS
+        compile_all(Path(folder), process_group_shard(), stats)
+    except KVRuntimeError as exc:
+        Path(folder, f"error{rank}.txt").write_text(str(exc))
+    except BaseException:
+        Path(folder, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()

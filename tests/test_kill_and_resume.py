@@ -1,0 +1,64 @@
+"""kill -9 at random moments of a compile run (tiny model, its own process), then `resume`: the same artifact as
+an uninterrupted run, and never a half-written file."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kill_worker import compile_recipe
+from kvcompile.checkpoint import checkpoint_path
+from kvruntime.artifact import read_artifact
+
+WORKER = Path(__file__).with_name("kill_worker.py")
+
+
+def start(recipe: str, folder: Path, resume: bool) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), *sys.path]), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, str(WORKER), recipe, str(folder)] + (["--resume"] if resume else [])
+    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_after_some_checkpoints(process: subprocess.Popen, checkpoint: Path, rng: random.Random) -> None:
+    """Wait until the run has saved at least once more, then kill -9 it a random few milliseconds later."""
+    before = checkpoint.stat().st_mtime_ns if checkpoint.exists() else None
+    deadline = time.monotonic() + 120
+    while (not checkpoint.exists() or checkpoint.stat().st_mtime_ns == before) and process.poll() is None:
+        assert time.monotonic() < deadline, "the run saved no checkpoint in 2 minutes"
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, 0.05))
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.parametrize("recipe", ["stats", "tables"])
+def test_a_run_killed_three_times_resumes_to_the_artifact_of_an_uninterrupted_run(tmp_path, recipe):
+    threads = torch.get_num_threads()
+    try:
+        straight = compile_recipe(recipe, tmp_path / "straight", resume=False)
+    finally:
+        torch.set_num_threads(threads)
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    out, checkpoint = folder / f"{recipe}.safetensors", checkpoint_path(folder / f"{recipe}.safetensors")
+    rng = random.Random(0)
+    for attempt in range(3):
+        process = start(recipe, folder, resume=attempt > 0)
+        kill_after_some_checkpoints(process, checkpoint, rng)
+        assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
+        assert not out.exists()
+        # Whatever moment the kill hit, only whole files are left under their final names.
+        assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [checkpoint.name]
+    finished = start(recipe, folder, resume=True)
+    assert finished.wait(timeout=300) == 0
+    resumed = read_artifact(out)
+    assert resumed.params == json.loads(json.dumps(straight.params))
+    for name, tensor in straight.tensors.items():
+        assert torch.equal(tensor, resumed.tensors[name]), name
