@@ -40,7 +40,6 @@ from .provenance import provenance
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.
 RANK_QUANTILES = torch.cat([torch.zeros(1), torch.logspace(-3, 0, 96)])
 WINDOW = KVCompose.window  # the runtime's protected window: the least a layer keeps
-STATISTICS = ("layer_fractions", "layer_fraction_squares", "head_fractions", "composite_curves", "head_score_quantiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +166,7 @@ def compile_attention_stats(
 
 def finish_attention_stats(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
     """Means over the prompts, and the spread of the layer shares."""
-    mean = {name: sums[name] / run.items for name in STATISTICS}
+    mean = {name: total / run.items for name, total in sums.items() if total.is_floating_point()}
     spread = (mean["layer_fraction_squares"] - mean["layer_fractions"].square()).clamp_min(0).sqrt()
     settings = run.settings
     return Artifact(

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from kvruntime.artifact import write_safetensors_atomically
 from kvruntime.errors import KVRuntimeError
 
-from .distributed import Shard
+from .distributed import Shard, differing_settings
 
 
 def checkpoint_path(out: Path, shard: Shard = Shard()) -> Path:
@@ -46,8 +46,8 @@ def load_checkpoint(
     except Exception:  # a damaged checkpoint is not resumable; say so rather than guess
         raise KVRuntimeError(f"checkpoint {path} is damaged: delete it and run without --resume") from None
     if saved_settings != json.loads(json.dumps(settings, sort_keys=True)):
-        changed = sorted(k for k in set(saved_settings) | set(settings) if saved_settings.get(k) != settings.get(k))
-        raise KVRuntimeError(f"checkpoint {path} belongs to a run with other settings ({', '.join(changed)} differ)")
+        changed = differing_settings(saved_settings, json.loads(json.dumps(settings, sort_keys=True)))
+        raise KVRuntimeError(f"checkpoint {path} belongs to a run with other settings ({changed} differ)")
     return tensors, progress
 
 

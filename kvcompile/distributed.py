@@ -67,15 +67,26 @@ def process_group_shard() -> Shard:
     return Shard(dist.get_rank(), dist.get_world_size(), in_process_group=True)
 
 
+def differing_settings(one: dict[str, Any], other: dict[str, Any]) -> str:
+    """The keys whose values differ, comma-separated; a differing model fingerprint by its fields."""
+    keys = [k for k in sorted(set(one) | set(other)) if one.get(k) != other.get(k)]
+    return ", ".join(_model_fields(one[k], other[k]) if k == "model" and k in one and k in other else k for k in keys)
+
+
+def _model_fields(one: Any, other: Any) -> str:
+    if not isinstance(one, dict) or not isinstance(other, dict):
+        return "model"
+    return "model " + ", ".join(f for f in sorted(set(one) | set(other)) if one.get(f) != other.get(f))
+
+
 def agree_on_settings(shard: Shard, settings: dict[str, Any]) -> None:
     """Refuse, on every rank, a process group whose ranks were started with different settings (or models, or
     corpora): their sums would add up to nothing meaningful."""
     everyone = gather_json(shard, settings)
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
-            differing = sorted(k for k in set(other) | set(everyone[0]) if other.get(k) != everyone[0].get(k))
             raise KVRuntimeError(
-                f"the ranks disagree on the settings: rank {rank} differs from rank 0 in {', '.join(differing)} "
+                f"the ranks disagree on the settings: rank {rank} differs from rank 0 in {differing_settings(other, everyone[0])} "
                 "(start every rank with the same command, model and corpus)"
             )
 
@@ -83,7 +94,8 @@ def agree_on_settings(shard: Shard, settings: dict[str, Any]) -> None:
 def gather_dicts(shard: Shard, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Every rank's tensors (same names and shapes on every rank), in rank order."""
     parts = {name: gather_tensors(shard, tensors[name]) for name in sorted(tensors)}
-    return [{name: parts[name][rank] for name in parts} for rank in range(shard.count if shard.in_process_group else 1)]
+    ranks = len(next(iter(parts.values())))
+    return [{name: parts[name][rank] for name in parts} for rank in range(ranks)]
 
 
 def gather_tensors(shard: Shard, tensor: torch.Tensor) -> list[torch.Tensor]:

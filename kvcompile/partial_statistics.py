@@ -5,8 +5,9 @@ the items (the ranks of a process group, separate jobs merged later, a run and i
 up to the sums of one uninterrupted run, and the artifact is finished from the sums alone (sums and counts, never
 averages of averages). Every float sum carries its rounding error (`<name>.error`, Knuth's two-sum), so the sum is
 exact to about 2^-106 whatever the order of the additions: splitting the items does not move a single bit of the
-float32 artifact (plain float64 sums moved 13 of 2910 values by one float32 ulp on the default model). A run's `settings` (model fingerprint, corpus hash, every option) travel with its
-checkpoints and partial statistics: sums of other settings are never mixed in.
+float32 artifact (plain float64 sums moved 13 of 2910 values by one float32 ulp on the default model). A run's
+`settings` (model fingerprint, corpus hash, every option) travel with its checkpoints and partial statistics: sums
+of other settings are never mixed in.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import ModelFingerprint
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .distributed import Shard, agree_on_settings, gather_dicts
+from .distributed import Shard, agree_on_settings, differing_settings, gather_dicts
 
 PARTIAL_KIND = "partial_statistics"
 DONE = "items_done"
@@ -152,7 +153,7 @@ def merge_partials(partials: list[Artifact], finishers: dict[str, Finisher]) -> 
                 f"{partial.path} holds statistics of {run.kind!r}, {partials[0].path} of {runs[0].kind!r}: only "
                 "statistics of one kind can be merged"
             )
-        differing = _differences(run.identity, runs[0].identity)
+        differing = differing_settings(run.identity, runs[0].identity)
         if differing:
             raise KVRuntimeError(f"{partial.path} cannot be merged with {partials[0].path}: they differ in {differing}")
     if runs[0].kind not in finishers:
@@ -172,13 +173,3 @@ def merge_partials(partials: list[Artifact], finishers: dict[str, Finisher]) -> 
     run = dataclasses.replace(runs[0], provenance={**runs[0].provenance, **merged_from})
     shards = [shard for p in partials for shard in p.params["shards"]]
     return finish_or_partial(run, total, shards, finishers[run.kind])
-
-
-
-def _differences(one: dict[str, Any], other: dict[str, Any]) -> str:
-    """The differing keys (of the model fingerprint, by field), comma-separated."""
-    keys = [k for k in sorted(set(one) | set(other)) if one.get(k) != other.get(k)]
-    return ", ".join(
-        f"model {', '.join(f for f in sorted(one['model']) if one['model'][f] != other['model'].get(f))}" if k == "model" else k
-        for k in keys
-    )

@@ -201,7 +201,7 @@ def compile_tables(
     progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
     round_start = {name: table.clone() for name, table in state.items()}
     # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
-    own_records = {"head": Records(HEAD_COLUMNS), "gate": Records(GATE_COLUMNS)}
+    own_records = {kind: Records(experience_columns(kind)) for kind in PHASES}
     units = [(p, b) for p in own for b in range(len(settings.budgets))]
     saved = load_checkpoint(out, checkpoint_settings, shard) if resume else None
     if saved is not None:
@@ -214,6 +214,11 @@ def compile_tables(
         progress, state, round_start, history = _catch_up(shard, progress, state, round_start, len(units))
     learned: dict[str, LearnedTable] = {}
     converged = False
+
+    def pool_records() -> None:
+        experience.head, experience.gate = (
+            pooled_records(shard, own_records[kind], settings.prompts, len(settings.budgets)) for kind in PHASES
+        )
 
     def save(round_: int, phase: int, unit: int) -> None:
         tensors = {
@@ -251,7 +256,7 @@ def compile_tables(
                 bar.set_postfix(records=len(own_records[kind]))
                 save(round_, phase, unit + 1)
             bar.close()
-            experience.head, experience.gate = (pooled_records(shard, own_records[k], settings.prompts, len(settings.budgets)) for k in PHASES)
+            pool_records()
             learned[kind] = _learn(kind, experience, layers, heads, settings)
             learned[kind].values = from_rank(shard, learned[kind].values)
             state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
@@ -263,7 +268,7 @@ def compile_tables(
         if round_ > 0 and max(changes) < settings.tolerance:
             converged = True
             break
-    experience.head, experience.gate = (pooled_records(shard, own_records[k], settings.prompts, len(settings.budgets)) for k in PHASES)
+    pool_records()
     for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
         if kind not in learned:
             learned[kind] = _learn(kind, experience, layers, heads, settings)

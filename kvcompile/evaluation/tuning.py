@@ -127,7 +127,7 @@ def recommendation(
         tensors=dict(
             ratios=torch.tensor(settings.ratios, dtype=torch.float32), accuracy=table(accuracy), kl=table(kl),
             chosen_ratio=table([[UNMEASURED if c is None else c for c in chosen]])[0],
-            full_accuracy=torch.tensor([full_accuracy]),
+            full_accuracy=torch.tensor([full_accuracy], dtype=torch.float32),
         ),
         model=model_fingerprint(model),
         provenance=provenance(corpus, settings.seed, validation_prompts=len({x["prompt"] for x in records})),

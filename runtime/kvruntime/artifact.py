@@ -223,7 +223,7 @@ def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int])
             if size != term:
                 return False
             continue
-        name, less = (term[:-2], 1) if term.endswith("-1") else (term, 0)
+        name, less = _named_size(term)
         wanted = sizes.setdefault(name, size + less)
         if size + less != wanted or wanted < 1:
             return False
@@ -233,8 +233,13 @@ def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int])
 def _describe_size(term: int | str, sizes: dict[str, int]) -> str:
     if isinstance(term, int):
         return str(term)
-    name, less = (term[:-2], 1) if term.endswith("-1") else (term, 0)
+    name, less = _named_size(term)
     return f"{term}={sizes[name] - less}" if name in sizes else term
+
+
+def _named_size(term: str) -> tuple[str, int]:
+    """"ratios" -> ("ratios", 0); "entropy_bins-1" -> ("entropy_bins", 1): the size named, and how much less."""
+    return (term[:-2], 1) if term.endswith("-1") else (term, 0)
 
 
 def _check_known_kind(kind: str, where: str) -> None:
