@@ -85,9 +85,9 @@ def measure(path: Path, materialise: bool) -> dict:
     from transformers import AutoTokenizer
 
     from kvcompile.corpus import Corpus, calibration_prompts, load_corpus
-    from kvruntime.model_loading import _dequantised_default
+    from kvruntime.default_model import load_default_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(_dequantised_default()), local_files_only=True)
+    _, tokenizer = load_default_model(lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True)))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the resident memory now
     before = status_mib("VmRSS")
     start = time.perf_counter()

@@ -29,7 +29,7 @@ from kvruntime.composite_tokens import (
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods.kvcompose import KVCompose
-from kvruntime.selection import kept_per_head
+from kvruntime.request import kept_per_head
 from kvruntime.task_attention import task_attention_maxima
 
 from .corpus import Corpus, calibration_prompts

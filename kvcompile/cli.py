@@ -39,6 +39,10 @@ def clear_errors() -> Iterator[None]:
 ARTIFACTS_ROOT = Path(__file__).resolve().parents[1] / "artifacts"
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
 
+PromptFormatOption = Annotated[
+    str, typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template).")
+]
+
 
 def _load(model: str) -> tuple:
     import transformers
@@ -89,30 +93,37 @@ def generate(
         typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
     ] = None,
     model: ModelOption = "default",
+    prompt_format: PromptFormatOption = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
 ) -> None:
-    """Generate from a prompt file with a compressed KV cache, then print the compression report."""
+    """Generate from a prompt file with a compressed KV cache, then print the compression report. The prompt file
+    is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
-        import kvruntime  # imported inside commands so that `--help` stays fast
+        from kvruntime.request import check_request, required_artifact_kinds
+
+        from .prompt_format import check_prompt_format
 
         prompt = _read_prompt(prompt_file)
+        check_prompt_format(prompt_format)
         options = _method_options(option or [])
         if nearest_budget:
             options["nearest_budget"] = True
         paths = list(artifact or [])
         if method is None:
+            from kvruntime.artifact import read_artifact
+
             # The method and ratio of a tuned_defaults artifact (given, or the model's default one), else kvcompress.
             tuned = _default_artifact(model, "tuned_defaults")
             paths = paths or ([tuned] if tuned.exists() else [])
-            if not any(p.exists() and kvruntime.read_artifact(p).kind == "tuned_defaults" for p in paths):
+            if not any(p.exists() and read_artifact(p).kind == "tuned_defaults" for p in paths):
                 method = "kvcompress"
         if method is not None:
             if ratio is None and budget is None:
                 ratio = 0.5
-            kinds = kvruntime.required_artifact_kinds(method, options)
+            kinds = required_artifact_kinds(method, options)
             paths = paths or [_default_artifact(model, kind) for kind in kinds]
         if ratio is not None or budget is not None:  # else the tuned defaults give the ratio
-            kvruntime.CompressionSession.check_request(ratio, budget, memory)
+            check_request(ratio, budget, memory)
         for path in paths:
             if not path.exists():
                 raise KVRuntimeError(
@@ -120,21 +131,37 @@ def generate(
                     "budgets` for layer_budgets, `kvcompile tables` for compilerkv_tables, `kvcompile stats` for "
                     "kvcompose_stats) or pass --artifact"
                 )
+        import torch
+
+        import kvruntime
+
+        from .prompt_format import chat_frame, uses_chat
+
         loaded, tokenizer = _load(model)
+        chat = uses_chat(tokenizer, prompt_format)
+        turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
+
+        def encode(text: str, special: bool = False):
+            return tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids
+
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
-        context_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with kvruntime.compress(
             loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force, options=options
         ) as session:
+            # Chat: the file is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
+            context = prompt.strip() if chat else prompt
             if question:
-                context = session.prefill(context_ids)
+                # The context is compressed inside the user's turn; each question ends the turn.
+                compressed = session.prefill(encode(turn_start + context, special=not chat))
+                separator = "\n\n" if chat else ("" if prompt[-1].isspace() else "\n")
                 for text in question:
-                    question_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-                    answer = context.generate(question_ids, **greedy)[0, question_ids.shape[1] :]
-                    typer.echo(f"Q: {text.strip()}\nA: {tokenizer.decode(answer, skip_special_tokens=True)}")
+                    question_ids = encode(separator + text.strip() + turn_end)
+                    answer = compressed.generate(question_ids, **greedy)[0, question_ids.shape[1] :]
+                    typer.echo(f"Q: {text.strip()}\nA: {tokenizer.decode(answer, skip_special_tokens=True).strip()}")
             else:
-                output = loaded.generate(context_ids, **greedy)
-                typer.echo(tokenizer.decode(output[0, context_ids.shape[1] :], skip_special_tokens=True))
+                ids = encode(turn_start + context + turn_end, special=not chat)
+                output = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
+                typer.echo(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip())
         typer.echo(str(session.report))
 
 
@@ -404,9 +431,6 @@ TasksOption = Annotated[
 LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
 QuestionAwareOption = Annotated[
     bool, typer.Option(help="Compress with the question in the observation window (default: the context alone, then the question).")
-]
-PromptFormatOption = Annotated[
-    str, typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template).")
 ]
 ArtifactsOption = Annotated[
     Optional[Path], typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from pathlib import Path
 
 import numpy as np

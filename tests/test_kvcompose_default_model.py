@@ -10,6 +10,7 @@ import kvruntime
 from conftest import dynamic_layer_shares
 from kvcompile.attention_stats import StatsSettings, compile_attention_stats
 from kvcompile.corpus import calibration_prompts, load_corpus
+from kvcompile.prompt_format import chat_frame
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,7 +31,8 @@ def test_the_compiled_allocation_is_the_dynamic_allocation_averaged_over_calibra
 
 def test_the_shipped_stats_free_the_requested_ratio_and_the_pass_key_survives_half(default_model):
     model, tokenizer = default_model
-    ids = tokenizer(PROMPT.read_text(), return_tensors="pt").input_ids
+    turn_start, turn_end = chat_frame(tokenizer)  # the prompt file as the user's turn, as kvcompile generate sends it
+    ids = tokenizer(turn_start + PROMPT.read_text().strip() + turn_end, return_tensors="pt").input_ids
     for ratio in (0.5, 0.75, 0.9):
         with kvruntime.compress(model, "kvcompose", ratio=ratio, artifacts=[STATS]) as session:
             output = model.generate(ids, max_new_tokens=12, do_sample=False)

@@ -14,7 +14,8 @@ from kvruntime.artifact import save_artifact
 from kvruntime.composite_tokens import composite_curve, kv_head_scores, layer_allocation
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.kvcompose_stats import KVComposeStats
-from kvruntime.selection import kept_per_head, protect_window
+from kvruntime.request import kept_per_head
+from kvruntime.selection import protect_window
 from kvruntime.task_attention import task_attention_maxima
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 5 + j * j * 11) % 26) for j in range(6000)) for i in range(3)))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvruntime.errors import KVRuntimeError
-from kvruntime.methods import NEEDS, parse_method_name, required_artifact_kinds
+from kvruntime.request import NEEDS, parse_method_name, required_artifact_kinds
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).

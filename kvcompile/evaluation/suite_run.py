@@ -14,7 +14,8 @@ from kvruntime.errors import KVRuntimeError
 
 from ..corpus import load_corpus
 from ..tasks.retrieval import TaskPrompt
-from ..tasks.suite import check_prompt_format, check_tasks, suite_prompts
+from ..prompt_format import check_prompt_format
+from ..tasks.suite import check_tasks, suite_prompts
 from .contestants import Contestant
 from .metrics import greedy_agreement, next_token_kl
 from .runner import Answer, answer, split_prompt

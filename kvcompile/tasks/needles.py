@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from kvruntime.errors import KVRuntimeError
 
 from ..corpus import Corpus, passage_ids
+from ..prompt_format import require_chat_template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
     """The user turn through the model's chat template, or raw text with an answer cue."""
     if not chat:
         return text + RAW_ANSWER_CUE
-    if not getattr(tokenizer, "chat_template", None):
-        raise KVRuntimeError("the model's tokenizer has no chat template: use --prompt-format raw for a base model")
+    require_chat_template(tokenizer)
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from kvruntime.errors import KVRuntimeError
 
 from ..corpus import Corpus
+from ..prompt_format import uses_chat
 from .aggregation import common_words_prompt, variable_tracking_prompt
 from .qa import book_qa_prompt
 from .retrieval import TaskPrompt, retrieval_prompt
@@ -29,7 +30,6 @@ SUITE: dict[str, Generator] = {
     "common_words": lambda c, t, n, d, s, chat: common_words_prompt(c, t, n, s, chat),
     "qa": book_qa_prompt,
 }
-PROMPT_FORMATS = ("auto", "chat", "raw")
 SUITE_TASKS = tuple(SUITE)
 WITHOUT_DEPTH = ("common_words",)
 
@@ -45,11 +45,6 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 256:
         raise KVRuntimeError("--lengths needs context lengths of at least 256 tokens")
     return lengths
-
-
-def check_prompt_format(prompt_format: str) -> None:
-    if prompt_format not in PROMPT_FORMATS:
-        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use one of {', '.join(PROMPT_FORMATS)}")
 
 
 def check_tasks(tasks: Sequence[str]) -> None:
@@ -76,8 +71,7 @@ def suite_prompts(
     check_tasks(tasks)
     if samples < 1:
         raise KVRuntimeError("--samples must be at least 1")
-    check_prompt_format(prompt_format)
-    chat = prompt_format == "chat" or (prompt_format == "auto" and bool(getattr(tokenizer, "chat_template", None)))
+    chat = uses_chat(tokenizer, prompt_format)
     return [
         SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample, chat)
         for task in tasks

@@ -27,12 +27,12 @@ from .cache_ops import attention_modules, cache_bytes, check_full_attention_cach
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import Method, Prefill, get_method
 from .report import CompressionReport
-from .selection import kept_per_head, top_indices, top_mask
+from .request import check_request, kept_per_head
+from .selection import top_indices, top_mask
 from .task_attention import task_attention_maxima
 from .tuned_defaults import TunedDefaults
 from .window_attention import hooked_window_queries
 
-MEMORY_MODES = ("padded", "masked")
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class CompressionSession:
         memory: str,
         artifacts: Sequence[Artifact] = (),
     ) -> None:
-        self.check_request(ratio, budget, memory)
+        check_request(ratio, budget, memory)
         method.check_request(ratio, budget)
         if method.memory not in (None, memory):
             raise KVRuntimeError(
@@ -77,13 +77,6 @@ class CompressionSession:
         self._prefill: _Prefill | None = None
         self._keep_masks: dict[int, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    @staticmethod
-    def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
-        """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
-        if memory not in MEMORY_MODES:
-            raise KVRuntimeError(f"unknown memory mode {memory!r} (use one of {', '.join(MEMORY_MODES)})")
-        kept_per_head(length=1 << 30, window=1, ratio=ratio, budget=budget)
 
     @property
     def report(self) -> CompressionReport:

@@ -5,32 +5,9 @@ Shapes: layer scores are [B, Hkv, N]; counts are [L, Hkv] (entries kept per laye
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from .errors import KVRuntimeError
-
-
-def kept_per_head(length: int, window: int, ratio: float | None = None, budget: int | None = None) -> int:
-    """Average number of entries each (layer, KV head) keeps: from a ratio of entries removed, or a budget of
-    tokens per layer (at most the prompt's length). Never fewer than the protected window."""
-    if (ratio is None) == (budget is None):
-        raise KVRuntimeError("give exactly one of ratio or budget")
-    if ratio is not None:
-        if not 0.0 <= ratio < 1.0:
-            raise KVRuntimeError(f"ratio {ratio} is outside [0, 1): it is the fraction of cache entries removed")
-        keep = length - math.floor(ratio * length)
-    else:
-        if budget < 1:
-            raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
-        if budget > length:
-            raise KVRuntimeError(
-                f"budget {budget} tokens per layer is larger than the prompt ({length} tokens): nothing to compress; "
-                "give a smaller budget or a ratio"
-            )
-        keep = budget
-    return min(length, max(keep, min(window, length)))
 
 
 def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:

@@ -20,42 +20,9 @@ from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .kvcompose import KVCompose
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
+from ..request import METHOD_NAMES, NEEDS, OPTIONS, parse_method_name, required_artifact_kinds
 
 ARTIFACT_FREE: dict[str, type[Method]] = {cls.name: cls for cls in (SnapKV, KVCompress)}
-METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
-OPTIONS = {
-    "compilerkv": {"nearest_budget", "uniform_heads", "fixed_threshold"},
-    "kvcompose": {"mode", "unstructured"},
-}
-ALIASES = {"compresskv": "srh+budgets"}
-# Which artifact kind each name part needs, and the command that compiles it.
-NEEDS = {
-    "srh": ("srh_heads", "kvcompile heads"),
-    "budgets": ("layer_budgets", "kvcompile budgets"),
-    "compilerkv": ("compilerkv_tables", "kvcompile tables"),
-    "kvcompose": ("kvcompose_stats", "kvcompile stats"),
-}
-
-
-def parse_method_name(name: str) -> list[str]:
-    """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
-    parts = ALIASES.get(name, name).split("+")
-    budgetable = parts[0] in (*ARTIFACT_FREE, "srh") and parts[1:] in ([], ["budgets"])
-    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
-        raise KVRuntimeError(
-            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
-            f"{', '.join((*ARTIFACT_FREE, 'srh'))})"
-        )
-    return parts
-
-
-def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:
-    parts = parse_method_name(name)
-    if parts == ["kvcompose"] and options.get("mode") == "dynamic":
-        return []
-    return [NEEDS[part][0] for part in parts if part in NEEDS]
-
-
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
     """A method instance from its name, the (already model-checked) artifacts and method options; an instance is
     returned as is."""

