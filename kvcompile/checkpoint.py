@@ -4,6 +4,7 @@ they belong to, so that `--resume` continues only a run of the same model, data 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,16 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    out: Path, settings: dict, shard: Shard = Shard()
+    out: Path, settings: dict, shard: Shard = Shard(), resume: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    """The saved state of an interrupted run with these settings; None when there is none."""
+    """The saved state of an interrupted run with these settings; None when there is none, or without `resume`
+    (a checkpoint left by an earlier run is then said to be started over, not dropped without a word)."""
     path = checkpoint_path(out, shard)
     if not path.exists():
+        return None
+    if not resume:
+        print(f"note: starting over; the checkpoint {path} of an interrupted run will be replaced (--resume continues it)",
+              file=sys.stderr)
         return None
     try:
         with safe_open(str(path), framework="pt") as handle:

@@ -27,16 +27,30 @@ ModelOption = Annotated[
 
 
 @contextlib.contextmanager
-def clear_errors() -> Iterator[None]:
-    """Bad input ends the command with one line naming the problem and a non-zero exit, no traceback."""
+def clear_errors() -> Iterator[contextlib.ExitStack]:
+    """Bad input ends the command with one line naming the problem and a non-zero exit, no traceback. Yields the
+    command's resources (output locks), released when it ends."""
     try:
-        yield
+        with contextlib.ExitStack() as resources:
+            yield resources
     except KVRuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
+def _claim_output(resources: contextlib.ExitStack, path: Path, folder: bool = False, lock: bool = True) -> Path:
+    """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
+    for the rest of the command, so that two runs never write the same output at once."""
+    from kvruntime.files import check_output_file, check_output_folder, path_lock
+
+    (check_output_folder if folder else check_output_file)(path)
+    if lock:
+        resources.enter_context(path_lock(path, wait=False))
+    return path
+
+
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
+MIN_PROBE_TOKENS = 128  # a needle sentence, its question and some haystack around it
 
 PromptFormatOption = Annotated[
     str, typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template).")
@@ -53,6 +67,8 @@ def _load(model: str) -> tuple:
 
 
 def _read_prompt(path: Path) -> str:
+    if path.is_dir():
+        raise KVRuntimeError(f"prompt file {path} is a folder: give a text file")
     if not path.is_file():
         raise KVRuntimeError(f"prompt file {path} does not exist")
     try:
@@ -98,13 +114,21 @@ def generate(
     """Generate from a prompt file with a compressed KV cache, then print the compression report. The prompt file
     is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
-        from kvruntime.request import check_request, required_artifact_kinds
+        from kvruntime.request import check_method_options, check_request, parse_option_pairs, required_artifact_kinds
 
         from .prompt_format import check_prompt_format
 
         prompt = _read_prompt(prompt_file)
         check_prompt_format(prompt_format)
-        options = _method_options(option or [])
+        if max_new_tokens < 1:
+            raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
+        if question is not None and not all(text.strip() for text in question):
+            raise KVRuntimeError("--question is empty: give the text of each question")
+        options = parse_option_pairs(option or [])
+        if options and method is None:
+            raise KVRuntimeError("--option needs --method: options belong to a method")
+        if method is not None:
+            options = check_method_options(method, options)
         if nearest_budget:
             options["nearest_budget"] = True
         paths = list(artifact or [])
@@ -149,6 +173,8 @@ def generate(
         ) as session:
             # Chat: the file is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
             context = prompt.strip() if chat else prompt
+            if encode(context).shape[1] < 2:
+                raise KVRuntimeError(f"prompt file {prompt_file} holds fewer than 2 tokens: nothing to compress")
             if question:
                 # The context is compressed inside the user's turn; each question ends the turn.
                 compressed = session.prefill(encode(turn_start + context, special=not chat))
@@ -162,27 +188,6 @@ def generate(
                 output = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
                 typer.echo(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip())
         typer.echo(str(session.report))
-
-
-def _method_options(pairs: list[str]) -> dict[str, object]:
-    """`key=value` strings to method options: true/false, integers and decimals become values of their type."""
-    options: dict[str, object] = {}
-    for pair in pairs:
-        key, separator, text = pair.partition("=")
-        if not separator or not key.strip():
-            raise KVRuntimeError(f"--option {pair!r}: write it as key=value")
-        value: object = text.strip()
-        if value in ("true", "false"):
-            value = value == "true"
-        else:
-            for convert in (int, float):
-                try:
-                    value = convert(text)
-                    break
-                except ValueError:
-                    pass
-        options[key.strip()] = value
-    return options
 
 
 def _numbers(text: str, convert: type) -> list:
@@ -245,8 +250,8 @@ ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of
 ShardOption = Annotated[
     Optional[str],
     typer.Option(
-        help="i/n: do the i-th of n shares of the work as a separate job and write partial statistics for "
-        "`kvcompile merge` (under torchrun every rank takes its share without this)."
+        help="i/n: do share i of n, counted from 0 (0/2 and 1/2), as a separate job and write partial statistics "
+        "for `kvcompile merge` (under torchrun every rank takes its share without this)."
     ),
 ]
 CheckpointOption = Annotated[int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")]
@@ -268,7 +273,7 @@ def heads(
 ) -> None:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         from .corpus import load_corpus
         from .distributed import parse_shard
         from .heads import compile_head_scores
@@ -277,13 +282,18 @@ def heads(
         grid_lengths, grid_depths = _numbers(lengths, int), _numbers(depths, float)
         if not grid_lengths or not grid_depths or any(not 0 <= d <= 1 for d in grid_depths):
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
+        if min(grid_lengths) < MIN_PROBE_TOKENS:
+            raise KVRuntimeError(f"--lengths {min(grid_lengths)}: a needle probe needs at least {MIN_PROBE_TOKENS} tokens")
         if prompt_format not in ("chat", "raw"):
             raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
         _check_checkpoint_every(checkpoint_every)
         text = load_corpus(corpus)
         share = parse_shard(shard)
+        target = _claim_output(resources, _compile_target(out, model, "srh_heads", share), lock=share.writes_results)
         loaded, tokenizer = _load(model)
-        target = _compile_target(out, model, "srh_heads", share)
+        longest = getattr(loaded.config, "max_position_embeddings", None)
+        if longest is not None and max(grid_lengths) > longest:
+            raise KVRuntimeError(f"--lengths {max(grid_lengths)} is longer than the model's {longest} positions")
         artifact = compile_head_scores(
             loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume,
             checkpoint_every, share,
@@ -313,7 +323,7 @@ def budgets(
 ) -> None:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         from kvruntime.artifact import load_artifact
 
         from .budgets import compile_layer_errors
@@ -326,9 +336,9 @@ def budgets(
         _check_checkpoint_every(checkpoint_every)
         text = load_corpus(corpus)
         share = parse_shard(shard)
+        target = _claim_output(resources, _compile_target(out, model, "layer_budgets", share), lock=share.writes_results)
         loaded, tokenizer = _load(model)
         head_scores = load_artifact(heads_artifact or _default_artifact(model, "srh_heads"), model=loaded, kind="srh_heads")
-        target = _compile_target(out, model, "layer_budgets", share)
         artifact = compile_layer_errors(
             loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume,
             checkpoint_every, share,
@@ -354,7 +364,7 @@ def tables(
 ) -> None:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         from kvruntime.artifact import load_artifact, save_artifact
 
         from .corpus import load_corpus
@@ -367,8 +377,8 @@ def tables(
         )
         if from_experience is None:
             settings.check()  # bad settings are refused before the model and corpus are loaded
+        target = _claim_output(resources, out or _default_artifact(model, "compilerkv_tables"))
         loaded, tokenizer = _load(model)
-        target = out or _default_artifact(model, "compilerkv_tables")
         if from_experience is not None:
             experience = load_artifact(from_experience, model=loaded, kind="compilerkv_experience")
             artifact = relearn_tables(experience)
@@ -401,7 +411,7 @@ def stats(
 ) -> None:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         from .attention_stats import StatsSettings, compile_attention_stats, load_task_set
         from .corpus import load_corpus
         from .distributed import parse_shard
@@ -413,8 +423,8 @@ def stats(
         tasks = load_task_set(task_set) if task_set is not None else None
         text = load_corpus(corpus)
         share = parse_shard(shard)
+        target = _claim_output(resources, _compile_target(out, model, "kvcompose_stats", share), lock=share.writes_results)
         loaded, tokenizer = _load(model)
-        target = _compile_target(out, model, "kvcompose_stats", share)
         artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume, checkpoint_every, share)
         _finish(artifact, target, plot_kvcompose_stats, started, share)
 
@@ -487,7 +497,7 @@ def eval_(
     ] = False,
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
-    with clear_errors():
+    with clear_errors() as resources:
         import datetime
 
         from .evaluation.contestants import artifact_paths, default_methods, parse_methods
@@ -503,6 +513,7 @@ def eval_(
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or _artifact_folder(model))
         record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
+        _claim_output(resources, out, folder=True)
         store = RunStore(out, record, resume, extendable=("methods",))
         loaded, tokenizer = _load(model)
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
@@ -544,7 +555,7 @@ def tune(
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         import shutil
 
         from .evaluation.contestants import artifact_paths, parse_methods
@@ -560,7 +571,7 @@ def tune(
         contestants = parse_methods(methods)
         if any(c.kind == "kvpress" for c in contestants):
             raise KVRuntimeError("tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only")
-        target = out or _default_artifact(model, "tuned_defaults")
+        target = _claim_output(resources, out or _default_artifact(model, "tuned_defaults"))
         folder = artifacts or target.parent
         paths = artifact_paths(contestants, folder)
         records = target.with_name(target.stem + ".runs")
@@ -585,7 +596,7 @@ def merge(
 ) -> None:
     """Add up the partial statistics of separate jobs (heads, budgets, stats) into the artifact one run would write."""
     started = time.perf_counter()
-    with clear_errors():
+    with clear_errors() as resources:
         from kvruntime.artifact import load_artifact
 
         from .attention_stats import finish_attention_stats
@@ -599,6 +610,9 @@ def merge(
             "layer_budgets": (finish_layer_budgets, plot_layer_budgets),
             "kvcompose_stats": (finish_attention_stats, plot_kvcompose_stats),
         }
+        if out.absolute() in {path.absolute() for path in partials}:
+            raise KVRuntimeError(f"--out {out} is one of the partials being merged: give another file")
+        _claim_output(resources, out)
         loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
         artifact = merge_partials(loaded, {kind: finish for kind, (finish, _) in recipes.items()})
         _finish(artifact, out, recipes[artifact.kind][1] if artifact.kind in recipes else None, started)
@@ -626,9 +640,10 @@ def describe_tables(artifact: object) -> str:
 def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors).")]) -> None:
     """Print an artifact's kind, model, tensors and metadata; refuse a file that is not a valid artifact."""
     with clear_errors():
-        from kvruntime.artifact import read_artifact
+        from kvruntime.artifact import check_tensors, read_artifact
 
         artifact = read_artifact(path)
+        check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept
         typer.echo(f"{path}: {artifact.kind} artifact")
         model = artifact.model
         typer.echo(

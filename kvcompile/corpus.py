@@ -138,6 +138,9 @@ def _table(path: Path) -> Corpus:
         raise KVRuntimeError(f"corpus {path} cannot be read ({str(exc).splitlines()[0]})") from None
     if "text" not in table.column_names:
         raise KVRuntimeError(f"corpus {path} has no 'text' column (columns: {', '.join(table.column_names)})")
+    kind = getattr(table.features["text"], "dtype", "")
+    if kind not in ("string", "large_string"):
+        raise KVRuntimeError(f"corpus {path}: column 'text' holds {kind or 'nested'} values, not text")
     table = table.select_columns(["text"])
     documents = DiskDocuments(enumerate(_column_texts(table)), array("q"), functools.partial(_row_text, table))
     if not documents:

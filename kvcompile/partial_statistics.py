@@ -69,7 +69,7 @@ def accumulate(
     zeros = {**sums, DONE: torch.zeros(run.items, dtype=torch.int64)}
     sums = combine([zeros])
     identity = {**run.identity, "shard": shard.describe()}
-    saved = load_checkpoint(out, identity, shard) if resume else None
+    saved = load_checkpoint(out, identity, shard, resume)
     if saved is not None:
         sums = saved[0]
     todo = [item for item in shard.items(run.items) if not sums[DONE][item]]

@@ -202,7 +202,7 @@ def compile_tables(
     # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
     own_records = {kind: Records(experience_columns(kind)) for kind in PHASES}
     units = [(p, b) for p in own for b in range(len(settings.budgets))]
-    saved = load_checkpoint(out, checkpoint_settings, shard) if resume else None
+    saved = load_checkpoint(out, checkpoint_settings, shard, resume)
     if saved is not None:
         tensors, progress = saved
         own_records = {kind: Records.from_tensors(experience_columns(kind), tensors, kind) for kind in PHASES}

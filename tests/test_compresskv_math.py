@@ -22,6 +22,9 @@ def test_budgets_follow_the_error_and_respect_the_bounds():
     assert budgets[1] < budgets[2] < budgets[3]
     # one layer holds all the error: 32 + 272 is clipped at 3 x 100; the 4 left over go to the next in line
     assert error_aware_budgets([0.0, 0.0, 0.0, 1.0], 100) == [36, 32, 32, 300]
+    # A 150-token context caps the last layer at 150; what it cannot use goes to the others, in error order (ties by
+    # index), so the total stays 4 x 100 (a ratio is held).
+    assert error_aware_budgets([0.0, 0.0, 0.0, 1.0], 100, length=150) == [150, 68, 32, 150]
 
 
 def test_hand_computed_allocation():

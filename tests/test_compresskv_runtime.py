@@ -35,8 +35,10 @@ def compiled(tiny, tmp_path):
 def test_compresskv_keeps_the_algorithm_1_budget_in_each_layer(tiny, tokens, compiled):
     with kvruntime.compress(tiny, "compresskv", budget=40, artifacts=compiled) as session:
         session.prefill(tokens)
-    expected = [min(b, 80) for b in error_aware_budgets(LAYER_ERROR.tolist(), 40)]
+    expected = error_aware_budgets(LAYER_ERROR.tolist(), 40, length=80)
+    assert sum(expected) == 4 * 40 and max(expected) <= 80  # the 80-token prompt caps a layer; the others take the rest
     assert session.report.slots_per_layer == expected
+    assert session.report.entries_removed_fraction == 0.5
     assert session.report.method == "compresskv"
 
 
@@ -53,7 +55,8 @@ def test_budgets_compose_with_another_selection(tiny, tokens, compiled):
     with kvruntime.compress(tiny, "snapkv+budgets", budget=40, artifacts=compiled) as session:
         session.prefill(tokens)
     assert session.report.method == "snapkv+budgets"
-    assert session.report.slots_per_layer == [min(b, 80) for b in error_aware_budgets(LAYER_ERROR.tolist(), 40)]
+    assert session.report.slots_per_layer == error_aware_budgets(LAYER_ERROR.tolist(), 40, length=80)
+    assert session.report.entries_removed_fraction == 0.5
 
 
 def test_compresskv_generation_runs_and_ratio_zero_is_exact(tiny, tokens, compiled):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvruntime.errors import KVRuntimeError
-from kvruntime.request import NEEDS, parse_method_name, required_artifact_kinds
+from kvruntime.request import NEEDS, check_method_options, parse_method_name, parse_option_pairs, required_artifact_kinds
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -70,12 +70,8 @@ def parse_methods(text: str) -> list[Contestant]:
             continue
         name, *pairs = entry.split(":")
         parse_method_name(name)  # refuses an unknown method with the list of known ones
-        options = dict(DEFAULT_OPTIONS.get(name, {}))
-        for pair in pairs:
-            key, separator, value = pair.partition("=")
-            if not separator:
-                raise KVRuntimeError(f"method option {pair!r} in {entry!r}: write it as key=value")
-            options[key] = {"true": True, "false": False}.get(value, value)
+        given = check_method_options(name, parse_option_pairs(pairs, f"--methods {entry!r}: option"))
+        options = {**DEFAULT_OPTIONS.get(name, {}), **given}
         contestants.append(Contestant(entry, "kvcompile", name, options))
     labels = [c.label for c in contestants]
     if len(set(labels)) != len(labels):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvruntime.artifact import write_atomically
+from kvruntime.files import write_atomically
 from kvruntime.errors import KVRuntimeError
 
 

@@ -12,13 +12,15 @@ import torch
 
 
 def error_aware_budgets(
-    layer_error: Sequence[float], budget: int, minimum: int = 32, maximum_factor: int = 3
+    layer_error: Sequence[float], budget: int, minimum: int = 32, maximum_factor: int = 3, length: int | None = None
 ) -> list[int]:
     """Split `budget * L` tokens over L layers in proportion to their normalised error.
 
-    Each layer gets `minimum + round(e_l * (total - minimum * L))`, clipped to [minimum, maximum_factor * budget];
-    rounding is then repaired one token at a time (add to the highest-error layer below the maximum, remove from
-    the lowest-error layer above the minimum) so that the budgets sum to exactly `budget * L`.
+    Each layer gets `minimum + round(e_l * (total - minimum * L))`, clipped to [minimum, maximum] with maximum =
+    maximum_factor * budget, and at most the context `length` when it is given (a layer cannot keep more tokens than
+    there are); the clipping and the rounding are then repaired one token at a time (add to the highest-error layer
+    below the maximum, remove from the lowest-error layer above the minimum) so that the budgets sum to exactly
+    `budget * L`: what a clipped layer cannot use goes to the others.
     """
     errors = [float(e) for e in layer_error]
     if not errors or any(e < 0 for e in errors) or sum(errors) <= 0:
@@ -29,7 +31,9 @@ def error_aware_budgets(
     errors = [e / total_error for e in errors]
     layers = len(errors)
     low = min(minimum, budget)
-    high = maximum_factor * budget
+    high = maximum_factor * budget if length is None else min(maximum_factor * budget, length)
+    if budget * len(errors) > high * len(errors):
+        raise ValueError(f"budget {budget} is larger than the context ({length} tokens)")
     total = budget * layers
     budgets = [min(high, max(low, low + round(e * (total - low * layers)))) for e in errors]
     by_error = sorted(range(layers), key=lambda i: (-errors[i], i))

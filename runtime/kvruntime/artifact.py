@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .errors import ArtifactError, short_repr
+from .files import write_atomically
 from .fingerprint import ModelFingerprint, model_fingerprint
 
 FORMAT_NAME = "kvcompile-artifact"
@@ -116,27 +116,12 @@ def write_safetensors_atomically(
     return write_atomically(path, lambda tmp_name: save_file(tensors, tmp_name, metadata=metadata))
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """`write(temporary name)` in the target folder, fsync, then rename: the final name never holds half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp_name)
-        with open(tmp_name, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return target
-
-
 def read_artifact(path: str | os.PathLike) -> Artifact:
     """Read and validate the file itself (format, version, checksum, finite values, well-formed metadata of a known
     kind); no model is needed."""
     source = Path(path)
+    if source.is_dir():
+        raise ArtifactError(f"{source} is a folder: give an artifact file (.safetensors)")
     if not source.is_file():
         raise ArtifactError(f"{source}: no such artifact file")
     try:

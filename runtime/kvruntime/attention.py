@@ -32,9 +32,12 @@ def per_layer_sdpa(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    *args: object,
     kvruntime_keep_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    # `args`: a caller may pass dropout and scaling by position (kvpress's attention wrapper does), so the keep mask
+    # is keyword-only and the rest goes through to sdpa as it came.
     q_len, kv_len = query.shape[-2], key.shape[-2]
     mask = None
     if kvruntime_keep_mask is not None:
@@ -48,7 +51,7 @@ def per_layer_sdpa(
     elif q_len > 1 and q_len != kv_len:
         mask = right_aligned_causal_mask(q_len, kv_len, query.device)[None, None]
     # With no mask, sdpa_attention_forward uses is_causal for q_len > 1 (here q_len == kv_len: plain prefill).
-    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
 
 
 @contextlib.contextmanager

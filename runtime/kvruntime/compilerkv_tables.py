@@ -49,13 +49,16 @@ class CompilerKVTables:
     def from_artifact(cls, artifact: Artifact) -> "CompilerKVTables":
         check_kind(artifact, "compilerkv_tables")
         t = artifact.tensors
-        return cls(
-            budgets=tuple(int(b) for b in t["budgets"]),
-            head_reliability=t["head_reliability"].float(),
-            risk_thresholds=t["risk_thresholds"].float(),
-            entropy_edges=t["entropy_edges"].double(),
-            perplexity_edges=t["perplexity_edges"].double(),
-        )
+        try:  # a check that fails names the file
+            return cls(
+                budgets=tuple(int(b) for b in t["budgets"]),
+                head_reliability=t["head_reliability"].float(),
+                risk_thresholds=t["risk_thresholds"].float(),
+                entropy_edges=t["entropy_edges"].double(),
+                perplexity_edges=t["perplexity_edges"].double(),
+            )
+        except ArtifactError as exc:
+            raise ArtifactError(f"{artifact.path}: {exc}") from None
 
     @property
     def num_layers(self) -> int:

@@ -11,7 +11,6 @@ concurrent first runs end with one good cache."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -22,10 +21,11 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import KVRuntimeError
+from .files import cache_root, path_lock, umask_mode
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -42,11 +42,6 @@ CONVERTER_PACKAGES = ("transformers", "tokenizers", "gguf")
 ROUND_TRIP_PROBE = "Hello world! The pass key is 25613.\n\n    Indented,\ttabbed; naïve café — 日本語 «ok»."
 
 log = logging.getLogger("kvruntime")
-
-
-def cache_root() -> Path:
-    """Where dequantised default models are cached ($KVCOMPILE_CACHE, else ~/.cache/kvcompile)."""
-    return Path(os.environ.get("KVCOMPILE_CACHE", Path.home() / ".cache" / "kvcompile"))
 
 
 def default_gguf_path() -> Path:
@@ -222,23 +217,6 @@ def read_marker(folder: Path) -> dict | None:
     return marker if complete and (folder / "config.json").exists() else None
 
 
-@contextlib.contextmanager
-def build_lock(folder: Path) -> Iterator[None]:
-    """One builder at a time per cache folder, across processes (a no-op where fcntl is missing)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: staging folders still keep concurrent builds apart
-        yield
-        return
-    with open(folder.with_name(f".{folder.name}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str | None = None) -> dict:
     """The marker of a complete cache in `folder`, building it first if it is missing, incomplete, or (with
     `stale_build`) still the build of that id, which failed its check. `build(staging)` writes the files into an
@@ -246,7 +224,8 @@ def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str |
     marker = read_marker(folder)
     if marker is not None and marker.get("build") != stale_build:
         return marker
-    with build_lock(folder):
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with path_lock(folder, wait=True):  # one builder at a time; the others find its cache
         marker = read_marker(folder)  # another process may have finished while we waited
         if marker is not None and marker.get("build") != stale_build:
             return marker
@@ -267,11 +246,9 @@ def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str |
 
 def share_like_any_file(folder: Path) -> None:
     """Give the folder and its files the umask's modes (mkdtemp and some writers make them private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    folder.chmod(umask_mode(0o777))
     for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
+        path.chmod(umask_mode(0o666))
 
 
 def dequantise_default(gguf: Path, staging: Path) -> dict:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
+from .allocation import apportion
 from .artifact import Artifact, load_artifact
 from .attention import per_layer_attention
 from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
@@ -33,6 +34,8 @@ from .task_attention import task_attention_maxima
 from .tuned_defaults import TunedDefaults
 from .window_attention import hooked_window_queries
 
+# Attribute a model carries while a compression block is attached to it (blocks do not nest).
+_ACTIVE_SESSION = "_kvruntime_session"
 
 
 @dataclasses.dataclass
@@ -91,6 +94,12 @@ class CompressionSession:
 
     def prefill(self, input_ids: torch.Tensor) -> "CompressedContext":
         """Compress a context on its own (without the question) and return it, ready for several questions."""
+        if not self.active:
+            raise KVRuntimeError("prefill inside the `with kvruntime.compress(...)` block: the block has ended")
+        if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+            raise KVRuntimeError(
+                f"a context of {input_ids.shape[-1] if input_ids.ndim else 0} token(s) has nothing to compress: give at least 2"
+            )
         cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -100,6 +109,9 @@ class CompressionSession:
     @contextlib.contextmanager
     def attached(self) -> Iterator["CompressionSession"]:
         base = self.model.base_model
+        if getattr(self.model, _ACTIVE_SESSION, None) is not None:
+            raise KVRuntimeError("this model is already inside a `kvruntime.compress(...)` block: blocks do not nest")
+        setattr(self.model, _ACTIVE_SESSION, self)
         self._handles = [
             base.register_forward_pre_hook(self._before_model, with_kwargs=True),
             base.register_forward_hook(self._after_model, with_kwargs=True),
@@ -113,6 +125,7 @@ class CompressionSession:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+            delattr(self.model, _ACTIVE_SESSION)
 
     def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tokens = kwargs.get("input_ids", args[0] if args else None)
@@ -121,6 +134,8 @@ class CompressionSession:
         cache = kwargs.get("past_key_values")
         batch, length = tokens.shape[:2]
         starts_empty = cache is None or cache.get_seq_length() == 0
+        if starts_empty:  # a new sequence: the keep masks of an earlier prompt's cache do not apply to it
+            self._keep_masks = {}
         if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
             return
         if batch != 1:
@@ -184,11 +199,15 @@ class CompressionSession:
     # -- selection -----------------------------------------------------------------------------------------
     def _compress_cache(self, cache: Cache, state: _Prefill, prefill: Prefill) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
-        keep = kept_per_head(state.length, min(self.method.window, state.length), self.ratio, self.budget)
+        window = min(self.method.window, state.length)
+        keep = kept_per_head(state.length, window, self.ratio, self.budget)
+        asked = kept_per_head(state.length, 1, self.ratio, self.budget)
+        # Why the cache held may differ from the request: the report says it rather than hide it.
+        notes = [f"window              the last {window} tokens always stay: {keep} kept per layer, not {asked}"] if keep > asked else []
         self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
-            return full, [state.length * layer.keys.shape[1] for layer in cache.layers], []
+            return full, [state.length * layer.keys.shape[1] for layer in cache.layers], notes
         if self.method.task_pass:
             if prefill.input_ids is None:
                 raise KVRuntimeError(f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings")
@@ -200,7 +219,18 @@ class CompressionSession:
             )
         statistics = [state.statistics[i] for i in range(len(cache.layers))]
         selection = self.method.select(statistics, keep, prefill)
-        counts = selection.counts.clamp(max=state.length)
+        counts = selection.counts
+        if int(counts.max()) > state.length:
+            raise KVRuntimeError(f"{self.method.name} selected more entries per head than the context holds")
+        if self.memory == "padded" and bool((counts != counts.amax(dim=1, keepdim=True)).any()):
+            # Every head of a layer gets the same number of slots: the layer's share of what the method selected,
+            # so that the cache held is the requested size (padding each layer to its largest head count held more).
+            shares = apportion(
+                counts.sum(dim=1).double(), int(counts.sum()) // counts.shape[1], min(self.method.window, state.length),
+                state.length,
+            )
+            counts = shares[:, None].expand_as(counts)
+            notes.append("padded              each layer's slots are its share of the selection, spread over its KV heads")
         slots, entries = [], []
         for index, (layer, scores) in enumerate(zip(cache.layers, selection.scores)):
             slot_count = int(counts[index].max())
@@ -213,7 +243,7 @@ class CompressionSession:
             if self.memory == "masked" and bool((head_counts < slot_count).any()):
                 # Slots beyond a head's own count are hidden from attention: the method's exact selection.
                 self._keep_masks[index] = top_mask(scores.gather(-1, indices), head_counts)
-        return slots, entries, selection.notes
+        return slots, entries, notes + selection.notes
 
 
 class CompressedContext:

@@ -43,12 +43,15 @@ class KVComposeStats:
     def from_artifact(cls, artifact: Artifact) -> "KVComposeStats":
         check_kind(artifact, "kvcompose_stats")
         t = artifact.tensors
-        return cls(
-            ratios=tuple(round(float(r), 6) for r in t["ratios"]),
-            layer_fractions=t["layer_fractions"].double(),
-            head_fractions=t["head_fractions"].double(),
-            task_mode=str(artifact.params.get("task_mode", "unknown")),
-        )
+        try:  # a check that fails names the file
+            return cls(
+                ratios=tuple(round(float(r), 6) for r in t["ratios"]),
+                layer_fractions=t["layer_fractions"].double(),
+                head_fractions=t["head_fractions"].double(),
+                task_mode=str(artifact.params.get("task_mode", "unknown")),
+            )
+        except ArtifactError as exc:
+            raise ArtifactError(f"{artifact.path}: {exc}") from None
 
     def check_ratio(self, ratio: float) -> None:
         low, high = self.ratios[0], self.ratios[-1]

@@ -27,10 +27,11 @@ def load_model(
         )
     try:
         return _load_folder(folder, dtype)
-    except OSError as exc:
+    except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise KVRuntimeError(
-            f"cannot load model {model!r} offline ({str(exc).splitlines()[0]}); nothing is downloaded at run "
-            "time: put the model in a local directory or the Hugging Face cache first"
+            f"cannot load model {model!r} offline ({reason}); nothing is downloaded at run time: give a complete "
+            "local model directory (config, weights and tokenizer) or a model in the Hugging Face cache"
         ) from None
 
 

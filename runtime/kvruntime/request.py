@@ -5,16 +5,17 @@ the heavy runtime."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from .errors import KVRuntimeError
 
 MEMORY_MODES = ("padded", "masked")
 ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
 METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
-OPTIONS = {
-    "compilerkv": {"nearest_budget", "uniform_heads", "fixed_threshold"},
-    "kvcompose": {"mode", "unstructured"},
+# The options each method takes: a type (bool, float) or the tuple of its allowed words.
+OPTIONS: dict[str, dict[str, object]] = {
+    "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float},
+    "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
 }
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs, and the command that compiles it.
@@ -72,3 +73,44 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
             )
         keep = budget
     return min(length, max(keep, min(window, length)))
+
+
+def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
+    """Refuse options the method does not take, and values of the wrong type; returns them as a dict."""
+    base = parse_method_name(name)[0]
+    known = OPTIONS.get(base, {})
+    if options and not known:
+        raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise KVRuntimeError(f"unknown {base} options {unknown} (known: {sorted(known)})")
+    for key, value in options.items():
+        kind = known[key]
+        if kind is bool and not isinstance(value, bool):
+            raise KVRuntimeError(f"{base} option {key}={value!r} is not a boolean (write true or false)")
+        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise KVRuntimeError(f"{base} option {key}={value!r} is not a number")
+        if isinstance(kind, tuple) and value not in kind:
+            raise KVRuntimeError(f"unknown {base} {key} {value!r} (use one of {', '.join(kind)})")
+    return dict(options)
+
+
+def parse_option_pairs(pairs: Iterable[str], where: str = "--option") -> dict[str, object]:
+    """`key=value` strings (the command line's) to option values: true/false are booleans, numbers are numbers,
+    anything else a word. `check_method_options` then checks them against the method."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, separator, text = pair.partition("=")
+        if not separator or not key.strip():
+            raise KVRuntimeError(f"{where} {pair!r}: write it as key=value")
+        options[key.strip()] = _option_value(text.strip())
+    return options
+
+
+def _option_value(text: str) -> object:
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return float(text)
+    except ValueError:
+        return text

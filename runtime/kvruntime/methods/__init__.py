@@ -20,7 +20,7 @@ from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .kvcompose import KVCompose
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
-from ..request import METHOD_NAMES, NEEDS, OPTIONS, parse_method_name, required_artifact_kinds
+from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_name, required_artifact_kinds
 
 ARTIFACT_FREE: dict[str, type[Method]] = {cls.name: cls for cls in (SnapKV, KVCompress)}
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
@@ -39,17 +39,13 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
             raise KVRuntimeError(f"method {name!r} needs a {kind} artifact for this model (compile it with `{command}`)")
         return by_kind[kind]
 
-    if base in OPTIONS and set(options) - OPTIONS[base]:
-        unknown, known = sorted(set(options) - OPTIONS[base]), sorted(OPTIONS[base])
-        raise KVRuntimeError(f"unknown {base} options {unknown} (known: {known})")
+    options = check_method_options(name, options)
     if base == "compilerkv":
         return CompilerKV(tables=CompilerKVTables.from_artifact(artifact_for("compilerkv")), **options)
     if base == "kvcompose":
         compiled = options.get("mode", "compiled") == "compiled"
         stats = KVComposeStats.from_artifact(artifact_for("kvcompose")) if compiled else None
         return KVCompose(stats=stats, **options)
-    if options:
-        raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
     if base == "srh":
         method: ScoringMethod = SemanticRetrievalHeads(head_scores=artifact_for("srh").tensors["srh_score"])
     else:

@@ -111,5 +111,10 @@ class CompilerKV(Method):
             f"{min(thresholds):.3f}-{max(thresholds):.3f}"
             + ("; W_head = 1" if self.uniform_heads else ""),
         ]
+        if sum(counts) < keep * len(counts):  # the learned gate only removes: the budget is a ceiling
+            notes.append(
+                f"risk gate           keeps {sum(counts)} of the {keep * len(counts)} tokens the budget allows "
+                "(only tokens scoring above the layer's threshold stay)"
+            )
         count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
         return Selection(scores, count_tensor, notes)

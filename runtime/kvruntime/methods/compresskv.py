@@ -49,5 +49,6 @@ class WithLayerBudgets(ScoringMethod):
         return self.inner.token_scores(attention, layer)
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
-        budgets = torch.tensor(error_aware_budgets(self.layer_error.tolist(), keep))
+        length = layer_scores[0].shape[-1]
+        budgets = torch.tensor(error_aware_budgets(self.layer_error.tolist(), keep, length=length))
         return budgets[:, None].expand(len(layer_scores), layer_scores[0].shape[1]).clone()

@@ -1,0 +1,108 @@
+"""Requested ratios are held: for every method, the share of entries removed is the requested ratio (within 1%),
+and the bytes freed too where the layout is dense; where they cannot be (the observation window outgrows the
+budget, a learned gate that only removes), the report says why. Tiny models here; the default model at the end."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvruntime
+from conftest import CharTokenizer, tiny_model
+from kvcompile.attention_stats import StatsSettings, compile_attention_stats
+from kvcompile.corpus import Corpus
+from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.fingerprint import model_fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+RATIOS = (0.1, 0.25, 0.5, 0.6, 0.75, 0.8, 0.9, 0.95)
+LENGTH = 400
+CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(8000)) for i in range(3)))
+# (method, memory, options): every method and layout the runtime serves by ratio
+CASES = [
+    ("snapkv", "padded", {}),
+    ("kvcompress", "padded", {}),
+    ("kvcompress", "masked", {}),
+    ("srh", "padded", {}),
+    ("compresskv", "padded", {}),
+    ("snapkv+budgets", "padded", {}),
+    ("kvcompress+budgets", "padded", {}),
+    ("kvcompose", "padded", {}),
+    ("kvcompose", "padded", {"mode": "dynamic"}),
+    ("kvcompose", "masked", {"unstructured": True}),
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    common = dict(model=model_fingerprint(model), provenance={"command": "test"})
+    # Very uneven layer errors, so that the error-aware budgets of some layers exceed the context at small ratios.
+    errors = torch.tensor([0.02, 0.9, 0.03, 0.05])
+    heads = torch.rand(4, 4, generator=torch.Generator().manual_seed(1))
+    settings = StatsSettings(ratios=RATIOS, prompts=3, prompt_tokens=LENGTH)
+    stats = compile_attention_stats(model, CharTokenizer(), CORPUS, settings, folder / "stats.safetensors")
+    paths = [
+        save_artifact(Artifact("srh_heads", {"srh_score": heads}, **common), folder / "srh.safetensors"),
+        save_artifact(Artifact("layer_budgets", {"layer_error": errors}, **common), folder / "budgets.safetensors"),
+        save_artifact(stats, folder / "stats.safetensors"),
+    ]
+    return model, paths
+
+
+def removed_and_freed(model, paths, method, memory, options, ratio, ids):
+    with kvruntime.compress(model, method, ratio=ratio, memory=memory, artifacts=paths, options=options) as session:
+        session.prefill(ids)
+    report = session.report
+    return report, report.entries_removed_fraction, 1 - report.bytes_after / report.bytes_before
+
+
+@pytest.mark.parametrize("method, memory, options", CASES, ids=lambda c: str(c))
+def test_every_method_removes_the_requested_ratio_or_says_why_not(setup, method, memory, options):
+    model, paths = setup
+    ids = torch.randint(3, 96, (1, LENGTH), generator=torch.Generator().manual_seed(7))
+    for ratio in RATIOS:
+        report, removed, freed = removed_and_freed(model, paths, method, memory, options, ratio, ids)
+        if "always stay" in str(report):  # the window outgrew the budget: the report says so, with the numbers
+            window = int(re.search(r"the last (\d+) tokens always stay", str(report)).group(1))
+            assert LENGTH - int(ratio * LENGTH) < window
+            continue
+        assert abs(removed - ratio) < 0.01, (method, options, ratio, removed)
+        if memory == "padded":  # dense layouts: the bytes held are the entries kept
+            assert abs(freed - ratio) < 0.01, (method, options, ratio, freed)
+        else:  # masked: the slots of the layer's largest count are held, the rest is hidden from attention
+            assert freed <= removed + 1e-9
+
+
+def test_budgets_that_exceed_the_context_go_to_the_other_layers(setup):
+    model, paths = setup
+    ids = torch.randint(3, 96, (1, LENGTH), generator=torch.Generator().manual_seed(7))
+    report, removed, freed = removed_and_freed(model, paths, "compresskv", "padded", {}, 0.25, ids)
+    assert max(report.slots_per_layer) == LENGTH  # the high-error layer keeps everything...
+    assert abs(removed - 0.25) < 0.01 and abs(freed - 0.25) < 0.01  # ...and the ratio is still the one asked for
+
+
+def test_the_window_note_appears_only_when_the_window_outgrows_the_budget(setup):
+    model, paths = setup
+    short = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(2))
+    report, removed, _ = removed_and_freed(model, [], "snapkv", "padded", {}, 0.9, short)
+    assert "the last 32 tokens always stay: 32 kept per layer, not 12" in str(report)
+    assert removed == pytest.approx(1 - 32 / 120)
+    report, _, _ = removed_and_freed(model, [], "snapkv", "padded", {}, 0.5, short)
+    assert "always stay" not in str(report)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method", ["snapkv", "kvcompress", "srh", "compresskv", "kvcompose"])
+def test_the_default_model_holds_the_requested_ratio(default_model, method):
+    model, tokenizer = default_model
+    ids = tokenizer((ROOT / "calibration_data/prompts/passkey_2k.txt").read_text(), return_tensors="pt").input_ids
+    folder = ROOT / "artifacts/smollm2-135m-instruct"
+    paths = [folder / f"{kind}.safetensors" for kind in kvruntime.required_artifact_kinds(method)]
+    for ratio in (0.1, 0.25, 0.5, 0.75, 0.9, 0.95):
+        _, removed, freed = removed_and_freed(model, paths, method, "padded", {}, ratio, ids)
+        assert abs(removed - ratio) < 0.01 and abs(freed - ratio) < 0.01, (method, ratio, removed, freed)
