@@ -128,6 +128,8 @@ def _text_files(name: str, files: list[Path]) -> Corpus:
 def _table(path: Path) -> Corpus:
     import datasets  # compile-stage dependency, imported only for table formats
 
+    bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a refusal stays one line; the conversion takes seconds at most
     try:
         # Converted once into Arrow files in the datasets cache, then memory-mapped (never copied into memory,
         # whatever datasets' settings say): rows are read when indexed.
@@ -136,6 +138,9 @@ def _table(path: Path) -> Corpus:
         )
     except Exception as exc:  # datasets raises many types for malformed files
         raise KVRuntimeError(f"corpus {path} cannot be read ({str(exc).splitlines()[0]})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if "text" not in table.column_names:
         raise KVRuntimeError(f"corpus {path} has no 'text' column (columns: {', '.join(table.column_names)})")
     kind = getattr(table.features["text"], "dtype", "")

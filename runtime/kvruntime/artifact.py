@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 from torch import nn
 
@@ -125,9 +125,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     if not source.is_file():
         raise ArtifactError(f"{source}: no such artifact file")
     try:
-        with safe_open(str(source), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        metadata, tensors = _read_safetensors(source.read_bytes())
     except Exception as exc:  # safetensors raises several types for truncated or foreign files
         raise ArtifactError(f"{source}: not a readable safetensors file ({_first_line(exc)})") from None
     if metadata.get("format") != FORMAT_NAME:
@@ -152,6 +150,18 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     return Artifact(
         kind=metadata["kind"], tensors=tensors, model=model, provenance=provenance, params=params, path=source
     )
+
+
+def _read_safetensors(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Metadata and tensors of one safetensors file's bytes. Read from one snapshot of the file: safe_open's torch
+    backend reopens the file by name for the tensors, so a reader racing an atomic replacement could pair the old
+    metadata with the new tensors (seen as a checksum mismatch)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("the header's metadata is not an object")
+    return metadata, safetensors_load(data)
 
 
 def _json_object(text: str, key: str) -> dict[str, Any]:

@@ -29,8 +29,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> P
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        os.chmod(tmp_name, umask_mode(0o666))
         write(tmp_name)
+        os.chmod(tmp_name, umask_mode(0o666))  # after the write: a writer may replace the file it was given
         with open(tmp_name, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp_name, target)
