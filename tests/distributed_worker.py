@@ -67,3 +67,39 @@ def rank_main(rank: int, world: int, folder: str, disagreeing_rank: int) -> None
         raise
     finally:
         dist.destroy_process_group()
+
+
+def tables_rank_main(rank: int, world: int, folder: str, stop_one_step_apart: bool) -> None:
+    """Rank `rank` of a tables run. With `stop_one_step_apart`, the run stops as a kill -9 between the ranks' saves
+    would leave it: after the first fit, rank 0 saves its checkpoint and dies, rank 1 dies before saving (its last
+    checkpoint is the finished collection). Without it, the run resumes from the checkpoints and writes the tables."""
+    import os
+
+    from kvcompile import tables
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store-{int(stop_one_step_apart)}", rank=rank, world_size=world)
+    real_save = tables.save_checkpoint
+
+    def save_then_die(out, tensors, progress, settings, shard):
+        first_fit_done = (progress["round"], progress["phase"], progress["unit"]) == (0, 1, 0)
+        if first_fit_done and rank == 1:
+            os._exit(0)
+        real_save(out, tensors, progress, settings, shard)
+        if first_fit_done:
+            os._exit(0)
+
+    if stop_one_step_apart:
+        tables.save_checkpoint = save_then_die
+    try:
+        torch.set_num_threads(1)
+        out = Path(folder) / "tables"
+        artifact = tables.compile_tables(
+            tiny_model("llama"), CharTokenizer(), CORPUS, TABLES, out, resume=not stop_one_step_apart, shard=process_group_shard()
+        )[0]
+        if rank == 0:
+            save_artifact(artifact, Path(folder) / "tables.safetensors")
+    except BaseException:
+        Path(folder, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()

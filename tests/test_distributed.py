@@ -43,3 +43,30 @@ def test_ranks_that_disagree_on_settings_are_all_refused_and_nothing_is_written(
         message = (tmp_path / f"error{rank}.txt").read_text()
         assert message.startswith("the ranks disagree on the settings: rank 1 differs from rank 0 in seed"), message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["error0.txt", "error1.txt"]
+
+
+def test_ranks_killed_one_step_apart_catch_up_and_resume_to_the_tables_one_process_writes(single, tmp_path):
+    """Fault injection: the ranks of a tables run die between their saves around a fit (rank 0 saved after it,
+    rank 1 only before it); on resume the laggard takes the leader's tables and the run ends as one process's."""
+    from distributed_worker import tables_rank_main
+
+    for stop in (True, False):
+        mp.start_processes(tables_rank_main, args=(2, str(tmp_path), stop), nprocs=2, start_method="spawn", join=True)
+        if stop:  # the state the catch-up path is for: one checkpoint per rank, one step apart
+            progress = [_progress(tmp_path / f"tables.rank{rank}of2.partial") for rank in range(2)]
+            assert (progress[0]["round"], progress[0]["phase"], progress[0]["unit"]) == (0, 1, 0)  # saved after the fit
+            assert (progress[1]["round"], progress[1]["phase"]) == (0, 0) and progress[1]["unit"] > 0  # only before it
+            assert not (tmp_path / "tables.safetensors").exists()
+    assert not list(tmp_path.glob("error*.txt")), [p.read_text() for p in tmp_path.glob("error*.txt")]
+    alone, resumed = read_artifact(single / "tables.safetensors"), read_artifact(tmp_path / "tables.safetensors")
+    for name, tensor in alone.tensors.items():
+        assert torch.equal(tensor, resumed.tensors[name]), name
+
+
+def _progress(checkpoint) -> dict:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint), framework="pt") as handle:
+        return json.loads(handle.metadata()["progress"])
