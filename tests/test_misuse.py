@@ -286,3 +286,15 @@ def test_a_full_disk_during_a_write_leaves_the_old_artifact_and_no_temporary_fil
         heads_artifact(tmp_path, srh_score=torch.zeros(4, 4))
     assert listing(tmp_path) == before
     kvruntime.read_artifact(path)  # still whole
+
+
+def test_kvcompose_and_compilerkv_table_errors_name_the_file(tmp_path):
+    fingerprint = model_fingerprint(LLAMA)
+    stats = Artifact(
+        "kvcompose_stats",
+        {"ratios": torch.tensor([0.5, 0.3]), "layer_fractions": torch.full((2, 4), 0.5), "head_fractions": torch.full((2, 4, 2), 0.5)},
+        fingerprint, {"command": "test"},
+    )
+    path = save_artifact(stats, tmp_path / "stats.safetensors")
+    with pytest.raises(KVRuntimeError, match=rf"{path}: kvcompose stats: compiled ratios \[0.5, 0.3\] are not increasing"):
+        kvruntime.get_method("kvcompose", [kvruntime.load_artifact(path, model=LLAMA)])

@@ -225,10 +225,7 @@ class CompressionSession:
         if self.memory == "padded" and bool((counts != counts.amax(dim=1, keepdim=True)).any()):
             # Every head of a layer gets the same number of slots: the layer's share of what the method selected,
             # so that the cache held is the requested size (padding each layer to its largest head count held more).
-            shares = apportion(
-                counts.sum(dim=1).double(), int(counts.sum()) // counts.shape[1], min(self.method.window, state.length),
-                state.length,
-            )
+            shares = apportion(counts.sum(dim=1).double(), int(counts.sum()) // counts.shape[1], window, state.length)
             counts = shares[:, None].expand_as(counts)
             notes.append("padded              each layer's slots are its share of the selection, spread over its KV heads")
         slots, entries = [], []
