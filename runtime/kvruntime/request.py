@@ -46,7 +46,6 @@ def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> li
     return [NEEDS[part][0] for part in parts if part in NEEDS]
 
 
-
 def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
     """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
     if memory not in MEMORY_MODES:
