@@ -56,7 +56,9 @@ def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> Non
 def rank_main(rank: int, world: int, folder: str, disagreeing_rank: int) -> None:
     """Join the group through a file store, compile everything (rank `disagreeing_rank` with another seed), and
     write any project error to error<rank>.txt."""
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    # The rendezvous file lies beside the folder: gloo may remove it only after the ranks have exited, and the folder
+    # must hold nothing but what the run wrote.
+    dist.init_process_group("gloo", init_method=f"file://{folder}.store", rank=rank, world_size=world)
     try:
         stats = dataclasses.replace(STATS, seed=1) if rank == disagreeing_rank else STATS
         compile_all(Path(folder), process_group_shard(), stats)
@@ -77,7 +79,7 @@ def tables_rank_main(rank: int, world: int, folder: str, stop_one_step_apart: bo
 
     from kvcompile import tables
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store-{int(stop_one_step_apart)}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{folder}.store{int(stop_one_step_apart)}", rank=rank, world_size=world)
     real_save = tables.save_checkpoint
 
     def save_then_die(out, tensors, progress, settings, shard):
