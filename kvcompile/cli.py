@@ -610,7 +610,7 @@ def merge(
             "layer_budgets": (finish_layer_budgets, plot_layer_budgets),
             "kvcompose_stats": (finish_attention_stats, plot_kvcompose_stats),
         }
-        if out.absolute() in {path.absolute() for path in partials}:
+        if out.resolve() in {path.resolve() for path in partials}:
             raise KVRuntimeError(f"--out {out} is one of the partials being merged: give another file")
         _claim_output(resources, out)
         loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
