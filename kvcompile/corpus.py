@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvruntime.errors import KVRuntimeError
+from kvruntime.errors import KVRuntimeError, first_line
 
 from .shipped import shipped_folder
 
@@ -137,7 +137,7 @@ def _table(path: Path) -> Corpus:
             _TABLE_SUFFIXES[path.suffix], data_files=str(path), split="train", keep_in_memory=False
         )
     except Exception as exc:  # datasets raises many types for malformed files
-        raise KVRuntimeError(f"corpus {path} cannot be read ({str(exc).splitlines()[0]})") from None
+        raise KVRuntimeError(f"corpus {path} cannot be read ({first_line(exc)})") from None
     finally:
         if bars:
             datasets.enable_progress_bars()

@@ -22,7 +22,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 from torch import nn
 
-from .errors import ArtifactError, short_repr
+from .errors import ArtifactError, first_line, short_repr
 from .files import write_atomically
 from .fingerprint import ModelFingerprint, model_fingerprint
 
@@ -127,7 +127,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
     try:
         metadata, tensors = _read_safetensors(source.read_bytes())
     except Exception as exc:  # safetensors raises several types for truncated or foreign files
-        raise ArtifactError(f"{source}: not a readable safetensors file ({_first_line(exc)})") from None
+        raise ArtifactError(f"{source}: not a readable safetensors file ({first_line(exc)})") from None
     if metadata.get("format") != FORMAT_NAME:
         raise ArtifactError(f"{source}: a safetensors file without kvcompile metadata (not a kvcompile artifact)")
     if metadata.get("format_version") != str(FORMAT_VERSION):
@@ -145,7 +145,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
         model = ModelFingerprint.from_dict(json.loads(metadata["model"]))
         provenance, params = (_json_object(metadata[key], key) for key in ("provenance", "params"))
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
-        raise ArtifactError(f"{source}: malformed kvcompile metadata ({_first_line(exc)})") from None
+        raise ArtifactError(f"{source}: malformed kvcompile metadata ({first_line(exc)})") from None
     _check_known_kind(metadata["kind"], str(source))
     return Artifact(
         kind=metadata["kind"], tensors=tensors, model=model, provenance=provenance, params=params, path=source
@@ -285,8 +285,3 @@ def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
             continue
         if not finite:
             raise ArtifactError(f"{where}: tensor {name!r} holds NaN or infinite values")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

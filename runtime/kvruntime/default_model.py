@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import KVRuntimeError
+from .errors import KVRuntimeError, first_line
 from .files import cache_root, path_lock, umask_mode
 
 DEFAULT_MODEL = "default"
@@ -289,7 +289,7 @@ def load_default_model(load_folder: Callable[[Path], tuple]) -> tuple:
             loaded, tokenizer = load_folder(folder)
             problems = tokenizer_problems(tokenizer, marker["tokenizer"])
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # unreadable files count as a failed check
-            problems = [str(exc).splitlines()[0] if str(exc) else type(exc).__name__]
+            problems = [first_line(exc)]
         if not problems:
             return loaded, tokenizer
         if attempt == 0:

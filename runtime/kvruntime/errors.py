@@ -13,6 +13,12 @@ class UnsupportedModelError(KVRuntimeError):
     """A model whose architecture, cache layout or batch size the runtime cannot compress."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for one-line refusals."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def short_repr(value: object, limit: int = 40) -> str:
     """repr(value), cut to `limit` characters: bad input quoted in a one-line message stays short."""
     text = repr(value)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, INSTALL_HINT, load_default_model
-from .errors import KVRuntimeError
+from .errors import KVRuntimeError, first_line
 
 # A model folder has at least one of these when its tokenizer was saved with it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -34,9 +34,8 @@ def load_model(
     try:
         return _load_folder(folder, dtype)
     except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise KVRuntimeError(
-            f"cannot load model {model!r} offline ({reason}); nothing is downloaded at run time: give a complete "
+            f"cannot load model {model!r} offline ({first_line(exc)}); nothing is downloaded at run time: give a complete "
             "local model directory (config, weights and tokenizer) or a model in the Hugging Face cache"
         ) from None
 
