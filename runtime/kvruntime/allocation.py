@@ -32,7 +32,7 @@ def error_aware_budgets(
     layers = len(errors)
     low = min(minimum, budget)
     high = maximum_factor * budget if length is None else min(maximum_factor * budget, length)
-    if budget * len(errors) > high * len(errors):
+    if budget > high:
         raise ValueError(f"budget {budget} is larger than the context ({length} tokens)")
     total = budget * layers
     budgets = [min(high, max(low, low + round(e * (total - low * layers)))) for e in errors]
