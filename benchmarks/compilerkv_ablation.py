@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.corpus import calibration_prompts, load_corpus
+from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))

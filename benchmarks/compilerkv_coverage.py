@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from kvcompile.bandit_experience import Experience, Records
-from kvcompile.offline_cql import CQLSettings
-from kvcompile.tables import learn_gate_table, learn_head_table
+from kvcompile.recipes.compilerkv.bandit_experience import Experience, Records
+from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
+from kvcompile.recipes.compilerkv.tables import learn_gate_table, learn_head_table
 from kvruntime.artifact import read_artifact
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -84,7 +84,7 @@ def measure(path: Path, materialise: bool) -> dict:
     import datasets  # noqa: F401  (loaded before the baseline, as in a compile command)
     from transformers import AutoTokenizer
 
-    from kvcompile.corpus import Corpus, calibration_prompts, load_corpus
+    from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
     from kvruntime.default_model import load_default_model
 
     _, tokenizer = load_default_model(lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True)))

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from reporting import machine, write_results
 
 from kvruntime.artifact import read_artifact

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.runner import answer, split_prompt
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt

@@ -23,9 +23,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvruntime import KVCompose, KVComposeStats
-from kvcompile.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvruntime import KVCompose, KVComposeStats, kv_head_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compilerkv_coverage import answer_positions, coverage  # noqa: E402
@@ -40,10 +40,9 @@ MODES = ("compiled", "dynamic", HYBRID)
 class TwoPassScoresCompiledAllocation(KVCompose):
     """The dynamic mode's token scores with the compiled mode's layer allocation: separates the two causes."""
 
-    task_pass = True
-
-    def select(self, statistics, keep, prefill):
-        return KVCompose(window=self.window, stats=self.stats).select(statistics, keep, prefill)
+    def select(self, statistics, request, prefill):
+        scores = [kv_head_scores(task_max, prefill.num_kv_heads) for task_max in prefill.second_pass_attention()]
+        return super().select(scores, request, prefill)
 
 
 def method_for(mode: str, stats: KVComposeStats):

@@ -1,18 +1,21 @@
-"""The `kvcompile` command line."""
+"""The `kvcompile` command line: options into settings, then the recipe (`kvcompile/recipe.py`) or the runtime.
+
+Nothing heavy is imported before the options are checked: bad input is refused in one line before torch loads."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from kvruntime.errors import KVRuntimeError
+from kvcompile import recipe
+from kvcompile.recipe import artifact_folder, claim_output, compile_artifact, default_artifact
+from kvruntime import KVRuntimeError
 
 app = typer.Typer(
     help="Compile KV-cache compression artifacts for a model, and run compressed generation.",
@@ -23,6 +26,10 @@ app = typer.Typer(
 
 ModelOption = Annotated[
     str, typer.Option(help="'default' (SmolLM2-135M-Instruct), a local model directory, or a cached hub id.")
+]
+PromptFormatOption = Annotated[
+    str,
+    typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."),
 ]
 
 
@@ -38,32 +45,11 @@ def clear_errors() -> Iterator[contextlib.ExitStack]:
         raise typer.Exit(2) from None
 
 
-def _claim_output(resources: contextlib.ExitStack, path: Path, folder: bool = False, lock: bool = True) -> Path:
-    """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
-    for the rest of the command, so that two runs never write the same output at once."""
-    from kvruntime.files import check_output_file, check_output_folder, path_lock
-
-    (check_output_folder if folder else check_output_file)(path)
-    if lock:
-        resources.enter_context(path_lock(path, wait=False))
-    return path
-
-
-DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"
-MIN_PROBE_TOKENS = 128  # a needle sentence, its question and some haystack around it
-
-PromptFormatOption = Annotated[
-    str, typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template).")
-]
-
-
-def _load(model: str) -> tuple:
-    import transformers
-
-    import kvruntime
-
-    transformers.utils.logging.disable_progress_bar()
-    return kvruntime.load_model(model)
+def _numbers(text: str, convert: type) -> tuple:
+    try:
+        return tuple(convert(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
 def _read_prompt(path: Path) -> str:
@@ -84,27 +70,27 @@ def _read_prompt(path: Path) -> str:
 def generate(
     prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
     method: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, compilerkv, or kvcompose. "
             "Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if "
             "there is one, else kvcompress."
         ),
     ] = None,
-    ratio: Annotated[Optional[float], typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")] = None,
-    budget: Annotated[Optional[int], typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
+    ratio: Annotated[float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")] = None,
+    budget: Annotated[int | None, typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
     question: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
     ] = None,
     memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
-    artifact: Annotated[Optional[list[Path]], typer.Option(help="Compiled artifact(s), checked against the model.")] = None,
+    artifact: Annotated[list[Path] | None, typer.Option(help="Compiled artifact(s), checked against the model.")] = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
     nearest_budget: Annotated[
         bool, typer.Option(help="compilerkv: use the tables of the nearest compiled budget for a budget not compiled.")
     ] = False,
     option: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
     ] = None,
     model: ModelOption = "default",
@@ -114,9 +100,8 @@ def generate(
     """Generate from a prompt file with a compressed KV cache, then print the compression report. The prompt file
     is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
-        from kvruntime.request import check_method_options, check_request, parse_option_pairs, required_artifact_kinds
-
-        from .prompt_format import check_prompt_format
+        from kvcompile.prompt_format import check_prompt_format
+        from kvruntime import ARTIFACT_KINDS, Request, check_method_options, parse_option_pairs, required_artifact_kinds
 
         prompt = _read_prompt(prompt_file)
         check_prompt_format(prompt_format)
@@ -133,10 +118,10 @@ def generate(
             options["nearest_budget"] = True
         paths = list(artifact or [])
         if method is None:
-            from kvruntime.artifact import read_artifact
+            from kvruntime import read_artifact
 
             # The method and ratio of a tuned_defaults artifact (given, or the model's default one), else kvcompress.
-            tuned = _default_artifact(model, "tuned_defaults")
+            tuned = default_artifact(model, "tuned_defaults")
             paths = paths or ([tuned] if tuned.exists() else [])
             if not any(p.exists() and read_artifact(p).kind == "tuned_defaults" for p in paths):
                 method = "kvcompress"
@@ -144,23 +129,24 @@ def generate(
             if ratio is None and budget is None:
                 ratio = 0.5
             kinds = required_artifact_kinds(method, options)
-            paths = paths or [_default_artifact(model, kind) for kind in kinds]
-        if ratio is not None or budget is not None:  # else the tuned defaults give the ratio
-            check_request(ratio, budget, memory)
-        for path in paths:
-            if not path.exists():
-                raise KVRuntimeError(
-                    f"method {method!r} needs {path}: compile it (`kvcompile heads` for srh_heads, `kvcompile "
-                    "budgets` for layer_budgets, `kvcompile tables` for compilerkv_tables, `kvcompile stats` for "
-                    "kvcompose_stats) or pass --artifact"
-                )
+            paths = paths or [default_artifact(model, kind) for kind in kinds]
+            for kind, path in zip(kinds, paths):
+                if not path.exists():
+                    command = ARTIFACT_KINDS[kind].command
+                    raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
+        # Else the tuned defaults give the ratio.
+        request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
+        if method is not None:
+            from kvruntime import get_method, read_artifact
+
+            # A request the method cannot serve is refused here, not after the model has loaded and run.
+            get_method(method, [read_artifact(path) for path in paths], options).check_request(request)
         import torch
 
         import kvruntime
+        from kvcompile.prompt_format import chat_frame, uses_chat
 
-        from .prompt_format import chat_frame, uses_chat
-
-        loaded, tokenizer = _load(model)
+        loaded, tokenizer = recipe.load_model(model)
         chat = uses_chat(tokenizer, prompt_format)
         turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
 
@@ -190,65 +176,13 @@ def generate(
         typer.echo(str(session.report))
 
 
-def _numbers(text: str, convert: type) -> list:
-    try:
-        return [convert(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
-
-
-def _artifact_folder(model: str) -> Path:
-    from .shipped import shipped_folder
-
-    return shipped_folder("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
-
-
-def _default_artifact(model: str, kind: str) -> Path:
-    return _artifact_folder(model) / f"{kind}.safetensors"
-
-
-def _finish(artifact: object, out: Path, plot: Callable[[object, Path], str], started: float, shard: object = None) -> None:
-    """Save the artifact with the command's wall time since `started` (a resumed run counts its last part only),
-    then drop the run's checkpoints (only once the artifact is safely written), then draw its picture beside it.
-    In a process group rank 0 writes; partial statistics of a separate job get no picture."""
-    from kvruntime.artifact import save_artifact
-
-    from .checkpoint import discard_checkpoint
-    from .distributed import Shard, wait_for_all
-    from .partial_statistics import PARTIAL_KIND
-
-    shard = shard or Shard()
-    if shard.writes_results:
-        artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
-        save_artifact(artifact, out)
-    wait_for_all(shard)
-    discard_checkpoint(out, shard)
-    if not shard.writes_results:
-        return
-    typer.echo(f"wrote {out}")
-    if artifact.kind == PARTIAL_KIND:
-        done, total = int(artifact.tensors["items_done"].sum()), artifact.params["items"]
-        typer.echo(f"partial statistics ({done} of {total} items): add the other shards with `kvcompile merge`")
-    else:
-        typer.echo(plot(artifact, out.with_suffix(".png")))
-
-
-def _compile_target(out: Optional[Path], model: str, kind: str, shard: object) -> Path:
-    """--out, else the model's default artifact; a separate job's partial statistics get a name of their own."""
-    if out is not None:
-        return out
-    if shard.in_process_group or shard.is_whole:
-        return _default_artifact(model, kind)
-    return _default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
-
-
 CorpusOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(help="Calibration text: 'austen' (shipped, default), a .txt/.txt.gz file or folder, a jsonl/parquet."),
 ]
 ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
 ShardOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         help="i/n: do share i of n, counted from 0 (0/2 and 1/2), as a separate job and write partial statistics "
         "for `kvcompile merge` (under torchrun every rank takes its share without this)."
@@ -256,181 +190,18 @@ ShardOption = Annotated[
 ]
 CheckpointOption = Annotated[int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")]
 SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
+PromptsOption = Annotated[int, typer.Option(help="Calibration prompts.")]
+PromptTokensOption = Annotated[int, typer.Option(help="Tokens per calibration prompt.")]
 
 
-@app.command()
-def heads(
-    model: ModelOption = "default",
-    corpus: CorpusOption = None,
-    lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
-    depths: Annotated[str, typer.Option(help="Needle depths (0 = start, 1 = end).")] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
-    prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
-    seed: SeedOption = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/srh_heads.safetensors).")] = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 8,
-) -> None:
-    """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
-    started = time.perf_counter()
-    with clear_errors() as resources:
-        from .corpus import load_corpus
-        from .distributed import parse_shard
-        from .heads import compile_head_scores
-        from .plots import plot_head_scores
+def _artifact_out(kind: str) -> object:
+    """The --out option of a command that writes a `kind` artifact."""
+    return Annotated[Path | None, typer.Option(help=f"Output artifact (default artifacts/<model>/{kind}.safetensors).")]
 
-        grid_lengths, grid_depths = _numbers(lengths, int), _numbers(depths, float)
-        if not grid_lengths or not grid_depths or any(not 0 <= d <= 1 for d in grid_depths):
-            raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
-        if min(grid_lengths) < MIN_PROBE_TOKENS:
-            raise KVRuntimeError(f"--lengths {min(grid_lengths)}: a needle probe needs at least {MIN_PROBE_TOKENS} tokens")
-        if prompt_format not in ("chat", "raw"):
-            raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
-        _check_checkpoint_every(checkpoint_every)
-        text = load_corpus(corpus)
-        share = parse_shard(shard)
-        target = _claim_output(resources, _compile_target(out, model, "srh_heads", share), lock=share.writes_results)
-        loaded, tokenizer = _load(model)
-        longest = getattr(loaded.config, "max_position_embeddings", None)
-        if longest is not None and max(grid_lengths) > longest:
-            raise KVRuntimeError(f"--lengths {max(grid_lengths)} is longer than the model's {longest} positions")
-        artifact = compile_head_scores(
-            loaded, tokenizer, text, grid_lengths, grid_depths, seed, target, prompt_format == "chat", resume,
-            checkpoint_every, share,
-        )
-        _finish(artifact, target, plot_head_scores, started, share)
-        if share.writes_results and artifact.kind == "srh_heads":
-            from .head_comparison import describe_head_comparison
-
-            typer.echo(describe_head_comparison(artifact))
-
-
-@app.command()
-def budgets(
-    model: ModelOption = "default",
-    heads_artifact: Annotated[
-        Optional[Path], typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).")
-    ] = None,
-    corpus: CorpusOption = None,
-    prompts: Annotated[int, typer.Option(help="Calibration prompts.")] = 24,
-    prompt_tokens: Annotated[int, typer.Option(help="Tokens per calibration prompt.")] = 1024,
-    new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
-    seed: SeedOption = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/layer_budgets.safetensors).")] = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 4,
-) -> None:
-    """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
-    started = time.perf_counter()
-    with clear_errors() as resources:
-        from kvruntime.artifact import load_artifact
-
-        from .budgets import compile_layer_errors
-        from .corpus import load_corpus
-        from .distributed import parse_shard
-        from .plots import plot_layer_budgets
-
-        if min(prompts, prompt_tokens, new_tokens) < 1:
-            raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")
-        _check_checkpoint_every(checkpoint_every)
-        text = load_corpus(corpus)
-        share = parse_shard(shard)
-        target = _claim_output(resources, _compile_target(out, model, "layer_budgets", share), lock=share.writes_results)
-        loaded, tokenizer = _load(model)
-        head_scores = load_artifact(heads_artifact or _default_artifact(model, "srh_heads"), model=loaded, kind="srh_heads")
-        artifact = compile_layer_errors(
-            loaded, tokenizer, text, head_scores, prompts, prompt_tokens, new_tokens, seed, target, resume,
-            checkpoint_every, share,
-        )
-        _finish(artifact, target, plot_layer_budgets, started, share)
-
-
-@app.command()
-def tables(
-    model: ModelOption = "default",
-    budgets: Annotated[str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")] = "128,256,512,1024",
-    corpus: CorpusOption = None,
-    rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
-    prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
-    context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
-    continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
-    seed: SeedOption = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/compilerkv_tables.safetensors).")] = None,
-    resume: ResumeOption = False,
-    from_experience: Annotated[
-        Optional[Path], typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
-    ] = None,
-) -> None:
-    """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
-    started = time.perf_counter()
-    with clear_errors() as resources:
-        from kvruntime.artifact import load_artifact, save_artifact
-
-        from .corpus import load_corpus
-        from .plots import plot_compilerkv_tables
-        from .tables import TablesSettings, compile_tables, relearn_tables
-
-        settings = TablesSettings(
-            budgets=tuple(_numbers(budgets, int)), prompts=prompts, context=context, continuation=continuation,
-            rounds=rounds, seed=seed,
-        )
-        if from_experience is None:
-            settings.check()  # bad settings are refused before the model and corpus are loaded
-        target = _claim_output(resources, out or _default_artifact(model, "compilerkv_tables"))
-        loaded, tokenizer = _load(model)
-        if from_experience is not None:
-            experience = load_artifact(from_experience, model=loaded, kind="compilerkv_experience")
-            artifact = relearn_tables(experience)
-        else:
-            artifact, experience = compile_tables(loaded, tokenizer, load_corpus(corpus), settings, target, resume)
-            experience_path = target.with_name("compilerkv_experience.safetensors")
-            save_artifact(experience, experience_path)
-            typer.echo(f"wrote {experience_path}")
-        _finish(artifact, target, plot_compilerkv_tables, started)
-        typer.echo(describe_tables(artifact))
-
-
-@app.command()
-def stats(
-    model: ModelOption = "default",
-    corpus: CorpusOption = None,
-    task_set: Annotated[
-        Optional[Path], typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic).")
-    ] = None,
-    ratios: Annotated[
-        str, typer.Option(help="Target compression ratios to compile the allocation for (others in between are interpolated).")
-    ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
-    prompts: Annotated[int, typer.Option(help="Calibration prompts.")] = 24,
-    prompt_tokens: Annotated[int, typer.Option(help="Tokens per calibration prompt.")] = 2048,
-    seed: SeedOption = 0,
-    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/kvcompose_stats.safetensors).")] = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 4,
-) -> None:
-    """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
-    started = time.perf_counter()
-    with clear_errors() as resources:
-        from .attention_stats import StatsSettings, compile_attention_stats, load_task_set
-        from .corpus import load_corpus
-        from .distributed import parse_shard
-        from .plots import plot_kvcompose_stats
-
-        settings = StatsSettings(ratios=tuple(_numbers(ratios, float)), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
-        settings.check()  # bad settings and inputs are refused before the model is loaded
-        _check_checkpoint_every(checkpoint_every)
-        tasks = load_task_set(task_set) if task_set is not None else None
-        text = load_corpus(corpus)
-        share = parse_shard(shard)
-        target = _claim_output(resources, _compile_target(out, model, "kvcompose_stats", share), lock=share.writes_results)
-        loaded, tokenizer = _load(model)
-        artifact = compile_attention_stats(loaded, tokenizer, text, settings, target, tasks, resume, checkpoint_every, share)
-        _finish(artifact, target, plot_kvcompose_stats, started, share)
 
 
 MethodsOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         help="Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress "
         "(all presses; needs the bench extra). Default: full and kvcompile's five methods, plus kvpress if installed."
@@ -444,8 +215,113 @@ QuestionAwareOption = Annotated[
     bool, typer.Option(help="Compress with the question in the observation window (default: the context alone, then the question).")
 ]
 ArtifactsOption = Annotated[
-    Optional[Path], typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
+    Path | None, typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
 ]
+
+
+@app.command()
+def heads(
+    model: ModelOption = "default",
+    corpus: CorpusOption = None,
+    lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
+    depths: Annotated[str, typer.Option(help="Needle depths (0 = start, 1 = end).")] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
+    seed: SeedOption = 0,
+    out: _artifact_out("srh_heads") = None,
+    resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 8,
+) -> None:
+    """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
+    with clear_errors() as resources:
+        from kvcompile.recipes.compresskv import HeadsRecipe
+        from kvcompile.recipes.compresskv.heads import HeadsSettings
+
+        if prompt_format not in ("chat", "raw"):
+            raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
+        settings = HeadsSettings(_numbers(lengths, int), _numbers(depths, float), seed, chat=prompt_format == "chat")
+        compile_artifact(HeadsRecipe(corpus), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+
+
+@app.command()
+def budgets(
+    model: ModelOption = "default",
+    heads_artifact: Annotated[
+        Path | None, typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).")
+    ] = None,
+    corpus: CorpusOption = None,
+    prompts: PromptsOption = 24,
+    prompt_tokens: PromptTokensOption = 1024,
+    new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
+    seed: SeedOption = 0,
+    out: _artifact_out("layer_budgets") = None,
+    resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 4,
+) -> None:
+    """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
+    with clear_errors() as resources:
+        from kvcompile.recipes.compresskv import BudgetsRecipe
+        from kvcompile.recipes.compresskv.budgets import BudgetsSettings
+
+        settings = BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
+        budgets_recipe = BudgetsRecipe(corpus, heads_artifact or default_artifact(model, "srh_heads"))
+        compile_artifact(budgets_recipe, settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+
+
+@app.command()
+def tables(
+    model: ModelOption = "default",
+    budgets: Annotated[str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")] = "128,256,512,1024",
+    corpus: CorpusOption = None,
+    rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
+    context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
+    continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
+    seed: SeedOption = 0,
+    out: _artifact_out("compilerkv_tables") = None,
+    resume: ResumeOption = False,
+    from_experience: Annotated[
+        Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
+    ] = None,
+) -> None:
+    """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
+    with clear_errors() as resources:
+        from kvcompile.recipes.compilerkv import TablesRecipe
+        from kvcompile.recipes.compilerkv.tables import TablesSettings
+
+        settings = TablesSettings(
+            budgets=_numbers(budgets, int), prompts=prompts, context=context, continuation=continuation, rounds=rounds,
+            seed=seed,
+        )
+        compile_artifact(TablesRecipe(corpus, from_experience), settings, model, out, resources, resume, echo=typer.echo)
+
+
+@app.command()
+def stats(
+    model: ModelOption = "default",
+    corpus: CorpusOption = None,
+    task_set: Annotated[
+        Path | None, typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic).")
+    ] = None,
+    ratios: Annotated[
+        str, typer.Option(help="Target compression ratios to compile the allocation for (others in between are interpolated).")
+    ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
+    prompts: PromptsOption = 24,
+    prompt_tokens: PromptTokensOption = 2048,
+    seed: SeedOption = 0,
+    out: _artifact_out("kvcompose_stats") = None,
+    resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 4,
+) -> None:
+    """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
+    with clear_errors() as resources:
+        from kvcompile.recipes.kvcompose import StatsRecipe
+        from kvcompile.recipes.kvcompose.attention_stats import StatsSettings
+
+        settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
+        compile_artifact(StatsRecipe(corpus, task_set), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -461,20 +337,18 @@ def _command_line(ctx: typer.Context) -> str:
 
 
 def _suite_settings(
-    ratios: list[float], tasks: str, lengths: str, samples: int, seed: int, question_aware: bool, new_tokens: int,
+    ratios: tuple[float, ...], tasks: str, lengths: str, samples: int, seed: int, question_aware: bool, new_tokens: int,
     prompt_format: str,
 ) -> object:
-    """The checked suite settings of eval and tune, from their options."""
-    from .evaluation.suite_run import SuiteSettings
-    from .tasks.suite import parse_lengths
+    """The suite settings of eval and tune, from their options."""
+    from kvcompile.evaluation.suite_run import SuiteSettings
+    from kvcompile.tasks.suite import parse_lengths
 
-    settings = SuiteSettings(
-        ratios=tuple(ratios), tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+    return SuiteSettings(
+        ratios=ratios, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
         lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
         new_tokens=new_tokens, prompt_format=prompt_format,
     )
-    settings.check()
-    return settings
 
 
 @app.command(name="eval")
@@ -500,22 +374,24 @@ def eval_(
     with clear_errors() as resources:
         import datetime
 
-        from .evaluation.contestants import artifact_paths, default_methods, parse_methods
-        from .evaluation.measure import machine
-        from .evaluation.report import write_report
-        from .evaluation.store import RunStore
-        from .evaluation.suite_run import evaluate
+        from kvcompile.evaluation.contestants import artifact_paths, check_contestants, default_methods, parse_methods
+        from kvcompile.evaluation.measure import machine
+        from kvcompile.evaluation.report import write_report
+        from kvcompile.evaluation.store import RunStore
+        from kvcompile.evaluation.suite_run import evaluate
 
         settings = _suite_settings(
             _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
         )
+        settings.check()
         ctx.params["methods"] = methods = methods or default_methods()
         contestants = parse_methods(methods)
-        paths = artifact_paths(contestants, artifacts or _artifact_folder(model))
+        paths = artifact_paths(contestants, artifacts or artifact_folder(model))
+        check_contestants(contestants, paths, settings.ratios)
         record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
-        _claim_output(resources, out, folder=True)
+        claim_output(resources, out, folder=True)
         store = RunStore(out, record, resume, extendable=("methods",))
-        loaded, tokenizer = _load(model)
+        loaded, tokenizer = recipe.load_model(model)
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
         header = "\n".join(
             [
@@ -531,9 +407,10 @@ def eval_(
                 "",
             ]
         )
-        for path in write_report(records, out, header):
+        written, summary = write_report(records, out, header)
+        for path in written:
             typer.echo(f"wrote {path}")
-        typer.echo((out / "results.md").read_text().split("## Per method")[0])
+        typer.echo(summary)
 
 
 @app.command()
@@ -549,44 +426,22 @@ def tune(
     question_aware: QuestionAwareOption = False,
     prompt_format: PromptFormatOption = "auto",
     artifacts: ArtifactsOption = None,
-    out: Annotated[Optional[Path], typer.Option(help="Output artifact (default artifacts/<model>/tuned_defaults.safetensors).")] = None,
+    out: _artifact_out("tuned_defaults") = None,
     resume: ResumeOption = False,
 ) -> None:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
-    started = time.perf_counter()
     with clear_errors() as resources:
-        import shutil
+        from kvcompile.recipes.tuned_defaults import TuneRecipe
+        from kvcompile.recipes.tuned_defaults.tuning import TuneSettings
 
-        from .evaluation.contestants import artifact_paths, parse_methods
-        from .evaluation.store import RunStore
-        from .evaluation.tuning import describe_tuning, tune as tune_ratios
-        from .plots import plot_tuned_defaults
-
-        settings = _suite_settings(
-            sorted(_numbers(ratios, float)), tasks, lengths, samples, seed, question_aware, 48, prompt_format
+        suite = _suite_settings(
+            tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
         )
-        if not 0.0 <= tolerance < 1.0:
-            raise KVRuntimeError(f"--tolerance {tolerance}: give an accuracy difference in [0, 1)")
-        contestants = parse_methods(methods)
-        if any(c.kind == "kvpress" for c in contestants):
-            raise KVRuntimeError("tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only")
-        target = _claim_output(resources, out or _default_artifact(model, "tuned_defaults"))
-        folder = artifacts or target.parent
-        paths = artifact_paths(contestants, folder)
+        target = out or default_artifact(model, "tuned_defaults")
         records = target.with_name(target.stem + ".runs")
-        store = RunStore(records, {"model": model, "methods": [c.label for c in contestants], "tolerance": tolerance,
-                                   **dataclasses.asdict(settings)}, resume)
-        loaded, tokenizer = _load(model)
-        artifact = tune_ratios(loaded, tokenizer, contestants, paths, settings, tolerance, store, target.parent)
-        _finish(artifact, target, plot_tuned_defaults, started)
-        shutil.rmtree(records)  # the run records are in the artifact now
-        typer.echo(describe_tuning(artifact))
-
-
-def _check_checkpoint_every(items: int) -> None:
-    if items < 1:
-        raise KVRuntimeError(f"--checkpoint-every {items}: give a number of items of at least 1")
+        tune_recipe = TuneRecipe(methods, artifacts or target.parent, records, model)
+        compile_artifact(tune_recipe, TuneSettings(suite, tolerance), model, target, resources, resume, echo=typer.echo)
 
 
 @app.command()
@@ -595,52 +450,30 @@ def merge(
     out: Annotated[Path, typer.Option(help="Output: the finished artifact, or partial statistics if shards are missing.")],
 ) -> None:
     """Add up the partial statistics of separate jobs (heads, budgets, stats) into the artifact one run would write."""
-    started = time.perf_counter()
     with clear_errors() as resources:
-        from kvruntime.artifact import load_artifact
+        import time
 
-        from .attention_stats import finish_attention_stats
-        from .budgets import finish_layer_budgets
-        from .heads import finish_head_scores
-        from .partial_statistics import PARTIAL_KIND, merge_partials
-        from .plots import plot_head_scores, plot_kvcompose_stats, plot_layer_budgets
+        from kvcompile.calibration.distributed import Shard
+        from kvcompile.calibration.partial_statistics import PARTIAL_KIND, merge_partials
+        from kvcompile.recipe import write_result
+        from kvcompile.recipes import RECIPES
+        from kvruntime import load_artifact
 
-        recipes = {
-            "srh_heads": (finish_head_scores, plot_head_scores),
-            "layer_budgets": (finish_layer_budgets, plot_layer_budgets),
-            "kvcompose_stats": (finish_attention_stats, plot_kvcompose_stats),
-        }
+        started = time.perf_counter()
         if out.resolve() in {path.resolve() for path in partials}:
             raise KVRuntimeError(f"--out {out} is one of the partials being merged: give another file")
-        _claim_output(resources, out)
+        claim_output(resources, out)
         loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
-        artifact = merge_partials(loaded, {kind: finish for kind, (finish, _) in recipes.items()})
-        _finish(artifact, out, recipes[artifact.kind][1] if artifact.kind in recipes else None, started)
-
-
-def describe_tables(artifact: object) -> str:
-    """A few lines on what was learned: how far each table is from flat, and how the rounds went."""
-    t = artifact.tensors
-    heads, gate = t["head_reliability"], t["risk_thresholds"]
-    changes = t["round_changes"].tolist()
-    return "\n".join(
-        [
-            f"W_head: {int((heads != 1.0).sum())} of {heads.numel()} entries away from 1.0, range "
-            f"{float(heads.min()):.3f}-{float(heads.max()):.3f}; states with records: "
-            f"{int((t['head_support'] > 0).sum())} of {heads.numel()}",
-            f"T_gate: {len(gate.unique())} distinct thresholds, range {float(gate.min()):.3f}-{float(gate.max()):.3f}; "
-            f"cells with records: {int((t['gate_support'] > 0).sum())} of {gate.numel()}",
-            "share of entries changed per round (head, gate): "
-            + (", ".join(f"({h:.2f}, {g:.2f})" for h, g in changes) or "relearned from experience"),
-        ]
-    )
+        shardable = {kind: recipe_type() for kind, recipe_type in RECIPES.items() if recipe_type.shardable}
+        artifact = merge_partials(loaded, {kind: shardable[kind].finish for kind in shardable})
+        write_result(shardable.get(artifact.kind), artifact, out, started, Shard(), typer.echo)
 
 
 @app.command()
 def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors).")]) -> None:
     """Print an artifact's kind, model, tensors and metadata; refuse a file that is not a valid artifact."""
     with clear_errors():
-        from kvruntime.artifact import check_tensors, read_artifact
+        from kvruntime import check_tensors, read_artifact
 
         artifact = read_artifact(path)
         check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvruntime.errors import KVRuntimeError
+from kvruntime import KVRuntimeError
 
 if TYPE_CHECKING:  # the command line checks --prompt-format before it imports transformers
     from transformers import PreTrainedTokenizerBase

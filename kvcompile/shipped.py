@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvruntime.errors import KVRuntimeError
+from kvruntime import KVRuntimeError
 
 SHIPPED_FOLDERS = ("artifacts", "calibration_data")
 _PACKAGE = Path(__file__).resolve().parent

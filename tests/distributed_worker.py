@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from conftest import CharTokenizer, tiny_model
-from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-from kvcompile.budgets import compile_layer_errors
-from kvcompile.corpus import Corpus
-from kvcompile.distributed import Shard, process_group_shard
-from kvcompile.experience_collection import ExperienceDesign
-from kvcompile.offline_cql import CQLSettings
-from kvcompile.tables import TablesSettings, compile_tables
+
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.calibration.distributed import Shard, process_group_shard
+from kvcompile.recipes.compilerkv.experience_collection import ExperienceDesign
+from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
+from kvcompile.recipes.compilerkv.tables import TablesSettings, compile_tables
+from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
@@ -43,8 +43,8 @@ def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> Non
     artifacts = {
         "stats": compile_attention_stats(model, CharTokenizer(), CORPUS, stats, folder / "stats", shard=shard),
         "budgets": compile_layer_errors(
-            model, CharTokenizer(), CORPUS, heads_artifact(model), prompts=4, prompt_tokens=64, new_tokens=3, seed=0,
-            out=folder / "budgets", shard=shard,
+            model, CharTokenizer(), CORPUS, heads_artifact(model), BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
+            folder / "budgets", shard=shard,
         ),
         "tables": compile_tables(model, CharTokenizer(), CORPUS, TABLES, folder / "tables", shard=shard)[0],
     }
@@ -77,7 +77,7 @@ def tables_rank_main(rank: int, world: int, folder: str, stop_one_step_apart: bo
     checkpoint is the finished collection). Without it, the run resumes from the checkpoints and writes the tables."""
     import os
 
-    from kvcompile import tables
+    from kvcompile.recipes.compilerkv import tables
 
     dist.init_process_group("gloo", init_method=f"file://{folder}.store{int(stop_one_step_apart)}", rank=rank, world_size=world)
     real_save = tables.save_checkpoint

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import torch
-
 from distributed_worker import CORPUS, TABLES, CharTokenizer, tiny_model
-from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-from kvcompile.tables import compile_tables
+
+from kvcompile.recipes.compilerkv.tables import compile_tables
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
 
 STATS = StatsSettings(ratios=(0.3, 0.6), prompts=150, prompt_tokens=256)

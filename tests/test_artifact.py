@@ -5,9 +5,9 @@ import struct
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import save_file
 
-from conftest import tiny_model
 from kvruntime.artifact import Artifact, load_artifact, read_artifact, save_artifact
 from kvruntime.errors import ArtifactError
 from kvruntime.fingerprint import model_fingerprint

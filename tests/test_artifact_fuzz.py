@@ -16,15 +16,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_artifact import _rewrite_metadata
 
 import kvruntime
-from conftest import tiny_model
 from kvruntime.artifact import KNOWN_KINDS, Artifact, load_artifact, read_artifact, save_artifact, tensors_checksum
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import ModelFingerprint, model_fingerprint
 from kvruntime.tuned_defaults import TunedDefaults
-from test_artifact import _rewrite_metadata
 
 # KVCOMPILE_FUZZ_EXAMPLES=3000 for a longer search (about 2 minutes); the default keeps this file near 5 s.
 FUZZ = settings(

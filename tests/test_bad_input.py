@@ -17,17 +17,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import CharTokenizer, tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_artifact import _rewrite_metadata
 from transformers import GPT2Config, GPT2LMHeadModel
 from typer.testing import CliRunner
 
 import kvcompile.cli as cli
-from conftest import CharTokenizer, tiny_model
+from kvcompile import recipe
 from kvruntime.artifact import Artifact, save_artifact, tensors_checksum
 from kvruntime.cache_ops import SUPPORTED_MODEL_TYPES
 from kvruntime.fingerprint import model_fingerprint
-from test_artifact import _rewrite_metadata
 
 runner = CliRunner()
 LLAMA = tiny_model("llama")
@@ -122,7 +123,7 @@ ALL_PROBLEMS = {**FILE_PROBLEMS, **MODEL_PROBLEMS}
 def workdir(tmp_path, monkeypatch) -> Path:
     """The working directory of a command: a prompt and a corpus, and a tiny Llama for any model name."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_load", lambda model: (LLAMA, TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, TensorTokenizer()))
     (tmp_path / "prompt.txt").write_text(PROMPT)
     (tmp_path / "corpus.txt").write_text("Some calibration text. " * 200)
     return tmp_path
@@ -177,7 +178,7 @@ def test_generate_refuses_a_budget_out_of_range(workdir, budget, message):
 
 def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supported_ones(workdir, monkeypatch):
     config = GPT2Config(vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=2)
-    monkeypatch.setattr(cli, "_load", lambda model: (GPT2LMHeadModel(config).eval(), TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model: (GPT2LMHeadModel(config).eval(), TensorTokenizer()))
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     assert supported == "llama, mistral, qwen2, qwen3"
     message = f"model type 'gpt2' is not supported (supported: {supported})"
@@ -196,7 +197,7 @@ def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supp
 )
 def test_compile_commands_refuse_bad_corpora_in_one_line_and_write_nothing(tmp_path, monkeypatch, make, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_load", lambda model: (LLAMA, CharTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, CharTokenizer()))
     corpus = make(tmp_path).name
     before = sorted(tmp_path.iterdir())
     result = runner.invoke(cli.app, ["stats", "--corpus", corpus, "--prompts", "2", "--prompt-tokens", "96", "--out", "s.safetensors"])

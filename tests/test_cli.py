@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 from typer.testing import CliRunner
 
-from conftest import tiny_model
 from kvcompile.cli import app
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.fingerprint import model_fingerprint
@@ -90,9 +90,9 @@ def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, mon
 
 
 def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
-    import kvcompile.cli as cli
+    from kvcompile import recipe
 
-    monkeypatch.setattr(cli, "_load", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked"))
     result = runner.invoke(app, ["tables", "--budgets", "32,256"])
     assert result.exit_code == 2
     assert "--budgets must lie between the 64-token window and the 2048-token context" in result.output
@@ -115,10 +115,10 @@ def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
     ],
 )
 def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothing(tmp_path, monkeypatch, args, message):
-    import kvcompile.cli as cli
+    from kvcompile import recipe
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "_load", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked"))
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert message in result.output

@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CharTokenizer, tiny_model
+from tabular_cql import tabular_cql
 from transformers import DynamicCache
 
 import kvruntime
-from conftest import CharTokenizer, tiny_model
-from kvcompile import tables as tables_module
-from kvcompile.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
-from kvcompile.continuation_nll import ContinuationScorer, PrefilledPrompt
-from kvcompile.corpus import Corpus
-from kvcompile.experience_collection import ExperienceDesign
-from kvcompile.offline_cql import CQLSettings, fit_greedy_table, one_hot
-from kvcompile.tables import TablesSettings, compile_tables, relearn_tables
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.recipes.compilerkv import tables as tables_module
+from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
+from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
+from kvcompile.recipes.compilerkv.experience_collection import ExperienceDesign
+from kvcompile.recipes.compilerkv.offline_cql import CQLSettings, fit_greedy_table, one_hot
+from kvcompile.recipes.compilerkv.tables import TablesSettings, compile_tables, relearn_tables
 from kvruntime.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention
-from kvruntime.compilerkv_tables import CompilerKVTables
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from tabular_cql import tabular_cql
+from kvruntime.methods.compilerkv.tables import CompilerKVTables
 
 
 def _synthetic_bandit(seed: int = 0, per_pair: int = 4):
@@ -66,7 +66,7 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     with torch.no_grad():
         logits = model(context, past_key_values=cache, use_cache=True).logits
     first = float(-logits[0, -1].log_softmax(-1)[continuation[0, 0]])
-    prompt = PrefilledPrompt([l.keys for l in cache.layers], [l.values for l in cache.layers], continuation, first)
+    prompt = PrefilledPrompt([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], continuation, first)
 
     def reference(kept: list[torch.Tensor]) -> float:
         compressed = DynamicCache(config=model.config)

@@ -7,15 +7,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvruntime.compilerkv_tables import CompilerKVTables, interpolate_layers
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.risk_gate import candidate_count, gated_count, quantile_edges, risk_bin, semantic_risk, structural_risk
-from kvruntime.stabilized_utility import (
+from kvruntime.methods.compilerkv.risk_gate import (
+    candidate_count,
+    gated_count,
+    quantile_edges,
+    risk_bin,
+    semantic_risk,
+    structural_risk,
+)
+from kvruntime.methods.compilerkv.stabilized_utility import (
     global_attention_mass,
     head_weighted_scores,
     mean_window_attention,
     relative_value_norms,
 )
+from kvruntime.methods.compilerkv.tables import CompilerKVTables, interpolate_layers
 
 
 def _attention(layers: int, kv_heads: int, groups: int, window: int, length: int, seed: int) -> list[torch.Tensor]:

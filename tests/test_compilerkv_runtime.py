@@ -91,9 +91,16 @@ def test_the_gate_is_elastic_a_layer_may_keep_fewer_entries_than_the_budget(tabl
     mass = torch.full((1, length), 0.1 / length)
     mass[0, [3, 50, 77]] = 0.3  # three heavy hitters outside the 64-token window
     statistics = [(mass, torch.ones(1, 2, length)) for _ in range(4)]
-    prefill = Prefill(torch.randint(0, 96, (1, length)), torch.randn(1, length, 8), torch.nn.Linear(8, 96))
+    prefill = Prefill(
+        length=length,
+        num_kv_heads=2,
+        input_ids=torch.randint(0, 96, (1, length)),
+        hidden_states=torch.randn(1, length, 8),
+        output_embeddings=torch.nn.Linear(8, 96),
+        second_pass_attention=list,
+    )
     with torch.no_grad():  # as the engine calls it
-        selection = method.select(statistics, keep=100, prefill=prefill)
+        selection = method.select(statistics, kvruntime.Request(budget=100), prefill)
     assert selection.counts.tolist() == [[67, 67]] * 4  # the window and the three, not the budget of 100
     top = selection.scores[0][0, 0].topk(67).indices
     assert {3, 50, 77} <= set(top.tolist())

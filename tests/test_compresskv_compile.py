@@ -5,17 +5,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import kvcompile.heads
-from kvcompile.budgets import compile_layer_errors
-from kvcompile.checkpoint import checkpoint_path, save_checkpoint
+import kvcompile.recipes.compresskv.heads
+from kvcompile.calibration.checkpoint import checkpoint_path, save_checkpoint
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.cli import app
-from kvcompile.corpus import load_corpus
-from kvcompile.heads import compile_head_scores
+from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
+from kvcompile.recipes.compresskv.heads import HeadsSettings, compile_head_scores
 from kvruntime.artifact import load_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 
 pytestmark = pytest.mark.integration
-GRID = dict(lengths=[320], depths=[0.2, 0.8], seed=0)
+GRID = HeadsSettings(lengths=(320,), depths=(0.2, 0.8), seed=0)
 runner = CliRunner()
 
 
@@ -32,7 +32,7 @@ def austen():
 def heads(default_model, austen, tmp_path_factory):
     model, tokenizer = default_model
     out = tmp_path_factory.mktemp("heads") / "srh_heads.safetensors"
-    artifact = compile_head_scores(model, tokenizer, austen, out=out, **GRID)
+    artifact = compile_head_scores(model, tokenizer, austen, GRID, out=out)
     save_artifact(artifact, out)
     return load_artifact(out, model=model, kind="srh_heads")
 
@@ -47,7 +47,7 @@ def test_heads_artifact_has_the_model_shape_and_answered_probes(heads):
 def test_interrupted_heads_run_resumes_to_the_identical_artifact(default_model, austen, heads, tmp_path, monkeypatch):
     model, tokenizer = default_model
     out = tmp_path / "srh_heads.safetensors"
-    real = kvcompile.heads.generate_with_attention_rows
+    real = kvcompile.recipes.compresskv.heads.generate_with_attention_rows
     calls, crash_at = [], [4]
 
     def crash_once_on_fourth(*args, **kwargs):
@@ -57,12 +57,12 @@ def test_interrupted_heads_run_resumes_to_the_identical_artifact(default_model, 
             raise Crash
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvcompile.heads, "generate_with_attention_rows", crash_once_on_fourth)
+    monkeypatch.setattr(kvcompile.recipes.compresskv.heads, "generate_with_attention_rows", crash_once_on_fourth)
     with pytest.raises(Crash):
-        compile_head_scores(model, tokenizer, austen, out=out, checkpoint_every=2, **GRID)
+        compile_head_scores(model, tokenizer, austen, GRID, out=out, checkpoint_every=2)
     assert checkpoint_path(out).exists() and not out.exists()
     calls.clear()
-    resumed = compile_head_scores(model, tokenizer, austen, out=out, checkpoint_every=2, resume=True, **GRID)
+    resumed = compile_head_scores(model, tokenizer, austen, GRID, out=out, checkpoint_every=2, resume=True)
     assert len(calls) == 4  # probes 3 to 6: the checkpoint (every 2 probes) held the first two
     for name in ("srh_score", "retrieval_score", "successful_probes", "probe_recall"):
         assert torch.equal(resumed.tensors[name], heads.tensors[name]), name
@@ -73,14 +73,14 @@ def test_resume_refuses_a_checkpoint_of_other_settings(default_model, austen, tm
     out = tmp_path / "srh_heads.safetensors"
     save_checkpoint(out, {"srh": torch.zeros(30, 9)}, {"next_probe": 1}, {"seed": 99})
     with pytest.raises(KVRuntimeError, match="other settings"):
-        compile_head_scores(model, tokenizer, austen, out=out, resume=True, **GRID)
+        compile_head_scores(model, tokenizer, austen, GRID, out=out, resume=True)
 
 
 def test_layer_budgets_compile_is_deterministic(default_model, austen, heads, tmp_path):
     model, tokenizer = default_model
-    settings = dict(prompts=2, prompt_tokens=192, new_tokens=4, seed=0)
-    first = compile_layer_errors(model, tokenizer, austen, heads, out=tmp_path / "a.safetensors", **settings)
-    second = compile_layer_errors(model, tokenizer, austen, heads, out=tmp_path / "b.safetensors", **settings)
+    settings = BudgetsSettings(prompts=2, prompt_tokens=192, new_tokens=4, seed=0)
+    first = compile_layer_errors(model, tokenizer, austen, heads, settings, out=tmp_path / "a.safetensors")
+    second = compile_layer_errors(model, tokenizer, austen, heads, settings, out=tmp_path / "b.safetensors")
     assert first.tensors["layer_error"].shape == (30,)
     assert torch.equal(first.tensors["layer_error"], second.tensors["layer_error"])
     assert first.tensors["layer_error"].sum().item() == pytest.approx(1.0, abs=1e-5)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import kvruntime
-from conftest import tiny_model
 from kvruntime.allocation import error_aware_budgets
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import ArtifactError, KVRuntimeError

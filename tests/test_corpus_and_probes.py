@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from kvcompile.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, needle_probe
 from kvruntime.errors import KVRuntimeError
 from kvruntime.model_loading import DEFAULT_MODEL, load_model
@@ -23,7 +23,7 @@ def tokenizer():
 def test_text_folder_gzip_and_tables_load(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("first document")
-    (tmp_path / "docs" / "b.txt.gz").write_bytes(gzip.compress("second document".encode()))
+    (tmp_path / "docs" / "b.txt.gz").write_bytes(gzip.compress(b"second document"))
     assert list(load_corpus(tmp_path / "docs").documents) == ["first document", "second document"]
     lines = tmp_path / "c.jsonl"
     lines.write_text("\n".join(json.dumps({"text": t}) for t in ["one", "two", ""]))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvcompile.corpus import Corpus, load_corpus
+from kvcompile.calibration.corpus import Corpus, load_corpus
 from kvcompile.tasks.needles import needle_probe
 from kvruntime.errors import KVRuntimeError
 

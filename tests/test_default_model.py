@@ -5,13 +5,13 @@ import re
 
 import pytest
 import torch
+from test_cli import tiny_artifact
 from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile.cli import app
 from kvcompile.prompt_format import chat_frame
 from kvcompile.tasks.passkey import PasskeyPrompt, passkey_prompt
-from test_cli import tiny_artifact
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]

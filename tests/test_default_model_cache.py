@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_model
 from transformers import AutoTokenizer
 
-from conftest import tiny_model
 from kvruntime import default_model as dm
 from kvruntime.errors import KVRuntimeError
 

@@ -4,9 +4,9 @@ ranks started with different settings are refused on every rank, with nothing wr
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from distributed_worker import RECIPES, compile_all, rank_main
-from kvcompile.distributed import Shard
+
+from kvcompile.calibration.distributed import Shard
 from kvruntime.artifact import read_artifact
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from kvcompile.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES
 from kvcompile.tasks.qa import MOBY_DICK_QUESTIONS
 from kvcompile.tasks.suite import SUITE_TASKS, WITHOUT_DEPTH, parse_lengths, sample_depth, suite_prompts

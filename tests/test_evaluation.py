@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 
 import kvruntime
-from conftest import tiny_model
+from kvcompile.calibration.corpus import Corpus
 from kvcompile.evaluation import contestants as contestants_module
 from kvcompile.evaluation.contestants import Contestant, artifact_paths, parse_methods
 from kvcompile.evaluation.metrics import accuracy_auc, greedy_agreement, largest_ratio_within, next_token_kl
@@ -17,8 +18,7 @@ from kvcompile.evaluation.report import results_table, summary_table
 from kvcompile.evaluation.runner import answer
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import SuiteSettings
-from kvcompile.evaluation.tuning import recommendation
-from kvcompile.corpus import Corpus
+from kvcompile.recipes.tuned_defaults.tuning import recommendation
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kill_worker import compile_recipe
-from kvcompile.checkpoint import checkpoint_path
+
+from kvcompile.calibration.checkpoint import checkpoint_path
 from kvruntime.artifact import read_artifact
 
 WORKER = Path(__file__).with_name("kill_worker.py")

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CharTokenizer, tiny_model
 from typer.testing import CliRunner
 
-from conftest import CharTokenizer, tiny_model
-from kvcompile import attention_stats
-from kvcompile.attention_stats import StatsSettings, TaskSet, compile_attention_stats, load_task_set
+from kvcompile.calibration.corpus import Corpus
 from kvcompile.cli import app
-from kvcompile.corpus import Corpus
+from kvcompile.recipes.kvcompose import attention_stats
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, TaskSet, compile_attention_stats, load_task_set
 from kvruntime.errors import KVRuntimeError
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 3 + j * j * 7) % 26) for j in range(6000)) for i in range(2)))
@@ -100,11 +100,11 @@ def test_a_task_set_with_no_prompts_or_no_file_is_refused(tmp_path):
     ],
 )
 def test_stats_refuses_bad_input_in_one_line_before_loading_the_model(tmp_path, monkeypatch, args, message):
-    import kvcompile.cli as cli
+    from kvcompile import recipe
 
     monkeypatch.chdir(tmp_path)
     Path("empty.txt").write_text("")
-    monkeypatch.setattr(cli, "_load", lambda model: pytest.fail("the model was loaded before the input was checked"))
+    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the input was checked"))
     before = sorted(tmp_path.iterdir())
     result = runner.invoke(app, ["stats", "--out", "stats.safetensors", *args])
     assert result.exit_code == 2

@@ -5,12 +5,12 @@ import pathlib
 
 import pytest
 import torch
+from conftest import dynamic_layer_shares
 
 import kvruntime
-from conftest import dynamic_layer_shares
-from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-from kvcompile.corpus import calibration_prompts, load_corpus
+from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.prompt_format import chat_frame
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]

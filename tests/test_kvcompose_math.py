@@ -7,16 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvruntime.allocation import apportion
-from kvruntime.composite_tokens import (
+from kvruntime.errors import ArtifactError, KVRuntimeError
+from kvruntime.methods.kvcompose.composite_tokens import (
     composite_curve,
-    context_attention_max,
     head_allocation,
     kv_head_scores,
     layer_allocation,
     rank_quantile_values,
 )
-from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.kvcompose_stats import KVComposeStats
+from kvruntime.methods.kvcompose.stats import KVComposeStats
+from kvruntime.second_pass import context_attention_max
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 256])

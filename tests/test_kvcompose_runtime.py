@@ -3,20 +3,20 @@ composite-token layout, the compiled allocation (freed bytes, shares) and the re
 
 import pytest
 import torch
+from conftest import CharTokenizer, dynamic_layer_shares, tiny_model
 from transformers import DynamicCache
 
 import kvruntime
-from conftest import CharTokenizer, dynamic_layer_shares, tiny_model
-from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-from kvcompile.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.allocation import apportion
 from kvruntime.artifact import save_artifact
-from kvruntime.composite_tokens import composite_curve, kv_head_scores, layer_allocation
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.kvcompose_stats import KVComposeStats
+from kvruntime.methods.kvcompose.composite_tokens import composite_curve, kv_head_scores, layer_allocation
+from kvruntime.methods.kvcompose.stats import KVComposeStats
 from kvruntime.request import kept_per_head
+from kvruntime.second_pass import task_attention_maxima
 from kvruntime.selection import protect_window
-from kvruntime.task_attention import task_attention_maxima
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 5 + j * j * 11) % 26) for j in range(6000)) for i in range(3)))
 SETTINGS = StatsSettings(ratios=(0.25, 0.5, 0.75), prompts=3, prompt_tokens=160)

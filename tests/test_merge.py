@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
+from distributed_worker import CORPUS, STATS, CharTokenizer, heads_artifact, tiny_model
 from typer.testing import CliRunner
 
-from distributed_worker import CORPUS, STATS, CharTokenizer, heads_artifact, tiny_model
-from kvcompile.attention_stats import compile_attention_stats
-from kvcompile.budgets import compile_layer_errors
+from kvcompile.calibration.distributed import Shard, parse_shard
 from kvcompile.cli import app
-from kvcompile.distributed import Shard, parse_shard
+from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
+from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 
@@ -60,8 +60,8 @@ def test_shards_merged_at_once_or_in_steps_give_the_artifact_of_one_run(tmp_path
 
 def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
     model = tiny_model("llama")
-    args = dict(prompts=4, prompt_tokens=64, new_tokens=3, seed=0, out=tmp_path / "b")
-    half = compile_layer_errors(model, CharTokenizer(), CORPUS, heads_artifact(model), shard=Shard(1, 2), **args)
+    settings = BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0)
+    half = compile_layer_errors(model, CharTokenizer(), CORPUS, heads_artifact(model), settings, tmp_path / "b", shard=Shard(1, 2))
     assert half.tensors["items_done"].tolist() == [0, 1, 0, 1]
     assert half.params["statistics_of"] == "layer_budgets"
 
@@ -73,8 +73,8 @@ def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
         (lambda folder: stats_shards(folder, 2, seed=1)[1], "they differ in model weights_hash"),
         (lambda folder: stats_shards(folder, 2)[0], "the partial statistics overlap: items [0, 2, 4]"),
         (lambda folder: save_artifact(compile_layer_errors(
-            tiny_model("llama"), CharTokenizer(), CORPUS, heads_artifact(tiny_model("llama")), prompts=4, prompt_tokens=64,
-            new_tokens=3, seed=0, out=folder / "b", shard=Shard(1, 2)), folder / "budgets.safetensors"), "holds statistics of 'layer_budgets'"),
+            tiny_model("llama"), CharTokenizer(), CORPUS, heads_artifact(tiny_model("llama")),
+            BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0), folder / "b", shard=Shard(1, 2)), folder / "budgets.safetensors"), "holds statistics of 'layer_budgets'"),
         (lambda folder: folder / "missing.safetensors", "no such artifact file"),
     ],
 )

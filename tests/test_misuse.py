@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, CharTokenizer, tiny_model
+from test_bad_input import LLAMA, PROMPT, TensorTokenizer, assert_refused, heads_artifact, listing
 from typer.testing import CliRunner
 
 import kvruntime
-from conftest import TINY, CharTokenizer, tiny_model
-from kvcompile import cli
+from kvcompile import cli, recipe
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.files import path_lock
 from kvruntime.fingerprint import model_fingerprint
-from test_bad_input import LLAMA, PROMPT, TensorTokenizer, assert_refused, heads_artifact, listing
 
 runner = CliRunner()
 
@@ -28,7 +28,7 @@ runner = CliRunner()
 def workdir(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path.parent / f"{tmp_path.name}-cache"))  # locks, outside the folder
-    monkeypatch.setattr(cli, "_load", lambda model: (LLAMA, TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, TensorTokenizer()))
     (tmp_path / "prompt.txt").write_text(PROMPT)
     (tmp_path / "corpus.txt").write_text("Some calibration text. " * 200)
     return tmp_path
@@ -100,9 +100,9 @@ def test_artifacts_get_the_umasks_modes(tmp_path):
 
 
 def _partial(folder: Path, index: int) -> Path:
-    from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-    from kvcompile.corpus import load_corpus
-    from kvcompile.distributed import parse_shard
+    from kvcompile.calibration.corpus import load_corpus
+    from kvcompile.calibration.distributed import parse_shard
+    from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 
     out = folder / f"s{index}.safetensors"
     settings = StatsSettings(ratios=(0.5,), prompts=2, prompt_tokens=96)
@@ -113,7 +113,7 @@ def _partial(folder: Path, index: int) -> Path:
 @pytest.fixture
 def statsdir(workdir, monkeypatch) -> Path:
     """`workdir` where the compile commands get a tokenizer that gives token lists (as calibration reads them)."""
-    monkeypatch.setattr(cli, "_load", lambda model: (LLAMA, CharTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, CharTokenizer()))
     return workdir
 
 
@@ -124,7 +124,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_model_loads(workd
     def no_model(model):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr(cli, "_load", no_model)
+    monkeypatch.setattr(recipe, "load_model", no_model)
     (workdir / "file").write_text("x")
     (workdir / "folder").mkdir()
     assert_refused(workdir, ["eval", "--out", "file"], "--out file is a file: give a folder")
@@ -171,7 +171,7 @@ def test_a_jsonl_text_column_that_holds_numbers_is_called_that(statsdir):
 
 def test_starting_over_an_interrupted_run_says_so(statsdir, monkeypatch):
     workdir = statsdir
-    from kvcompile import partial_statistics
+    from kvcompile.calibration import partial_statistics
 
     real = partial_statistics.save_checkpoint
 
@@ -214,8 +214,8 @@ def test_masked_keep_masks_never_reach_another_sequence(tiny):
         plain = tiny(other, use_cache=False).logits
         one = tiny(other[:, :1]).logits
     with kvruntime.compress(tiny, "kvcompress", ratio=0.5, memory="masked") as session:
-        session.prefill(ids)
-        assert session._keep_masks  # the masked layout is in use
+        context = session.prefill(ids)
+        assert context.keep_masks  # the masked layout is in use
         with torch.no_grad():
             assert torch.allclose(tiny(other, use_cache=False).logits, plain, atol=1e-5)
             assert torch.allclose(tiny(other[:, :1]).logits, one, atol=1e-5)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CharTokenizer, tiny_model
 
 import kvruntime
-from conftest import CharTokenizer, tiny_model
-from kvcompile.attention_stats import StatsSettings, compile_attention_stats
-from kvcompile.corpus import Corpus
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.fingerprint import model_fingerprint
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from kvruntime.errors import KVRuntimeError
-from kvruntime.scores import kvcompress_scores, pool_tokens, snapkv_scores
 from kvruntime.request import kept_per_head
+from kvruntime.scores import kvcompress_scores, pool_tokens, snapkv_scores
 from kvruntime.selection import global_head_counts, protect_window, top_indices, top_mask
 
 

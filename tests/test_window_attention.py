@@ -1,6 +1,6 @@
 import torch
 
-from kvruntime.window_attention import window_attention, window_queries
+from kvruntime.window import window_attention, window_queries
 
 
 def test_window_attention_equals_eager_rows(tiny, tokens):

@@ -11,8 +11,14 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvruntime.errors import KVRuntimeError
-from kvruntime.request import NEEDS, check_method_options, parse_method_name, parse_option_pairs, required_artifact_kinds
+from kvruntime import (
+    ARTIFACT_KINDS,
+    KVRuntimeError,
+    check_method_options,
+    parse_method_name,
+    parse_option_pairs,
+    required_artifact_kinds,
+)
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -96,14 +102,23 @@ def _presses(entry: str) -> list[Contestant]:
 def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
     """Each kvcompile contestant's artifacts in `folder` (`<kind>.safetensors`); a missing one is refused with the
     command that compiles it, before any model work."""
-    commands = {kind: command for kind, command in NEEDS.values()}
     paths = {}
     for contestant in contestants:
         paths[contestant.label] = [folder / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
         for path in paths[contestant.label]:
             if not path.exists():
-                kind = path.name.removesuffix(".safetensors")
-                raise KVRuntimeError(
-                    f"{contestant.label} needs {path}: compile it with `{commands[kind]}` or pass --artifacts DIR"
-                )
+                command = ARTIFACT_KINDS[path.name.removesuffix(".safetensors")].command
+                raise KVRuntimeError(f"{contestant.label} needs {path}: compile it with `{command}` or pass --artifacts DIR")
     return paths
+
+
+def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
+    """Build each kvcompile method from its artifacts and let it refuse a ratio it cannot serve, before the model
+    loads (the artifacts are checked against the model when they are applied)."""
+    from kvruntime import Request, get_method, read_artifact
+
+    for contestant in contestants:
+        if contestant.kind == "kvcompile":
+            method = get_method(contestant.method, [read_artifact(p) for p in paths[contestant.label]], contestant.options)
+            for ratio in ratios:
+                method.check_request(Request(ratio=ratio))

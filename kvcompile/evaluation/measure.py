@@ -34,7 +34,7 @@ class PeakMemory:
         self._clear_refs = Path("/proc/self/clear_refs")
         self._libc = _libc()
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self._enabled = self._clear_refs.exists() and self._libc is not None
         if self._enabled:
             self._libc.malloc_trim(0)  # return freed heap pages first, or reused pages would not show as new

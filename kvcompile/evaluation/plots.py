@@ -5,14 +5,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from .contestants import FULL  # noqa: E402
-from .report import grouped  # noqa: E402
+from kvcompile.evaluation.contestants import FULL
+from kvcompile.evaluation.report import grouped
+from kvcompile.plotting import plt, save_figure
 
 
 def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
@@ -42,8 +39,7 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
     figure.legend(handles, labels, loc="lower right", fontsize=8, ncol=2)
     figure.suptitle("Accuracy versus compression ratio (solid: kvcompile, dashed: kvpress)")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    save_figure(figure, path, dpi=100)
 
 
 def plot_niah_heatmap(records: list[dict], path: Path) -> None:
@@ -78,5 +74,4 @@ def plot_niah_heatmap(records: list[dict], path: Path) -> None:
                 axis.set_ylabel(f"ratio {ratio}\ndepth", fontsize=8)
     figure.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
     figure.suptitle("Needle in a haystack: accuracy by depth (rows) and context length (columns)")
-    figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
+    save_figure(figure, path, dpi=100)

@@ -11,9 +11,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .contestants import FULL
-from .metrics import accuracy_auc
-from .store import write_text_atomically
+from kvcompile.evaluation.contestants import FULL
+from kvcompile.evaluation.metrics import accuracy_auc
+from kvcompile.evaluation.store import write_text_atomically
 
 GROUP_COLUMNS = ("method", "ratio", "task", "length")
 
@@ -102,13 +102,14 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(records: list[dict], folder: Path, header: str) -> list[Path]:
-    """results.csv (method x ratio x task x length), summary.csv, results.md and the plots; returns the paths."""
+def write_report(records: list[dict], folder: Path, header: str) -> tuple[list[Path], str]:
+    """results.csv (method x ratio x task x length), summary.csv, results.md and the plots; returns the paths and
+    the Markdown summary (results.md up to the per-method tables), for the terminal."""
     records = with_peak_ratios(records)
     table, summary = results_table(records), summary_table(records)
     write_text_atomically(folder / "results.csv", to_csv(table))
     write_text_atomically(folder / "summary.csv", to_csv(summary))
-    markdown = "\n".join(
+    summary_markdown = "\n".join(
         [
             header,
             "## Summary (all tasks): accuracy, fidelity, prefill time and memory per method and ratio",
@@ -121,6 +122,11 @@ def write_report(records: list[dict], folder: Path, header: str) -> list[Path]:
             "0 to the largest (trapezoid through the full cache's accuracy at 0).",
             "",
             to_markdown(summary),
+        ]
+    )
+    markdown = "\n".join(
+        [
+            summary_markdown,
             "## Per method, ratio, task and length",
             "",
             to_markdown(table),
@@ -131,8 +137,9 @@ def write_report(records: list[dict], folder: Path, header: str) -> list[Path]:
         ]
     )
     write_text_atomically(folder / "results.md", markdown)
-    from .plots import plot_accuracy_vs_ratio, plot_niah_heatmap
+    from kvcompile.evaluation.plots import plot_accuracy_vs_ratio, plot_niah_heatmap
 
     plot_accuracy_vs_ratio(records, folder / "accuracy_vs_ratio.png")
     plot_niah_heatmap(records, folder / "niah_heatmap.png")
-    return [folder / n for n in ("results.md", "results.csv", "summary.csv", "accuracy_vs_ratio.png", "niah_heatmap.png")]
+    names = ("results.md", "results.csv", "summary.csv", "accuracy_vs_ratio.png", "niah_heatmap.png")
+    return [folder / name for name in names], summary_markdown

@@ -18,13 +18,10 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 import kvruntime
-from kvruntime.attention import per_layer_attention
-from kvruntime.cache_ops import cache_bytes
-from kvruntime.engine import generate_after_context
-
-from ..tasks.retrieval import TaskPrompt
-from .contestants import Contestant
-from .measure import PeakMemory
+from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.measure import PeakMemory
+from kvcompile.tasks.retrieval import TaskPrompt
+from kvruntime import cache_bytes, generate_after_context, per_layer_attention
 
 
 @dataclasses.dataclass

@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvruntime.files import write_atomically
-from kvruntime.errors import KVRuntimeError
+from kvruntime import KVRuntimeError, write_atomically
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -10,16 +10,15 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from kvruntime.errors import KVRuntimeError
-
-from ..corpus import load_corpus
-from ..tasks.retrieval import TaskPrompt
-from ..prompt_format import check_prompt_format
-from ..tasks.suite import check_tasks, suite_prompts
-from .contestants import Contestant
-from .metrics import greedy_agreement, next_token_kl
-from .runner import Answer, answer, split_prompt
-from .store import RunStore
+from kvcompile.calibration.corpus import load_corpus
+from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.metrics import greedy_agreement, next_token_kl
+from kvcompile.evaluation.runner import Answer, answer, split_prompt
+from kvcompile.evaluation.store import RunStore
+from kvcompile.prompt_format import check_prompt_format
+from kvcompile.tasks.retrieval import TaskPrompt
+from kvcompile.tasks.suite import check_tasks, suite_prompts
+from kvruntime import KVRuntimeError
 
 HELD_OUT_BOOK = "moby-dick"  # calibration reads Austen
 

@@ -10,10 +10,10 @@ import string
 
 from transformers import PreTrainedTokenizerBase
 
-from ..corpus import Corpus
-from .needles import render_prompt
-from .passkey import FILLER
-from .retrieval import TaskPrompt, insert_sentences
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.tasks.needles import render_prompt
+from kvcompile.tasks.passkey import FILLER
+from kvcompile.tasks.retrieval import TaskPrompt, insert_sentences
 
 CHAIN_HOPS = 2  # VAR B = VAR A, VAR C = VAR B: three names to find
 COMMON_WORDS = 3

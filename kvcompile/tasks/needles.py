@@ -13,10 +13,9 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from kvruntime.errors import KVRuntimeError
-
-from ..corpus import Corpus, passage_ids
-from ..prompt_format import require_chat_template
+from kvcompile.calibration.corpus import Corpus, passage_ids
+from kvcompile.prompt_format import require_chat_template
+from kvruntime import KVRuntimeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +50,12 @@ RAW_ANSWER_CUE = "\nAnswer:"
 
 @dataclasses.dataclass(frozen=True)
 class NeedleProbe:
-    prompt: str
+    prompt: str  # haystack with the needle sentence, then the question
     answer: str
     answer_span: tuple[int, int]  # character span of the answer inside the prompt
-    length: int
-    depth: float
-    needle: int
+    length: int  # tokens of the prompt
+    depth: float  # where the needle sits: 0 = start, 1 = end
+    needle: int  # index into CALIBRATION_NEEDLES
 
 
 def _haystack(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, rng: random.Random) -> str:

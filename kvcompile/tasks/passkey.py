@@ -17,10 +17,10 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 
 @dataclasses.dataclass(frozen=True)
 class PasskeyPrompt:
-    context: str
+    context: str  # filler with the pass key sentence inside
     question: str
-    answer: str
-    depth: float
+    answer: str  # the pass key's digits
+    depth: float  # where the pass key sits: 0 = start, 1 = end
 
     @property
     def text(self) -> str:

@@ -7,11 +7,10 @@ import dataclasses
 
 from transformers import PreTrainedTokenizerBase
 
-from kvruntime.errors import KVRuntimeError
-
-from ..corpus import Corpus
-from .needles import QUESTION_TEMPLATE, render_prompt
-from .retrieval import TaskPrompt, question_start
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.tasks.needles import QUESTION_TEMPLATE, render_prompt
+from kvcompile.tasks.retrieval import TaskPrompt, question_start
+from kvruntime import KVRuntimeError
 
 
 @dataclasses.dataclass(frozen=True)

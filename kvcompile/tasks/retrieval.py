@@ -10,9 +10,9 @@ import random
 
 from transformers import PreTrainedTokenizerBase
 
-from ..corpus import Corpus
-from .needles import QUESTION_TEMPLATE, Needle, needle_probe, render_prompt
-from .passkey import passkey_prompt
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.tasks.needles import QUESTION_TEMPLATE, Needle, needle_probe, render_prompt
+from kvcompile.tasks.passkey import passkey_prompt
 
 EVALUATION_NEEDLES = (
     Needle(

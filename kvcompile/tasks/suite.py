@@ -10,13 +10,12 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from kvruntime.errors import KVRuntimeError
-
-from ..corpus import Corpus
-from ..prompt_format import uses_chat
-from .aggregation import common_words_prompt, variable_tracking_prompt
-from .qa import book_qa_prompt
-from .retrieval import TaskPrompt, retrieval_prompt
+from kvcompile.calibration.corpus import Corpus
+from kvcompile.prompt_format import uses_chat
+from kvcompile.tasks.aggregation import common_words_prompt, variable_tracking_prompt
+from kvcompile.tasks.qa import book_qa_prompt
+from kvcompile.tasks.retrieval import TaskPrompt, retrieval_prompt
+from kvruntime import KVRuntimeError
 
 # (corpus, tokenizer, length, depth, seed, chat) -> prompt
 Generator = Callable[[Corpus, PreTrainedTokenizerBase, int, float, int, bool], TaskPrompt]

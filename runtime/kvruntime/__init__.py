@@ -4,8 +4,9 @@
         output = model.generate(input_ids, max_new_tokens=32)
     print(session.report)
 
-The public names are imported on first use (PEP 562), so that `import kvruntime.errors` (what the command line needs
-to parse its arguments and refuse bad ones) does not import torch and transformers.
+This package's names are its API, for applications and for the compile stage (`kvcompile` imports nothing else
+from it). They are imported on first use (PEP 562), so that `from kvruntime import KVRuntimeError` (what the command
+line needs to parse its arguments and refuse bad ones) does not import torch and transformers.
 """
 
 from __future__ import annotations
@@ -14,24 +15,55 @@ import importlib
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "error_aware_budgets": "allocation",
-    **dict.fromkeys(("Artifact", "load_artifact", "read_artifact", "save_artifact"), "artifact"),
-    **dict.fromkeys(("CompressedContext", "CompressionSession", "compress"), "engine"),
-    **dict.fromkeys(("ArtifactError", "KVRuntimeError", "UnsupportedModelError"), "errors"),
-    **dict.fromkeys(("ModelFingerprint", "model_fingerprint"), "fingerprint"),
-    "CompilerKVTables": "compilerkv_tables",
-    "KVComposeStats": "kvcompose_stats",
+    # Applying compression.
+    **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
     **dict.fromkeys(
         (
-            "METHOD_NAMES", "CompilerKV", "KVCompose", "KVCompress", "Method", "SemanticRetrievalHeads", "SnapKV",
-            "WithLayerBudgets", "get_method", "required_artifact_kinds",
+            "METHOD_NAMES", "CompilerKV", "KVCompose", "KVCompress", "Method", "Prefill", "ScoringMethod",
+            "SemanticRetrievalHeads", "Selection", "SnapKV", "WithLayerBudgets", "get_method",
         ),
         "methods",
     ),
+    "CompressionReport": "report",
     "DEFAULT_MODEL": "default_model",
     "load_model": "model_loading",
-    "CompressionReport": "report",
+    "per_layer_attention": "attention",
+    "KEEP_MASK_KEYWORD": "attention",
+    # Artifacts: the format, every kind's schema and command, and what the runtime reads them into.
+    **dict.fromkeys(
+        ("Artifact", "check_tensors", "load_artifact", "read_artifact", "save_artifact", "tensors_checksum",
+         "write_safetensors_atomically"),
+        "artifact",
+    ),
+    **dict.fromkeys(("ARTIFACT_KINDS", "ArtifactKind", "artifact_kind"), "artifact_kinds"),
+    **dict.fromkeys(("ModelFingerprint", "model_fingerprint"), "fingerprint"),
+    "CompilerKVTables": "methods.compilerkv",
+    "KVComposeStats": "methods.kvcompose",
     "TunedDefaults": "tuned_defaults",
+    # Requests and errors, torch-free: the command line checks its input with them before importing torch.
+    **dict.fromkeys(
+        (
+            "MEMORY_MODES", "Request", "check_method_options", "check_request", "kept_per_head", "parse_method_name",
+            "parse_option_pairs", "required_artifact_kinds",
+        ),
+        "request",
+    ),
+    **dict.fromkeys(("ArtifactError", "KVRuntimeError", "UnsupportedModelError", "first_line"), "errors"),
+    **dict.fromkeys(("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"),
+    # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
+    **dict.fromkeys(("cache_bytes",), "cache_ops"),
+    **dict.fromkeys(("error_aware_budgets",), "allocation"),
+    **dict.fromkeys(("top_indices",), "selection"),
+    **dict.fromkeys(("query_hooks", "window_attention"), "window"),
+    "task_attention_maxima": "second_pass",
+    **dict.fromkeys(
+        ("PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "methods.compilerkv"
+    ),
+    **dict.fromkeys(("candidate_count", "gated_count", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),
+    **dict.fromkeys(
+        ("composite_curve", "kv_head_scores", "prompt_allocation", "rank_quantile_values", "sorted_head_scores"),
+        "methods.kvcompose.composite_tokens",
+    ),
 }
 
 __all__ = sorted(_EXPORTS)

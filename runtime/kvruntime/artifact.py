@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import warnings
@@ -22,48 +23,13 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 from torch import nn
 
+from .artifact_kinds import ARTIFACT_KINDS, KNOWN_KINDS
 from .errors import ArtifactError, first_line, short_repr
 from .files import write_atomically
 from .fingerprint import ModelFingerprint, model_fingerprint
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1
-KNOWN_KINDS = (
-    "srh_heads",
-    "layer_budgets",
-    "compilerkv_tables",
-    "compilerkv_experience",
-    "kvcompose_stats",
-    "tuned_defaults",
-    "partial_statistics",  # sums of a share of a compile run, for `kvcompile merge`; never applied to a model
-)
-# Kinds whose tables are resampled over relative depth, so that they may serve a model with another layer count
-# (with force, like another checkpoint); every other shape difference is always refused.
-DEPTH_PORTABLE_KINDS = ("compilerkv_tables",)
-# The tensors the runtime reads from each kind (others are not checked): name -> (values, shape[, value rule]).
-# A size in a shape is a number, a size of the artifact's model (layers, query_heads, kv_heads), or a name: any size
-# of at least 1, the same in every tensor of the artifact ("name-1": one less than it).
-REQUIRED_TENSORS: dict[str, dict[str, tuple]] = {
-    "srh_heads": {"srh_score": ("numeric", ("layers", "query_heads"))},
-    "layer_budgets": {"layer_error": ("numeric", ("layers",), "non-negative with a positive sum")},
-    "compilerkv_tables": {
-        "budgets": ("integer", ("budgets",)),
-        "head_reliability": ("numeric", ("budgets", "layers", "query_heads")),
-        "risk_thresholds": ("numeric", ("budgets", "layers", "entropy_bins", "perplexity_bins")),
-        "entropy_edges": ("numeric", ("entropy_bins-1",)),
-        "perplexity_edges": ("numeric", ("perplexity_bins-1",)),
-    },
-    "compilerkv_experience": {
-        "budgets": ("integer", ("budgets",)),
-        **{f"prompt_{name}": ("numeric", ("prompts",)) for name in ("full_nll", "entropy", "perplexity")},
-    },
-    "kvcompose_stats": {
-        "ratios": ("numeric", ("ratios",)),
-        "layer_fractions": ("numeric", ("ratios", "layers")),
-        "head_fractions": ("numeric", ("ratios", "layers", "kv_heads")),
-    },
-    "tuned_defaults": {"full_accuracy": ("numeric", (1,))},
-}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPES = {
     "integer": (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
@@ -175,7 +141,7 @@ def load_artifact(
     path: str | os.PathLike, model: nn.Module | None = None, kind: str | None = None, force: bool = False
 ) -> Artifact:
     """Read an artifact and check it against the expected kind and the model it will be applied to, and that it
-    holds the tensors the runtime reads from its kind (`REQUIRED_TENSORS`).
+    holds the tensors the runtime reads from its kind (`artifact_kinds`).
 
     `force` accepts another checkpoint of the same shape (with a warning); a shape mismatch is always refused.
     """
@@ -193,24 +159,43 @@ def check_tensors(artifact: Artifact) -> None:
     (against its own fingerprint) or range: one line naming the tensor instead of a crash inside a method."""
     fingerprint = artifact.model
     sizes = {"layers": fingerprint.num_layers, "query_heads": fingerprint.num_query_heads, "kv_heads": fingerprint.num_kv_heads}
-    for name, (values, shape, *rules) in REQUIRED_TENSORS.get(artifact.kind, {}).items():
-        where = f"{artifact.path}: {artifact.kind} tensor {name!r}"
-        tensor = artifact.tensors.get(name)
+    problem = schema_problem(artifact.kind, artifact.tensors, sizes)
+    if problem is not None:
+        raise ArtifactError(f"{artifact.path}: {artifact.kind} tensor {problem}")
+
+
+def schema_problem(kind: str, tensors: dict[str, torch.Tensor], sizes: dict[str, int]) -> str | None:
+    """What breaks the kind's tensor rules (`artifact_kinds`), as "'name' is ...", or None. `sizes` binds sizes
+    known beforehand (the model's); the others bind on first sight."""
+    known = dict(sizes)
+    for name, (values, shape, *rules) in ARTIFACT_KINDS[kind].tensors.items():
+        tensor = tensors.get(name)
         if tensor is None:
-            raise ArtifactError(f"{where} is missing")
+            return f"{name!r} is missing"
         if tensor.dtype not in _DTYPES[values]:
-            raise ArtifactError(f"{where} is {str(tensor.dtype).removeprefix('torch.')}, expected {values} values")
-        known = dict(sizes)
-        if not _shape_fits(tuple(tensor.shape), shape, sizes):
-            expected = ", ".join(_describe_size(term, known) for term in shape)
-            raise ArtifactError(f"{where} has shape {list(tensor.shape)}, expected [{expected}]")
+            return f"{name!r} is {str(tensor.dtype).removeprefix('torch.')}, expected {values} values"
+        before = dict(known)
+        if not _shape_fits(tuple(tensor.shape), shape, known):
+            expected = ", ".join(_describe_size(term, before) for term in shape)
+            return f"{name!r} has shape {list(tensor.shape)}, expected [{expected}]"
         for rule in rules:
             if not _VALUE_RULES[rule](tensor):
-                raise ArtifactError(f"{where} must be {rule}")
+                return f"{name!r} must be {rule}"
+    return None
+
+
+def applied_form(artifact: Artifact) -> object:
+    """What the runtime applies: the artifact read by its kind's reader class (`artifact_kinds`), or the artifact
+    itself for a kind whose tensors a method reads directly."""
+    reader = ARTIFACT_KINDS[artifact.kind].reader
+    if not reader:
+        return artifact
+    module, name = reader.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name).from_artifact(artifact)
 
 
 def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int]) -> bool:
-    """Whether `actual` fits `expected` (see REQUIRED_TENSORS); binds the names seen for the first time in `sizes`."""
+    """Whether `actual` fits `expected` (see `artifact_kinds`); binds the names seen for the first time in `sizes`."""
     if len(actual) != len(expected):
         return False
     for size, term in zip(actual, expected):
@@ -249,7 +234,7 @@ def check_kind(artifact: Artifact, kind: str) -> None:
 
 def check_artifact_matches_model(artifact: Artifact, model: ModelFingerprint, force: bool = False) -> None:
     shape_diffs = artifact.model.shape_differences(model)
-    depth_only = artifact.kind in DEPTH_PORTABLE_KINDS and set(shape_diffs) <= {"architecture", "num_layers"}
+    depth_only = ARTIFACT_KINDS[artifact.kind].depth_portable and set(shape_diffs) <= {"architecture", "num_layers"}
     if shape_diffs and not depth_only:
         described = "; ".join(f"{name}: {values}" for name, values in shape_diffs.items())
         raise ArtifactError(f"{artifact.path}: compiled for another model ({described}, artifact vs model)")

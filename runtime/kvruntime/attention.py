@@ -5,7 +5,8 @@ layers' lengths differ, and a multi-token query (a question) needs each layer's 
 attention implementation whose name has no entry in the mask registry, so transformers passes no mask, and the
 function builds the right mask per layer from the key length it receives: every cached entry precedes the new
 queries in the original sequence, so causality is aligned at the right edge. Batch size 1 only (no padding).
-Evicted-but-kept entries (the `masked` memory mode) come in as `kvruntime_keep_mask`, injected by the engine.
+Evicted-but-kept entries (the `masked` memory mode) come in as the keyword `KEEP_MASK_KEYWORD`, injected by the
+engine (and by the compile stage's rollouts, which run layers by hand).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION_NAME = "kvruntime_sdpa"
+# The attention keyword of a boolean keep mask [B, Hkv, N_ctx]: False hides a cached entry from every query.
+KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
 
 
 def right_aligned_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -23,16 +24,16 @@ from transformers import Cache, DynamicCache
 
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
-from .attention import per_layer_attention
+from .attention import KEEP_MASK_KEYWORD, per_layer_attention
 from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import Method, Prefill, get_method
 from .report import CompressionReport
-from .request import check_request, kept_per_head
+from .request import Request
+from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
-from .task_attention import task_attention_maxima
 from .tuned_defaults import TunedDefaults
-from .window_attention import hooked_window_queries
+from .window import hooked_window_queries
 
 # Attribute a model carries while a compression block is attached to it (blocks do not nest).
 _ACTIVE_SESSION = "_kvruntime_session"
@@ -61,25 +62,41 @@ class CompressionSession:
         memory: str,
         artifacts: Sequence[Artifact] = (),
     ) -> None:
-        check_request(ratio, budget, memory)
-        method.check_request(ratio, budget)
-        if method.memory not in (None, memory):
+        self.request = Request(ratio, budget, memory)
+        method.check_request(self.request)
+        if method.required_memory() not in (None, memory):
             raise KVRuntimeError(
-                f"{method.name} with these options keeps different numbers of entries per head: use memory={method.memory!r}"
+                f"{method.name} with these options keeps different numbers of entries per head: use "
+                f"memory={method.required_memory()!r}"
             )
         self.model = model
         self.method = method
-        self.ratio = ratio
-        self.budget = budget
-        self.memory = memory
         self.artifacts = list(artifacts)
         self.reports: list[CompressionReport] = []
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
         self.kept_positions: list[torch.Tensor] = []
         self._attention = attention_modules(model)
         self._prefill: _Prefill | None = None
-        self._keep_masks: dict[int, torch.Tensor] = {}
+        # Per compressed cache, the masks of its layers whose heads keep fewer entries than their slots (`masked`
+        # memory): they belong to that cache's entries, and go when it goes.
+        self._keep_masks: weakref.WeakKeyDictionary[Cache, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def ratio(self) -> float | None:
+        return self.request.ratio
+
+    @property
+    def budget(self) -> int | None:
+        return self.request.budget
+
+    @property
+    def memory(self) -> str:
+        return self.request.memory
+
+    def keep_masks(self, cache: Cache) -> dict[int, torch.Tensor]:
+        """The keep masks of a cache this session compressed ({} when every head shows all its slots)."""
+        return self._keep_masks.get(cache, {})
 
     @property
     def report(self) -> CompressionReport:
@@ -92,7 +109,7 @@ class CompressionSession:
     def active(self) -> bool:
         return bool(self._handles)
 
-    def prefill(self, input_ids: torch.Tensor) -> "CompressedContext":
+    def prefill(self, input_ids: torch.Tensor) -> CompressedContext:
         """Compress a context on its own (without the question) and return it, ready for several questions."""
         if not self.active:
             raise KVRuntimeError("prefill inside the `with kvruntime.compress(...)` block: the block has ended")
@@ -103,11 +120,11 @@ class CompressionSession:
         cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
             self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return CompressedContext(self, cache, input_ids.shape[1], self.report, dict(self._keep_masks))
+        return CompressedContext(self, cache, input_ids.shape[1], self.report)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def attached(self) -> Iterator["CompressionSession"]:
+    def attached(self) -> Iterator[CompressionSession]:
         base = self.model.base_model
         if getattr(self.model, _ACTIVE_SESSION, None) is not None:
             raise KVRuntimeError("this model is already inside a `kvruntime.compress(...)` block: blocks do not nest")
@@ -134,8 +151,8 @@ class CompressionSession:
         cache = kwargs.get("past_key_values")
         batch, length = tokens.shape[:2]
         starts_empty = cache is None or cache.get_seq_length() == 0
-        if starts_empty:  # a new sequence: the keep masks of an earlier prompt's cache do not apply to it
-            self._keep_masks = {}
+        if starts_empty and cache is not None:  # a new sequence: an earlier prompt's keep masks do not apply to it
+            self._keep_masks.pop(cache, None)
         if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
             return
         if batch != 1:
@@ -143,13 +160,12 @@ class CompressionSession:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
             raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
-        self._keep_masks = {}
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
         self._prefill = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         state = self._prefill
-        if state is None or self.method.task_pass:
+        if state is None:
             return
         started = time.perf_counter()
         with torch.no_grad():
@@ -168,16 +184,22 @@ class CompressionSession:
             return
         started = time.perf_counter()
         before = cache_bytes(cache)
-        prefill = Prefill(state.input_ids, output.last_hidden_state, self.model.get_output_embeddings())
+        prefill = Prefill(
+            length=state.length,
+            num_kv_heads=cache.layers[0].keys.shape[1],
+            input_ids=state.input_ids,
+            hidden_states=output.last_hidden_state,
+            output_embeddings=self.model.get_output_embeddings(),
+            second_pass_attention=lambda: self._second_pass(cache, state),
+        )
         with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
             slots, entries, notes = self._compress_cache(cache, state, prefill)
         ended = time.perf_counter()
-        requested = f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
         self.reports.append(
             CompressionReport(
                 method=self.method.name,
                 memory=self.memory,
-                requested=requested,
+                requested=self.request.describe(),
                 context_length=state.length,
                 num_kv_heads=cache.layers[0].keys.shape[1],
                 slots_per_layer=slots,
@@ -191,34 +213,36 @@ class CompressionSession:
         )
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        mask = self._keep_masks.get(module.layer_idx)
+        cache = kwargs.get("past_key_values")
+        mask = self._keep_masks.get(cache, {}).get(module.layer_idx) if cache is not None else None
         if mask is None or self._prefill is not None:
             return None
-        return args, {**kwargs, "kvruntime_keep_mask": mask}
+        return args, {**kwargs, KEEP_MASK_KEYWORD: mask}
+
+    def _second_pass(self, cache: Cache, state: _Prefill) -> list[torch.Tensor]:
+        """The prompt fed again after itself (`Prefill.second_pass_attention`), timed as part of the scoring."""
+        if state.input_ids is None:
+            raise KVRuntimeError(f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings")
+        return task_attention_maxima(self.model, cache, state.input_ids, state.length)
 
     # -- selection -----------------------------------------------------------------------------------------
     def _compress_cache(self, cache: Cache, state: _Prefill, prefill: Prefill) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
         window = min(self.method.window, state.length)
-        keep = kept_per_head(state.length, window, self.ratio, self.budget)
-        asked = kept_per_head(state.length, 1, self.ratio, self.budget)
+        keep = self.request.kept_per_head(state.length, window)
+        asked = self.request.kept_per_head(state.length, 1)
         # Why the cache held may differ from the request: the report says it rather than hide it.
         notes = [f"window              the last {window} tokens always stay: {keep} kept per layer, not {asked}"] if keep > asked else []
         self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
             return full, [state.length * layer.keys.shape[1] for layer in cache.layers], notes
-        if self.method.task_pass:
-            if prefill.input_ids is None:
-                raise KVRuntimeError(f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings")
-            maxima = task_attention_maxima(self.model, cache, prefill.input_ids, state.length)
-            state.statistics = dict(enumerate(self.method.task_statistics(maxima, cache.layers[0].keys.shape[1])))
         if len(state.statistics) != len(cache.layers):
             raise UnsupportedModelError(
                 f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
             )
         statistics = [state.statistics[i] for i in range(len(cache.layers))]
-        selection = self.method.select(statistics, keep, prefill)
+        selection = self.method.select(statistics, self.request, prefill)
         counts = selection.counts
         if int(counts.max()) > state.length:
             raise KVRuntimeError(f"{self.method.name} selected more entries per head than the context holds")
@@ -228,7 +252,7 @@ class CompressionSession:
             shares = apportion(counts.sum(dim=1).double(), int(counts.sum()) // counts.shape[1], window, state.length)
             counts = shares[:, None].expand_as(counts)
             notes.append("padded              each layer's slots are its share of the selection, spread over its KV heads")
-        slots, entries = [], []
+        slots, entries, masks = [], [], {}
         for index, (layer, scores) in enumerate(zip(cache.layers, selection.scores)):
             slot_count = int(counts[index].max())
             indices = top_indices(scores, slot_count)
@@ -239,26 +263,24 @@ class CompressionSession:
             entries.append(int(head_counts.sum()))
             if self.memory == "masked" and bool((head_counts < slot_count).any()):
                 # Slots beyond a head's own count are hidden from attention: the method's exact selection.
-                self._keep_masks[index] = top_mask(scores.gather(-1, indices), head_counts)
+                masks[index] = top_mask(scores.gather(-1, indices), head_counts)
+        self._keep_masks[cache] = masks
         return slots, entries, notes + selection.notes
 
 
 class CompressedContext:
     """A context compressed without its question; answers questions one after another on the same cache."""
 
-    def __init__(
-        self,
-        session: CompressionSession,
-        cache: Cache,
-        context_length: int,
-        report: CompressionReport,
-        keep_masks: dict[int, torch.Tensor],
-    ) -> None:
+    def __init__(self, session: CompressionSession, cache: Cache, context_length: int, report: CompressionReport) -> None:
         self.session = session
         self.cache = cache
         self.context_length = context_length
         self.report = report
-        self.keep_masks = keep_masks
+
+    @property
+    def keep_masks(self) -> dict[int, torch.Tensor]:
+        """The keep masks of the compressed cache's layers (`masked` memory), held with the cache they describe."""
+        return self.session.keep_masks(self.cache)
 
     def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> object:
         """`model.generate` on the question `question_ids` [1, q] after the compressed context; returns what
@@ -267,7 +289,6 @@ class CompressedContext:
         if not self.session.active:
             raise KVRuntimeError("answer questions inside the `with kvruntime.compress(...)` block that made the context")
         saved = [(layer.keys, layer.values) for layer in self.cache.layers]
-        self.session._keep_masks = self.keep_masks
         try:
             return generate_after_context(self.session.model, self.cache, self.context_length, question_ids, **generate_kwargs)
         finally:

@@ -26,7 +26,7 @@ class ModelFingerprint:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelFingerprint":
+    def from_dict(cls, data: dict) -> ModelFingerprint:
         """The fingerprint of a JSON object; ValueError naming the first field missing or of the wrong type."""
         if not isinstance(data, dict):
             raise ValueError(f"fingerprint is a JSON {type(data).__name__}, not an object")
@@ -42,7 +42,7 @@ class ModelFingerprint:
                 raise ValueError(f"fingerprint {field.name} is {short_repr(value)}, not a non-empty string")
         return cls(**{f.name: data[f.name] for f in fields})
 
-    def shape_differences(self, other: "ModelFingerprint") -> dict[str, str]:
+    def shape_differences(self, other: ModelFingerprint) -> dict[str, str]:
         """Differences that make an artifact's tensors meaningless for the other model: field -> 'a vs b'."""
         names = ("architecture", "num_layers", "num_query_heads", "num_kv_heads", "head_dim")
         return {n: f"{getattr(self, n)} vs {getattr(other, n)}" for n in names if getattr(self, n) != getattr(other, n)}

@@ -4,6 +4,7 @@ the heavy runtime."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
@@ -18,13 +19,8 @@ OPTIONS: dict[str, dict[str, object]] = {
     "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
 }
 ALIASES = {"compresskv": "srh+budgets"}
-# Which artifact kind each name part needs, and the command that compiles it.
-NEEDS = {
-    "srh": ("srh_heads", "kvcompile heads"),
-    "budgets": ("layer_budgets", "kvcompile budgets"),
-    "compilerkv": ("compilerkv_tables", "kvcompile tables"),
-    "kvcompose": ("kvcompose_stats", "kvcompile stats"),
-}
+# Which artifact kind each name part needs (`artifact_kinds` says what compiles it).
+NEEDS = {"srh": "srh_heads", "budgets": "layer_budgets", "compilerkv": "compilerkv_tables", "kvcompose": "kvcompose_stats"}
 
 
 def parse_method_name(name: str) -> list[str]:
@@ -43,7 +39,27 @@ def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> li
     parts = parse_method_name(name)
     if parts == ["kvcompose"] and options.get("mode") == "dynamic":
         return []
-    return [NEEDS[part][0] for part in parts if part in NEEDS]
+    return [NEEDS[part] for part in parts if part in NEEDS]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a compression asks for: a ratio of cache entries removed or a budget of tokens per layer (exactly one),
+    and how per-head counts are stored (`memory`). Checked when made: a bad request never reaches a method."""
+
+    ratio: float | None = None
+    budget: int | None = None
+    memory: str = "padded"
+
+    def __post_init__(self) -> None:
+        check_request(self.ratio, self.budget, self.memory)
+
+    def kept_per_head(self, length: int, window: int) -> int:
+        """Entries each (layer, KV head) keeps on average from a prompt of `length` tokens, the window included."""
+        return kept_per_head(length, window, self.ratio, self.budget)
+
+    def describe(self) -> str:
+        return f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
 
 
 def check_request(ratio: float | None, budget: int | None, memory: str) -> None:

@@ -5,9 +5,7 @@ Shapes: layer scores are [B, Hkv, N]; counts are [L, Hkv] (entries kept per laye
 
 from __future__ import annotations
 
-
 import torch
-
 
 
 def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ class TunedDefaults:
     artifact_files: tuple[Path, ...]
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact) -> "TunedDefaults":
+    def from_artifact(cls, artifact: Artifact) -> TunedDefaults:
         check_kind(artifact, "tuned_defaults")
         recommended = artifact.params.get("recommended")
         if recommended is None:

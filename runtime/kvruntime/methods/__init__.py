@@ -10,22 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..artifact import Artifact
+from ..artifact import Artifact, applied_form
+from ..artifact_kinds import ARTIFACT_KINDS
 from ..errors import KVRuntimeError
-from ..compilerkv_tables import CompilerKVTables
-from ..kvcompose_stats import KVComposeStats
+from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_name, required_artifact_kinds
 from .base import Method, Prefill, ScoringMethod, Selection
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .kvcompose import KVCompose
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
-from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_name, required_artifact_kinds
 
 ARTIFACT_FREE: dict[str, type[Method]] = {cls.name: cls for cls in (SnapKV, KVCompress)}
+
+
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
-    """A method instance from its name, the (already model-checked) artifacts and method options; an instance is
-    returned as is."""
+    """A method instance from its name, the artifacts it needs and method options; an instance is returned as is."""
     if isinstance(name, Method):
         if options:
             raise KVRuntimeError("method options go to a method given by name; set them on the instance instead")
@@ -33,25 +33,26 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
     base, *suffixes = parse_method_name(name)
     by_kind = {artifact.kind: artifact for artifact in artifacts}
 
-    def artifact_for(part: str) -> Artifact:
-        kind, command = NEEDS[part]
+    def applied(part: str) -> object:
+        kind = NEEDS[part]
         if kind not in by_kind:
-            raise KVRuntimeError(f"method {name!r} needs a {kind} artifact for this model (compile it with `{command}`)")
-        return by_kind[kind]
+            raise KVRuntimeError(
+                f"method {name!r} needs a {kind} artifact for this model (compile it with `{ARTIFACT_KINDS[kind].command}`)"
+            )
+        return applied_form(by_kind[kind])
 
     options = check_method_options(name, options)
     if base == "compilerkv":
-        return CompilerKV(tables=CompilerKVTables.from_artifact(artifact_for("compilerkv")), **options)
+        return CompilerKV(tables=applied("compilerkv"), **options)
     if base == "kvcompose":
         compiled = options.get("mode", "compiled") == "compiled"
-        stats = KVComposeStats.from_artifact(artifact_for("kvcompose")) if compiled else None
-        return KVCompose(stats=stats, **options)
+        return KVCompose(stats=applied("kvcompose") if compiled else None, **options)
     if base == "srh":
-        method: ScoringMethod = SemanticRetrievalHeads(head_scores=artifact_for("srh").tensors["srh_score"])
+        method: ScoringMethod = SemanticRetrievalHeads(head_scores=applied("srh").tensors["srh_score"])
     else:
         method = ARTIFACT_FREE[base]()
     if suffixes:
-        method = WithLayerBudgets(inner=method, layer_error=artifact_for("budgets").tensors["layer_error"])
+        method = WithLayerBudgets(inner=method, layer_error=applied("budgets").tensors["layer_error"])
     return method
 
 

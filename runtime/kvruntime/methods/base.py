@@ -1,32 +1,41 @@
 """What a compression method is to the engine.
 
 Every method sees each attention layer once at the end of prefill (`layer_statistics`) and then, once the whole
-model has run, turns what it gathered into a `Selection`: a score per (KV head, token) in every layer and how many
-entries each (layer, KV head) keeps. Most methods score tokens by window attention layer by layer
-(`ScoringMethod`); a method that needs every layer's statistics at once (CompilerKV's global attention mass)
-does its work in `select`.
+model has run, turns what it gathered and the request (ratio or budget) into a `Selection`: a score per (KV head,
+token) in every layer and how many entries each (layer, KV head) keeps. Most methods score tokens by window
+attention layer by layer (`ScoringMethod`); a method that needs every layer's statistics at once (CompilerKV's
+global attention mass) does its work in `select`, and a method that scores with a second pass over the prompt
+(KVCompose's dynamic mode) asks the `Prefill` for it there.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
+from ..request import Request
 from ..selection import protect_window, uniform_head_counts
-from ..window_attention import window_attention
+from ..window import window_attention
 
 
 @dataclasses.dataclass
 class Prefill:
-    """What the engine knows about the prefill when the method selects: the prompt and the model's final hidden
-    states (after the last norm), from which the window's next-token log-probabilities can be had."""
+    """What the engine knows about the prefill when the method selects: the prompt, the model's final hidden
+    states (after the last norm), from which the window's next-token log-probabilities can be had, and a second
+    pass over the prompt on request."""
 
+    length: int  # tokens of the prompt
+    num_kv_heads: int
     input_ids: torch.Tensor | None  # [B, N]
     hidden_states: torch.Tensor  # [B, N, hidden]
     output_embeddings: torch.nn.Module
+    # Feeds the prompt again after itself in the filled cache: per layer, each token's largest attention from the
+    # copy [B, Hq, N] (`kvruntime.second_pass`). Costs a second prefill: only methods that score this way call it.
+    second_pass_attention: Callable[[], list[torch.Tensor]]
 
     def token_logprobs(self, last: int) -> torch.Tensor:
         """log p(x_j | x_<j) of the last `last` prompt tokens (teacher-forced, from the prefill): [B, last]."""
@@ -49,18 +58,18 @@ class Selection:
 
 @dataclasses.dataclass
 class Method(abc.ABC):
-    """Subclasses set `name` and `window` (the prompt's last `window` queries are rebuilt in every layer)."""
+    """Subclasses set `name` and `window` (the prompt's last `window` queries are rebuilt in every layer and
+    always stay)."""
 
     name: ClassVar[str]
     window: int = 32
-    # A method that scores with a second pass sets `task_pass` (KVCompose's dynamic mode): the engine feeds the
-    # prompt again after itself and gives `task_statistics` every layer's task maxima instead of window statistics.
-    task_pass: ClassVar[bool] = False
-    # The memory mode the method's per-head counts need (None: either).
-    memory: ClassVar[str | None] = None
 
-    def check_request(self, ratio: float | None, budget: int | None) -> None:
-        """Refuse a ratio or budget this method cannot serve, before any model work (default: any)."""
+    def check_request(self, request: Request) -> None:
+        """Refuse a request this method cannot serve, before any model work (default: any ratio or budget)."""
+
+    def required_memory(self) -> str | None:
+        """The memory mode this method's per-head counts need (None: either)."""
+        return None
 
     @abc.abstractmethod
     def layer_statistics(
@@ -69,13 +78,10 @@ class Method(abc.ABC):
         """What the method keeps from one layer at the end of prefill: window queries [B, Hq, w, D] (post-RoPE),
         the layer's cached keys and values [B, Hkv, N, D]."""
 
-    def task_statistics(self, task_maxima: list[torch.Tensor], num_kv_heads: int) -> list[Any]:
-        """With `task_pass`: each layer's statistics from its task maxima [B, Hq, N] (`task_attention_maxima`)."""
-        raise NotImplementedError(f"{self.name} does not score with a second pass")
-
     @abc.abstractmethod
-    def select(self, statistics: list[Any], keep: int, prefill: Prefill) -> Selection:
-        """Turn every layer's statistics into a selection averaging at most `keep` entries per (layer, KV head)."""
+    def select(self, statistics: list[Any], request: Request, prefill: Prefill) -> Selection:
+        """Turn every layer's statistics into a selection that serves `request` on this prompt: on average at most
+        `request.kept_per_head(prefill.length, self.window)` entries per (layer, KV head)."""
 
 
 @dataclasses.dataclass
@@ -97,8 +103,8 @@ class ScoringMethod(Method):
     ) -> torch.Tensor:
         return self.window_scores(queries, keys, scaling, layer)
 
-    def select(self, statistics: list[torch.Tensor], keep: int, prefill: Prefill) -> Selection:
-        return Selection(statistics, self.head_counts(statistics, keep))
+    def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
+        return Selection(statistics, self.head_counts(statistics, request.kept_per_head(prefill.length, self.window)))
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""

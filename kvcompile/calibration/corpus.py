@@ -1,0 +1,187 @@
+"""Calibration text: the shipped public-domain books by default, or any local text the user points at
+(a .txt/.txt.gz file, a folder of them, or a datasets-loadable .jsonl/.json/.parquet/.csv with a `text` column).
+
+Loaded documents stay on disk and are read when indexed, so a corpus need not fit in memory: loading makes one pass,
+one document in memory at a time, that checks every document, skips blank ones, and notes lengths and the hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import hashlib
+import random
+from array import array
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvcompile.shipped import shipped_folder
+from kvruntime import KVRuntimeError, first_line
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
+_TEXT_SUFFIXES = (".txt", ".txt.gz")
+_TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DiskDocuments(Sequence[str]):
+    """Documents left on disk, each read by `read(key)` when indexed. Built by one pass over (key, text) pairs, one
+    text in memory at a time, that appends the keys of the non-blank texts to `keys` (empty: a list, or an array of
+    row numbers) and notes their lengths and the corpus hash."""
+
+    def __init__(self, texts: Iterable[tuple[Any, object]], keys: MutableSequence[Any], read: Callable[[Any], str]):
+        self._keys, self._read = keys, read
+        self.lengths = array("q")
+        digest = hashlib.sha256()
+        for key, text in texts:
+            if isinstance(text, str) and text.strip():
+                keys.append(key)
+                self.lengths.append(len(text))
+                digest.update(_document_digest(text))
+        self.sha256 = digest.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, index: int) -> str:
+        return self._read(self._keys[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    name: str
+    documents: Sequence[str]  # a tuple in memory, or DiskDocuments read one at a time
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """sha256 over the sha256 digests of the documents' UTF-8 bytes, in order (artifacts record it: keep it)."""
+        if isinstance(self.documents, DiskDocuments):
+            return self.documents.sha256
+        digest = hashlib.sha256()
+        for document in self.documents:
+            digest.update(_document_digest(document))
+        return digest.hexdigest()
+
+    @functools.cached_property
+    def lengths(self) -> Sequence[int]:
+        """Each document's length in characters, known without reading documents on disk again."""
+        if isinstance(self.documents, DiskDocuments):
+            return self.documents.lengths
+        return [len(document) for document in self.documents]
+
+
+def load_corpus(source: str | Path | None = None) -> Corpus:
+    """Load a corpus; `None` or 'austen' is the shipped default, 'moby-dick' the shipped held-out book."""
+    if source is None or str(source) == DEFAULT_CORPUS:
+        return _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
+    if str(source) == "moby-dick":
+        return _text_files("moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz")))
+    path = Path(source)
+    if not path.exists():
+        raise KVRuntimeError(f"corpus {path} does not exist (give a text file, a folder of .txt, or a jsonl/parquet)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.name.endswith(_TEXT_SUFFIXES))
+        if not files:
+            raise KVRuntimeError(f"corpus folder {path} holds no .txt or .txt.gz files")
+        return _text_files(str(path), files)
+    if path.name.endswith(_TEXT_SUFFIXES):
+        return _text_files(str(path), [path])
+    if path.suffix in _TABLE_SUFFIXES:
+        return _table(path)
+    raise KVRuntimeError(f"corpus {path}: unknown format (use .txt, .txt.gz, a folder, .jsonl, .parquet or .csv)")
+
+
+def passage_ids(tokenizer: PreTrainedTokenizerBase, document: str, start: int, tokens: int) -> list[int]:
+    """The first `tokens` token ids of the document from character `start` (8 characters a token is ample)."""
+    return tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]
+
+
+def _document_digest(document: str) -> bytes:
+    return hashlib.sha256(document.encode()).digest()
+
+
+def _read_text(path: Path) -> str:
+    raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+    if b"\x00" in raw:
+        raise KVRuntimeError(f"corpus file {path} is binary, not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KVRuntimeError(f"corpus file {path} is not UTF-8 text (byte {exc.start})") from None
+
+
+def _text_files(name: str, files: list[Path]) -> Corpus:
+    documents = DiskDocuments(((path, _read_text(path)) for path in files), [], _read_text)
+    if not documents:
+        raise KVRuntimeError(f"corpus {name} is empty")
+    return Corpus(name=name, documents=documents)
+
+
+def _table(path: Path) -> Corpus:
+    import datasets  # compile-stage dependency, imported only for table formats
+
+    bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # a refusal stays one line; the conversion takes seconds at most
+    try:
+        # Converted once into Arrow files in the datasets cache, then memory-mapped (never copied into memory,
+        # whatever datasets' settings say): rows are read when indexed.
+        table = datasets.load_dataset(
+            _TABLE_SUFFIXES[path.suffix], data_files=str(path), split="train", keep_in_memory=False
+        )
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise KVRuntimeError(f"corpus {path} cannot be read ({first_line(exc)})") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    if "text" not in table.column_names:
+        raise KVRuntimeError(f"corpus {path} has no 'text' column (columns: {', '.join(table.column_names)})")
+    kind = getattr(table.features["text"], "dtype", "")
+    if kind not in ("string", "large_string"):
+        raise KVRuntimeError(f"corpus {path}: column 'text' holds {kind or 'nested'} values, not text")
+    table = table.select_columns(["text"])
+    documents = DiskDocuments(enumerate(_column_texts(table)), array("q"), functools.partial(_row_text, table))
+    if not documents:
+        raise KVRuntimeError(f"corpus {path} is empty")
+    return Corpus(name=str(path), documents=documents)
+
+
+def _column_texts(table: datasets.Dataset) -> Iterator[object]:
+    """The text column in row order, one record batch at a time, read from the Arrow cache files rather than through
+    the memory map: mapped pages, once read, would count in the process's resident memory until the kernel needs
+    them back."""
+    import pyarrow
+
+    for cache_file in table.cache_files:
+        with pyarrow.OSFile(cache_file["filename"]) as handle:
+            for batch in pyarrow.ipc.open_stream(handle):
+                yield from batch.column("text").to_pylist()
+
+
+def _row_text(table: datasets.Dataset, row: int) -> str:
+    return table[row]["text"]
+
+
+def calibration_prompts(
+    corpus: Corpus, tokenizer: PreTrainedTokenizerBase, count: int, tokens: int, seed: int
+) -> list[tuple[int, torch.Tensor]]:
+    """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        source = index % len(corpus.documents)
+        document = corpus.documents[source]
+        if len(document) < tokens * 8:
+            raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
+        start = rng.randrange(0, len(document) - tokens * 8)
+        ids = passage_ids(tokenizer, document, start, tokens)
+        if len(ids) < tokens:
+            raise KVRuntimeError(f"corpus {corpus.name}: document {source} gave a passage of {len(ids)} < {tokens} tokens")
+        prompts.append((source, torch.tensor([ids])))
+    return prompts

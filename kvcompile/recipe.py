@@ -1,0 +1,184 @@
+"""What every compile command is: a recipe, run the same way.
+
+A recipe compiles one artifact kind. It is made with the command's inputs (which corpus, which artifacts), takes a
+settings dataclass (the knobs, checked by `check` before anything is loaded), prepares what it reads besides the
+model (`prepare`, also before the model: bad input is refused in a second, not after loading), then
+`run`s over its work items (probes, prompts, rollouts) on the model, with checkpoints and shares where it has them.
+`finish` turns complete partial statistics into the artifact (what `kvcompile merge` calls), `plot` draws it beside
+the file, and `describe` says in a few lines what was learned. `compile_artifact` is the one skeleton every command
+goes through: check, claim the output, prepare, load the model, run, write, plot, describe.
+
+A new recipe is one package under `kvcompile/recipes/` with a `Recipe` subclass, registered in
+`kvcompile/recipes/__init__.py`, and a command in `cli.py` that turns its options into settings.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvruntime import KVRuntimeError
+
+DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
+
+
+def artifact_folder(model: str) -> Path:
+    """Where a model's compiled artifacts live by default: artifacts/<model folder name>/."""
+    from kvcompile.shipped import shipped_folder
+
+    return shipped_folder("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
+
+
+def default_artifact(model: str, kind: str) -> Path:
+    return artifact_folder(model) / f"{kind}.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """Where and how a recipe runs: the loaded model, the artifact's path, and the run's bookkeeping."""
+
+    model: Any  # nn.Module
+    tokenizer: Any  # PreTrainedTokenizerBase
+    out: Path
+    resume: bool = False
+    checkpoint_every: int = 4
+    shard: Any = None  # calibration.distributed.Shard (None: the whole run in this process)
+
+
+class Recipe(abc.ABC):
+    """One compile command. Subclasses set `kind` and implement `run` and `plot`."""
+
+    kind: ClassVar[str]  # the artifact kind written (`kvruntime.ARTIFACT_KINDS[kind].command` names the command)
+    # Whether the work items can be split into shares (--shard i/n, torchrun ranks) whose partial statistics
+    # `kvcompile merge` adds up; such a recipe implements `finish`.
+    shardable: ClassVar[bool] = False
+
+    def check(self, settings: Any) -> None:
+        """Refuse bad settings before anything is loaded (default: `settings.check()`)."""
+        settings.check()
+
+    def prepare(self, settings: Any) -> Any:
+        """Load and check what the recipe reads besides the model (corpus, task set, artifacts), before the model
+        is loaded. Returns what `run` gets as `inputs` (default: nothing)."""
+        return None
+
+    def check_model(self, settings: Any, model: Any) -> None:
+        """Refuse settings the loaded model cannot serve, before any work (default: none)."""
+
+    @abc.abstractmethod
+    def run(self, job: CompileJob, settings: Any, inputs: Any) -> Any:
+        """The artifact (or, for a share of a shardable run, its partial statistics)."""
+
+    def finish(self, sums: dict, run: Any) -> Any:
+        """The artifact from complete partial statistics (shardable recipes)."""
+        raise KVRuntimeError(f"statistics of {self.kind!r} cannot be merged")
+
+    @abc.abstractmethod
+    def plot(self, artifact: Any, path: Path) -> str:
+        """Draw the artifact into `path` (PNG); returns the line to print."""
+
+    def describe(self, artifact: Any) -> str | None:
+        """A few lines on what was compiled, printed after the artifact is written (default: none)."""
+        return None
+
+    def written(self, job: CompileJob, artifact: Any) -> None:
+        """Called once the artifact is safely written: drop what only served the run (default: nothing)."""
+
+
+def check_checkpoint_every(items: int) -> None:
+    if items < 1:
+        raise KVRuntimeError(f"--checkpoint-every {items}: give a number of items of at least 1")
+
+
+def claim_output(resources: contextlib.ExitStack, path: Path, folder: bool = False, lock: bool = True) -> Path:
+    """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
+    for the rest of the command, so that two runs never write the same output at once."""
+    from kvruntime import check_output_file, check_output_folder, path_lock
+
+    (check_output_folder if folder else check_output_file)(path)
+    if lock:
+        resources.enter_context(path_lock(path, wait=False))
+    return path
+
+
+def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
+    """--out, else the model's default artifact; a separate job's partial statistics get a name of their own."""
+    if out is not None:
+        return out
+    if shard.in_process_group or shard.is_whole:
+        return default_artifact(model, kind)
+    return default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
+
+
+def load_model(model: str) -> tuple:
+    """The model and tokenizer (`kvruntime.load_model`), without transformers' progress bars."""
+    import transformers
+
+    import kvruntime
+
+    transformers.utils.logging.disable_progress_bar()
+    return kvruntime.load_model(model)
+
+
+def compile_artifact(
+    recipe: Recipe,
+    settings: Any,
+    model: str,
+    out: Path | None,
+    resources: contextlib.ExitStack,
+    resume: bool = False,
+    checkpoint_every: int = 4,
+    shard: str | None = None,
+    echo: Any = print,
+) -> Any:
+    """Run a compile command end to end: refuse bad input before the model loads, claim the output, run the recipe
+    on the model, then write the artifact (`write_result`)."""
+    from kvcompile.calibration.distributed import Shard, parse_shard
+
+    started = time.perf_counter()
+    recipe.check(settings)
+    check_checkpoint_every(checkpoint_every)
+    if shard is not None and not recipe.shardable:
+        raise KVRuntimeError(f"{recipe.kind} is compiled in one run: --shard does not apply")
+    share = parse_shard(shard) if recipe.shardable else Shard()
+    target = claim_output(resources, compile_target(out, model, recipe.kind, share), lock=share.writes_results)
+    inputs = recipe.prepare(settings)
+    loaded, tokenizer = load_model(model)
+    recipe.check_model(settings, loaded)
+    job = CompileJob(loaded, tokenizer, target, resume, checkpoint_every, share)
+    artifact = recipe.run(job, settings, inputs)
+    write_result(recipe, artifact, target, started, share, echo)
+    if share.writes_results:
+        recipe.written(job, artifact)
+    return artifact
+
+
+def write_result(recipe: Recipe | None, artifact: Any, out: Path, started: float, shard: Any, echo: Any) -> None:
+    """Save the artifact with the command's wall time since `started` (a resumed run counts its last part only),
+    then drop the run's checkpoints (only once the artifact is safely written), then draw its picture beside it and
+    describe it. In a process group rank 0 writes; partial statistics of a separate job get no picture."""
+    from kvcompile.calibration.checkpoint import discard_checkpoint
+    from kvcompile.calibration.distributed import wait_for_all
+    from kvcompile.calibration.partial_statistics import PARTIAL_KIND
+    from kvruntime import save_artifact
+
+    if shard.writes_results:
+        artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
+        save_artifact(artifact, out)
+    wait_for_all(shard)
+    discard_checkpoint(out, shard)
+    if not shard.writes_results:
+        return
+    echo(f"wrote {out}")
+    if artifact.kind == PARTIAL_KIND:
+        done, total = int(artifact.tensors["items_done"].sum()), artifact.params["items"]
+        echo(f"partial statistics ({done} of {total} items): add the other shards with `kvcompile merge`")
+        return
+    echo(recipe.plot(artifact, out.with_suffix(".png")))
+    description = recipe.describe(artifact)
+    if description:
+        echo(description)

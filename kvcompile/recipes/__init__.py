@@ -1,0 +1,15 @@
+"""Every compile recipe, by the artifact kind it writes: one package per method (`compresskv`, `compilerkv`,
+`kvcompose`) and the runtime's tuned defaults. `kvcompile merge` finishes and draws partial statistics with these;
+a new recipe is registered here."""
+
+from __future__ import annotations
+
+from kvcompile.recipe import Recipe
+from kvcompile.recipes.compilerkv import TablesRecipe
+from kvcompile.recipes.compresskv import BudgetsRecipe, HeadsRecipe
+from kvcompile.recipes.kvcompose import StatsRecipe
+from kvcompile.recipes.tuned_defaults import TuneRecipe
+
+RECIPES: dict[str, type[Recipe]] = {
+    recipe.kind: recipe for recipe in (HeadsRecipe, BudgetsRecipe, TablesRecipe, StatsRecipe, TuneRecipe)
+}

@@ -1,0 +1,116 @@
+"""CompilerKV's offline bandit experience: the action grids, the rewards, and the experience records as a table of
+columns that is stored as a safetensors artifact (so tables can be relearned without running the model).
+
+Head experience: state (budget, layer, query head), action = a weight from HEAD_ACTIONS given to that one head
+while every other head keeps its current table value; reward = -(NLL_compressed - NLL_full).
+Gate experience: state (budget, layer, entropy bin, perplexity bin), action = a threshold from GATE_ACTIONS for that
+layer; reward = -(NLL_compressed - NLL_full) - penalty * max(0, candidates - budget) / prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvruntime import Artifact, KVRuntimeError
+
+HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)
+GATE_ACTIONS = torch.linspace(0.8, 1.0, 21)
+HEAD_FALLBACK = 1.0  # W_head of a state without experience: neutral
+GATE_FALLBACK = 0.8  # T_gate of a layer without experience: the most conservative threshold
+
+HEAD_COLUMNS = ("prompt", "budget", "layer", "head", "action", "nll", "base_nll", "round")
+GATE_COLUMNS = ("prompt", "budget", "layer", "entropy_bin", "perplexity_bin", "action", "nll", "base_nll", "candidates", "round")
+_FLOAT_COLUMNS = {"nll", "base_nll"}
+
+
+def nll_reward(nll: torch.Tensor, full_nll: torch.Tensor) -> torch.Tensor:
+    """Minus the increase in the continuation's mean NLL over the full cache."""
+    return -(nll - full_nll)
+
+
+def over_budget_penalty(candidates: torch.Tensor, budget: torch.Tensor, length: int, weight: float) -> torch.Tensor:
+    """weight * max(0, candidates - budget) / length: the gate admitted more than the budget holds."""
+    return weight * (candidates - budget).clamp_min(0).double() / length
+
+
+class Records:
+    """Experience rows kept as named columns (lists while collecting, tensors when stored)."""
+
+    def __init__(self, columns: tuple[str, ...], data: dict[str, torch.Tensor] | None = None) -> None:
+        self.columns = columns
+        self.data: dict[str, list] = {c: [] if data is None else data[c].tolist() for c in columns}
+
+    def __len__(self) -> int:
+        return len(self.data[self.columns[0]])
+
+    def append(self, **row: float) -> None:
+        if set(row) != set(self.columns):
+            raise ValueError(f"row has {sorted(row)}, expected {sorted(self.columns)}")
+        for name, value in row.items():
+            self.data[name].append(value)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}_{name}": self.column(name) for name in self.columns}
+
+    def column(self, name: str) -> torch.Tensor:
+        return torch.tensor(self.data[name], dtype=torch.float64 if name in _FLOAT_COLUMNS else torch.long)
+
+    @classmethod
+    def from_tensors(cls, columns: tuple[str, ...], tensors: dict[str, torch.Tensor], prefix: str) -> Records:
+        missing = [f"{prefix}_{c}" for c in columns if f"{prefix}_{c}" not in tensors]
+        if missing:
+            raise KVRuntimeError(f"experience lacks the columns {', '.join(missing)}")
+        return cls(columns, {c: tensors[f"{prefix}_{c}"] for c in columns})
+
+
+@dataclasses.dataclass
+class Experience:
+    """Everything `kvcompile tables` measured: per-prompt signals and the head and gate records."""
+
+    head: Records
+    gate: Records
+    full_nll: torch.Tensor  # [prompts] continuation NLL over the full cache
+    entropy: torch.Tensor  # [prompts] structural risk
+    perplexity: torch.Tensor  # [prompts] semantic risk
+    budgets: tuple[int, ...]
+    context_tokens: int
+    penalty: float
+
+    def head_rewards(self) -> torch.Tensor:
+        return nll_reward(self.head.column("nll"), self.full_nll[self.head.column("prompt")])
+
+    def gate_rewards(self) -> torch.Tensor:
+        budgets = torch.tensor(self.budgets)[self.gate.column("budget")]
+        penalty = over_budget_penalty(self.gate.column("candidates"), budgets, self.context_tokens, self.penalty)
+        return nll_reward(self.gate.column("nll"), self.full_nll[self.gate.column("prompt")]) - penalty
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            **self.head.tensors("head"),
+            **self.gate.tensors("gate"),
+            "prompt_full_nll": self.full_nll,
+            "prompt_entropy": self.entropy,
+            "prompt_perplexity": self.perplexity,
+            "budgets": torch.tensor(self.budgets),
+        }
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> Experience:
+        if artifact.kind != "compilerkv_experience":
+            raise KVRuntimeError(f"{artifact.path}: a {artifact.kind} artifact, not compilerkv_experience")
+        t = artifact.tensors
+        experience = cls(
+            head=Records.from_tensors(HEAD_COLUMNS, t, "head"),
+            gate=Records.from_tensors(GATE_COLUMNS, t, "gate"),
+            full_nll=t["prompt_full_nll"].double(),
+            entropy=t["prompt_entropy"].double(),
+            perplexity=t["prompt_perplexity"].double(),
+            budgets=tuple(int(b) for b in t["budgets"]),
+            context_tokens=int(artifact.params["context_tokens"]),
+            penalty=float(artifact.params["penalty"]),
+        )
+        if len(experience.head) == 0 or len(experience.gate) == 0:
+            raise KVRuntimeError(f"{artifact.path}: the experience holds no head or no gate records")
+        return experience

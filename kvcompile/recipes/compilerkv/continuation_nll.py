@@ -1,0 +1,139 @@
+"""Model plumbing for CompilerKV's reward: the NLL of a prompt's continuation when each layer attends only to a
+chosen subset of the prompt's cached entries.
+
+One prefill gives the full cache. A rollout decodes the continuation teacher-forced over kept subsets of it. A
+variant that changes the kept set of ONE layer l leaves layers 0..l-1 untouched, so the base rollout records every
+layer's input and a batch of variants of layer l starts there: on average half the model runs per variant.
+Decoder layers are called directly with a cache that hands them the kept entries and never stores the
+continuation, so one full cache serves every variant without copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvruntime import per_layer_attention
+
+
+class KeptEntriesCache:
+    """Stands in for a transformers cache during one forward: layer i attends to `prefixes[i]` (keys and values
+    [1 or K, Hkv, m, D]) followed by the new tokens, and nothing is stored."""
+
+    def __init__(self, prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.prefixes = prefixes
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs) -> tuple:
+        kept_keys, kept_values = self.prefixes[layer_idx]
+        batch = keys.shape[0]
+        kept_keys = kept_keys.expand(batch, *kept_keys.shape[1:])
+        kept_values = kept_values.expand(batch, *kept_values.shape[1:])
+        return torch.cat([kept_keys, keys], dim=2), torch.cat([kept_values, values], dim=2)
+
+
+@dataclasses.dataclass
+class PrefilledPrompt:
+    """A prompt's full cache (per layer [1, Hkv, N, D]) and its continuation; `first_nll` is -log p(c_0 | prompt)
+    from the prefill itself, which no compression changes."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    continuation: torch.Tensor  # [1, c]
+    first_nll: float
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+
+@dataclasses.dataclass
+class BaseRollout:
+    """The continuation run over the base kept sets: its NLL and what each layer received."""
+
+    nll: float
+    kept: list[torch.Tensor]
+    layer_inputs: list[torch.Tensor]
+
+
+class ContinuationScorer:
+    """Mean token NLL of one prompt's continuation over kept subsets of its cache (batch of variants of one
+    layer at a time). Kept sets are position indices [m], one per layer, shared by the layer's KV heads."""
+
+    def __init__(self, model: nn.Module, prompt: PrefilledPrompt, batch_size: int = 8) -> None:
+        self.model = model
+        self.prompt = prompt
+        self.batch_size = batch_size
+        base = model.base_model
+        self.layers = list(base.layers)
+        inputs = prompt.continuation[:, :-1]
+        positions = torch.arange(prompt.length, prompt.length + inputs.shape[1])[None]
+        self.embedded = base.embed_tokens(inputs)
+        self.position_ids = positions
+        self.position_embeddings = base.rotary_emb(self.embedded, positions)
+        self.targets = prompt.continuation[0, 1:]
+
+    def _gather(self, layer: int, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept entries of one layer for one or more kept sets: kept [m] -> [1, ...], kept [K, m] -> [K, ...]."""
+        rows = kept if kept.dim() == 2 else kept[None]
+        keys, values = self.prompt.keys[layer][0], self.prompt.values[layer][0]  # [Hkv, N, D]
+        return keys[:, rows].transpose(0, 1), values[:, rows].transpose(0, 1)
+
+    def _run_layers(
+        self, hidden: torch.Tensor, start: int, prefixes: dict[int, tuple], extra: dict, record: list | None = None
+    ) -> torch.Tensor:
+        cache = KeptEntriesCache(prefixes)
+        for index in range(start, len(self.layers)):
+            if record is not None:
+                record.append(hidden)
+            output = self.layers[index](
+                hidden,
+                attention_mask=None,
+                position_ids=self.position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=self.position_embeddings,
+                **(extra if index == start else {}),
+            )
+            hidden = output[0] if isinstance(output, tuple) else output
+        return self.model.base_model.norm(hidden)
+
+    def _nll(self, hidden: torch.Tensor) -> list[float]:
+        """Mean NLL over the continuation per batch row (the first token's from the prefill included)."""
+        head = self.model.get_output_embeddings()
+        count = self.targets.shape[0] + 1
+        return [
+            (self.prompt.first_nll + float(F.cross_entropy(head(row).float(), self.targets, reduction="sum"))) / count
+            for row in hidden
+        ]
+
+    @torch.no_grad()
+    def base(self, kept: Sequence[torch.Tensor]) -> BaseRollout:
+        prefixes = {layer: self._gather(layer, indices) for layer, indices in enumerate(kept)}
+        inputs: list[torch.Tensor] = []
+        with per_layer_attention(self.model):
+            hidden = self._run_layers(self.embedded, 0, prefixes, {}, record=inputs)
+        return BaseRollout(nll=self._nll(hidden)[0], kept=list(kept), layer_inputs=inputs)
+
+    @torch.no_grad()
+    def variants(self, base: BaseRollout, layer: int, kept_sets: Sequence[torch.Tensor]) -> list[float]:
+        """NLL of each variant that replaces layer `layer`'s kept set by one of `kept_sets` (sizes may differ)."""
+        results: list[float] = []
+        prefixes = {j: self._gather(j, base.kept[j]) for j in range(layer + 1, len(self.layers))}
+        with per_layer_attention(self.model):
+            for start in range(0, len(kept_sets), self.batch_size):
+                chunk = kept_sets[start : start + self.batch_size]
+                longest = max(len(k) for k in chunk)
+                padded = torch.stack([F.pad(k, (0, longest - len(k))) for k in chunk])  # pad with position 0
+                valid = torch.arange(longest)[None] < torch.tensor([len(k) for k in chunk])[:, None]
+                prefixes[layer] = self._gather(layer, padded)
+                extra = {}
+                if not bool(valid.all()):
+                    kv_heads = self.prompt.keys[layer].shape[1]
+                    extra = {"kvruntime_keep_mask": valid[:, None, :].expand(-1, kv_heads, -1)}
+                hidden = base.layer_inputs[layer].expand(len(chunk), -1, -1)
+                results += self._nll(self._run_layers(hidden, layer, prefixes, extra))
+        return results

@@ -1,0 +1,419 @@
+"""`kvcompile tables`: CompilerKV's head-reliability (W_head) and risk-threshold (T_gate) tables, learned as two
+offline contextual bandits with Conservative Q-Learning, alternately: collect head experience under the current
+gate and fit W_head, collect gate experience under the new W_head and fit T_gate, until the tables stop changing.
+
+Each table is fitted on all of its experience so far, so the final tables are a function of the stored experience
+alone: `relearn_tables` reproduces them from the experience artifact without the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.distributed import (
+    Shard,
+    agree_on_settings,
+    from_rank,
+    gather_dicts,
+    gather_json,
+    gather_tensors,
+)
+from kvcompile.calibration.provenance import provenance
+from kvcompile.recipes.compilerkv.bandit_experience import (
+    GATE_ACTIONS,
+    GATE_COLUMNS,
+    GATE_FALLBACK,
+    HEAD_ACTIONS,
+    HEAD_COLUMNS,
+    HEAD_FALLBACK,
+    Experience,
+    Records,
+)
+from kvcompile.recipes.compilerkv.experience_collection import (
+    WINDOW,
+    ExperienceDesign,
+    collect_unit,
+    prefill_prompt,
+    probed_states,
+)
+from kvcompile.recipes.compilerkv.offline_cql import (
+    CQLSettings,
+    GreedyTable,
+    fit_greedy_table,
+    gate_state_features,
+    head_state_features,
+)
+from kvruntime import Artifact, KVRuntimeError, ModelFingerprint, model_fingerprint, quantile_edges, risk_bin
+
+PHASES = ("head", "gate")
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesSettings:
+    budgets: tuple[int, ...] = (128, 256, 512, 1024)
+    prompts: int = 32
+    context: int = 2048
+    continuation: int = 128
+    rounds: int = 2
+    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
+    entropy_bins: int = 20
+    perplexity_bins: int = 4
+    penalty: float = 1.0
+    design: ExperienceDesign = ExperienceDesign()
+    cql: CQLSettings = CQLSettings()
+    seed: int = 0
+    batch_size: int = 8  # variants decoded together
+
+    def check(self) -> None:
+        if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
+            raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
+        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
+            raise KVRuntimeError(
+                f"--budgets must lie between the {WINDOW}-token window and the {self.context}-token context "
+                f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
+                "nothing is compressed"
+            )
+        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
+            raise KVRuntimeError(
+                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
+                f"more than the {WINDOW}-token window"
+            )
+        if self.entropy_bins < 1 or self.perplexity_bins < 1:
+            raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class LearnedTable:
+    values: torch.Tensor
+    support: torch.Tensor  # experience records per state
+    learning_curve: list[float]
+    reward_scale: float
+
+
+def learn_head_table(experience: Experience, num_layers: int, num_heads: int, cql: CQLSettings) -> LearnedTable:
+    """W_head [budgets, layers, heads]: the greedy weight of each state; states without records keep 1.0."""
+    sizes = (len(experience.budgets), num_layers, num_heads)
+    values, support, fit = _greedy_table(
+        experience.head, ("budget", "layer", "head"), sizes, head_state_features, experience.head_rewards(), HEAD_ACTIONS, cql
+    )
+    values = torch.where(support > 0, values, torch.tensor(HEAD_FALLBACK))
+    return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
+
+
+def learn_gate_table(
+    experience: Experience, num_layers: int, entropy_bins: int, perplexity_bins: int, cql: CQLSettings
+) -> LearnedTable:
+    """T_gate [budgets, layers, entropy bins, perplexity bins]: the greedy threshold of every cell of a
+    (budget, layer) with records (cells without their own prompts are read off the Q-function between their
+    neighbours); a (budget, layer) without records keeps 0.8."""
+    sizes = (len(experience.budgets), num_layers, entropy_bins, perplexity_bins)
+    values, support, fit = _greedy_table(
+        experience.gate, ("budget", "layer", "entropy_bin", "perplexity_bin"), sizes, gate_state_features,
+        experience.gate_rewards(), GATE_ACTIONS, cql,
+    )
+    layer_seen = support.sum(dim=(2, 3), keepdim=True) > 0
+    values = torch.where(layer_seen, values, torch.tensor(GATE_FALLBACK))
+    return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
+
+
+def _greedy_table(
+    records: Records,
+    state_columns: tuple[str, ...],
+    sizes: tuple[int, ...],
+    features,
+    rewards: torch.Tensor,
+    action_grid: torch.Tensor,
+    cql: CQLSettings,
+) -> tuple[torch.Tensor, torch.Tensor, GreedyTable]:
+    """Fit on the records and read the greedy action's value for every state of the grid `sizes`; also the number
+    of records per state."""
+    columns = [records.column(c).numpy() for c in state_columns]
+    grid = np.stack(np.meshgrid(*[np.arange(s) for s in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
+    fit = fit_greedy_table(
+        features(*columns, sizes), records.column("action").numpy(), rewards.numpy(), len(action_grid),
+        features(*grid.T, sizes), cql,
+    )
+    flat = np.ravel_multi_index(tuple(columns), sizes)
+    support = torch.from_numpy(np.bincount(flat, minlength=int(np.prod(sizes))).reshape(sizes))
+    return action_grid[torch.from_numpy(fit.actions)].view(sizes), support, fit
+
+
+def risk_edges(experience: Experience, entropy_bins: int, perplexity_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantile_edges(experience.entropy, entropy_bins), quantile_edges(experience.perplexity, perplexity_bins)
+
+
+def compile_tables(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    corpus: Corpus,
+    settings: TablesSettings,
+    out: Path,
+    resume: bool = False,
+    shard: Shard = Shard(),
+) -> tuple[Artifact, Artifact]:
+    """Collect experience and learn both tables; returns the tables and the experience artifacts.
+
+    In a process group each rank prefills and probes its own share of the prompts; before every fit the ranks
+    pool their records (in the order one process would have made them), and every rank continues with rank 0's
+    table."""
+    settings.check()
+    fingerprint = model_fingerprint(model)
+    if fingerprint.num_query_heads % fingerprint.num_kv_heads:
+        raise KVRuntimeError("query heads must be a multiple of KV heads")
+    checkpoint_settings = {
+        "model": fingerprint.to_dict(),
+        "corpus_sha256": corpus.sha256,
+        "settings": settings.to_dict(),
+    }
+    agree_on_settings(shard, checkpoint_settings)
+    calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed)
+    own = list(shard.items(settings.prompts))
+    prompts = {
+        index: prefill_prompt(model, calibration[index][1], settings.context, index, settings.batch_size)
+        for index in tqdm(own, desc="prefill calibration prompts", unit="prompt")
+    }
+    signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
+    for index, prompt in prompts.items():
+        signals[index] = torch.tensor([prompt.full_nll, prompt.signals.entropy, prompt.signals.perplexity])
+    signals = sum(part["signals"] for part in gather_dicts(shard, {"signals": signals}))  # one rank fills each row
+    experience = Experience(
+        head=Records(HEAD_COLUMNS),
+        gate=Records(GATE_COLUMNS),
+        full_nll=signals[:, 0].clone(),
+        entropy=signals[:, 1].clone(),
+        perplexity=signals[:, 2].clone(),
+        budgets=settings.budgets,
+        context_tokens=settings.context,
+        penalty=settings.penalty,
+    )
+    edges = risk_edges(experience, settings.entropy_bins, settings.perplexity_bins)
+    for prompt in prompts.values():
+        prompt.entropy_bin = risk_bin(prompt.signals.entropy, edges[0])
+        prompt.perplexity_bin = risk_bin(prompt.signals.perplexity, edges[1])
+    layers, heads = fingerprint.num_layers, fingerprint.num_query_heads
+    shape_head = (len(settings.budgets), layers, heads)
+    shape_gate = (len(settings.budgets), layers, settings.entropy_bins, settings.perplexity_bins)
+    state = {
+        "head_reliability": torch.full(shape_head, HEAD_FALLBACK),
+        "risk_thresholds": torch.full(shape_gate, GATE_FALLBACK),
+    }
+    history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": []}
+    progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
+    round_start = {name: table.clone() for name, table in state.items()}
+    # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
+    own_records = {kind: Records(experience_columns(kind)) for kind in PHASES}
+    units = [(p, b) for p in own for b in range(len(settings.budgets))]
+    saved = load_checkpoint(out, checkpoint_settings, shard, resume)
+    if saved is not None:
+        tensors, progress = saved
+        own_records = {kind: Records.from_tensors(experience_columns(kind), tensors, kind) for kind in PHASES}
+        state = {name: tensors[name] for name in state}
+        round_start = {name: tensors[f"round_start_{name}"] for name in state}
+        history = progress["history"]
+    if shard.in_process_group:
+        progress, state, round_start, history = _catch_up(shard, progress, state, round_start, len(units))
+    learned: dict[str, LearnedTable] = {}
+    converged = False
+
+    def pool_records() -> None:
+        experience.head, experience.gate = (
+            pooled_records(shard, own_records[kind], settings.prompts, len(settings.budgets)) for kind in PHASES
+        )
+
+    def save(round_: int, phase: int, unit: int) -> None:
+        tensors = {
+            **own_records["head"].tensors("head"), **own_records["gate"].tensors("gate"), **state,
+            **{f"round_start_{name}": table for name, table in round_start.items()},
+        }
+        progress = {"round": round_, "phase": phase, "unit": unit, "history": history}
+        save_checkpoint(out, tensors, progress, checkpoint_settings, shard)
+
+    for round_ in range(progress["round"], settings.rounds):
+        if round_ > progress["round"]:
+            round_start = {name: table.clone() for name, table in state.items()}
+        for phase in range(progress["phase"] if round_ == progress["round"] else 0, len(PHASES)):
+            kind = PHASES[phase]
+            first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
+            bar = tqdm(
+                total=len(units), initial=first_unit, desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
+                unit="unit",
+            )
+            for unit in range(first_unit, len(units)):
+                prompt_index, budget_index = units[unit]
+                prompt = prompts[prompt_index]
+                global_unit = prompt_index * len(settings.budgets) + budget_index  # the unit's seeds: shard-free
+                collect_unit(
+                    model, prompt,
+                    state["head_reliability"][budget_index],
+                    state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
+                    budget_index, settings.budgets[budget_index], kind,
+                    probed_states(kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_),
+                    settings.design,
+                    random.Random(f"{settings.seed}:{round_}:{kind}:{global_unit}"),
+                    round_, own_records[kind], settings.batch_size,
+                )
+                bar.update()
+                bar.set_postfix(records=len(own_records[kind]))
+                save(round_, phase, unit + 1)
+            bar.close()
+            pool_records()
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+            learned[kind].values = from_rank(shard, learned[kind].values)
+            state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
+            history[f"{kind}_curves"].append(learned[kind].learning_curve)
+            save(round_, phase + 1, 0)
+        changes = [float((state[name] != round_start[name]).float().mean()) for name in state]
+        history["changes"].append(changes)
+        save(round_ + 1, 0, 0)
+        if round_ > 0 and max(changes) < settings.tolerance:
+            converged = True
+            break
+    pool_records()
+    for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
+        if kind not in learned:
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+    params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged}
+    source = provenance(corpus, settings.seed)
+    experience_artifact = Artifact(
+        kind="compilerkv_experience", tensors=experience.tensors(), model=fingerprint, provenance=source,
+        params=params,
+    )
+    tables = tables_artifact(fingerprint, experience, learned, history, edges, source, params)
+    return tables, experience_artifact
+
+
+def experience_columns(kind: str) -> tuple[str, ...]:
+    return HEAD_COLUMNS if kind == "head" else GATE_COLUMNS
+
+
+def pooled_records(shard: Shard, own: Records, prompts: int, budgets: int) -> Records:
+    """Every rank's records in the order one process makes them: by round, prompt and budget, and within a
+    (prompt, budget) unit in the order they were made (all by one rank)."""
+    columns = {name: torch.cat(gather_tensors(shard, own.column(name))) for name in own.columns}
+    unit_order = (columns["round"] * prompts + columns["prompt"]) * budgets + columns["budget"]
+    order = torch.sort(unit_order, stable=True).indices
+    return Records(own.columns, {name: column[order] for name, column in columns.items()})
+
+
+def _catch_up(
+    shard: Shard, progress: dict, state: dict[str, torch.Tensor], round_start: dict[str, torch.Tensor], own_units: int
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """Ranks killed together may have saved one step apart: one saved after the fit every rank took part in,
+    another had finished its units but not yet saved the fit. The laggards take the leader's tables and step."""
+    everyone = gather_json(shard, progress)
+    steps = [p["round"] * (len(PHASES) + 1) + p["phase"] for p in everyone]
+    leader = max(range(shard.count), key=lambda rank: steps[rank])
+    step = steps[shard.index]
+    if all(s == steps[leader] for s in steps):
+        return progress, state, round_start, progress["history"]
+    finished = progress["phase"] == len(PHASES) or progress["unit"] == own_units
+    if any(s < steps[leader] - 1 for s in steps) or (step < steps[leader] and not finished):
+        raise KVRuntimeError(
+            "the ranks' checkpoints are more than one step apart: resume with the same number of ranks as the "
+            "interrupted run, or start over without --resume"
+        )
+    state = {name: from_rank(shard, table, leader) for name, table in state.items()}
+    round_start = {name: from_rank(shard, table, leader) for name, table in round_start.items()}
+    return everyone[leader], state, round_start, everyone[leader]["history"]
+
+
+def _learn(kind: str, experience: Experience, layers: int, heads: int, settings: TablesSettings) -> LearnedTable:
+    if kind == "head":
+        return learn_head_table(experience, layers, heads, settings.cql)
+    return learn_gate_table(experience, layers, settings.entropy_bins, settings.perplexity_bins, settings.cql)
+
+
+def _params(settings: TablesSettings, experience: Experience) -> dict:
+    return {
+        **settings.to_dict(),
+        "context_tokens": experience.context_tokens,
+        "penalty": experience.penalty,
+        "window": WINDOW,
+        "head_actions": HEAD_ACTIONS.tolist(),
+        "gate_actions": GATE_ACTIONS.tolist(),
+        "head_records": len(experience.head),
+        "gate_records": len(experience.gate),
+    }
+
+
+def tables_artifact(
+    fingerprint: ModelFingerprint,
+    experience: Experience,
+    learned: dict[str, LearnedTable],
+    history: dict,
+    edges: tuple[torch.Tensor, torch.Tensor],
+    source: dict,
+    params: dict,
+) -> Artifact:
+    return Artifact(
+        kind="compilerkv_tables",
+        tensors={
+            "budgets": torch.tensor(experience.budgets),
+            "head_reliability": learned["head"].values.float(),
+            "risk_thresholds": learned["gate"].values.float(),
+            "entropy_edges": edges[0],
+            "perplexity_edges": edges[1],
+            "head_support": learned["head"].support,
+            "gate_support": learned["gate"].support,
+            "head_learning_curve": torch.tensor(history["head_curves"], dtype=torch.float32),
+            "gate_learning_curve": torch.tensor(history["gate_curves"], dtype=torch.float32),
+            "round_changes": torch.tensor(history["changes"], dtype=torch.float32).view(-1, 2),
+        },
+        model=fingerprint,
+        provenance=source,
+        params={
+            **params,
+            "reward_scale": {"head": learned["head"].reward_scale, "gate": learned["gate"].reward_scale},
+        },
+    )
+
+
+def relearn_tables(experience_artifact: Artifact) -> Artifact:
+    """The tables learned from stored experience alone, with the settings it was collected with."""
+    experience = Experience.from_artifact(experience_artifact)
+    params = experience_artifact.params
+    cql = CQLSettings(**params["cql"])
+    settings = dataclasses.replace(
+        TablesSettings(), cql=cql, entropy_bins=params["entropy_bins"], perplexity_bins=params["perplexity_bins"]
+    )
+    fingerprint = experience_artifact.model
+    learned = {
+        kind: _learn(kind, experience, fingerprint.num_layers, fingerprint.num_query_heads, settings) for kind in PHASES
+    }
+    history = {"head_curves": [learned["head"].learning_curve], "gate_curves": [learned["gate"].learning_curve], "changes": []}
+    source = {**experience_artifact.provenance, "relearned_from": str(experience_artifact.path)}
+    return tables_artifact(
+        fingerprint, experience, learned, history, risk_edges(experience, settings.entropy_bins, settings.perplexity_bins),
+        source, params,
+    )
+
+
+def describe_tables(artifact: Artifact) -> str:
+    """A few lines on what was learned: how far each table is from flat, and how the rounds went."""
+    t = artifact.tensors
+    heads, gate = t["head_reliability"], t["risk_thresholds"]
+    changes = t["round_changes"].tolist()
+    return "\n".join(
+        [
+            f"W_head: {int((heads != 1.0).sum())} of {heads.numel()} entries away from 1.0, range "
+            f"{float(heads.min()):.3f}-{float(heads.max()):.3f}; states with records: "
+            f"{int((t['head_support'] > 0).sum())} of {heads.numel()}",
+            f"T_gate: {len(gate.unique())} distinct thresholds, range {float(gate.min()):.3f}-{float(gate.max()):.3f}; "
+            f"cells with records: {int((t['gate_support'] > 0).sum())} of {gate.numel()}",
+            "share of entries changed per round (head, gate): "
+            + (", ".join(f"({h:.2f}, {g:.2f})" for h, g in changes) or "relearned from experience"),
+        ]
+    )

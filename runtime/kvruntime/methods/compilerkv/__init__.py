@@ -1,0 +1,8 @@
+"""CompilerKV at run time: the method (`method.py`), its compiled tables (`tables.py`), the prompt signals it
+measures (`signals.py`) and their math (`stabilized_utility.py`, `risk_gate.py`)."""
+
+from .method import CompilerKV
+from .signals import WINDOW, PromptSignals, layer_scores, layer_signals, prompt_signals
+from .tables import CompilerKVTables
+
+__all__ = ["WINDOW", "CompilerKV", "CompilerKVTables", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"]

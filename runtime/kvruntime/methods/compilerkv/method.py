@@ -1,0 +1,90 @@
+"""CompilerKV (2026): stabilized utility, compiled head-reliability weights and a risk-adaptive threshold gate.
+
+At the end of prefill every layer contributes its window attention (last 64 queries, averaged over heads) and its
+values' relative norms. With all layers in: alpha (the global attention mass) and rho make the utility; the
+compiled W_head weights max-pool it over query heads into one score per token and layer (one index set per layer,
+shared by its KV heads); the prompt's entropy and window perplexity pick a threshold per layer from T_gate; a layer
+keeps the tokens scoring above it, at most the budget (elastic: a low-risk prompt may keep fewer). The window
+always stays. `uniform_heads` and `fixed_threshold` switch a table off (the paper's ablations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...errors import KVRuntimeError
+from ...request import Request
+from ..base import Method, Prefill, Selection
+from .risk_gate import gated_count, risk_bin
+from .signals import WINDOW, layer_scores, layer_signals, prompt_signals
+from .tables import CompilerKVTables
+
+
+@dataclasses.dataclass
+class CompilerKV(Method):
+    name = "compilerkv"
+    window: int = WINDOW
+    tables: CompilerKVTables | None = None
+    nearest_budget: bool = False
+    uniform_heads: bool = False
+    fixed_threshold: float | None = None
+
+    def check_request(self, request: Request) -> None:
+        """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on
+        the prompt's length) is served only by the nearest compiled budget, when that is allowed."""
+        if request.budget is not None:
+            self.tables.budget_index(request.budget, self.nearest_budget)
+        elif not self.nearest_budget:
+            raise KVRuntimeError(
+                f"compilerkv tables were compiled for budgets {', '.join(map(str, self.tables.budgets))} tokens per "
+                f"layer; {request.describe()} asks for a budget that depends on the prompt: pass one of them "
+                "(--budget), or allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
+            )
+
+    def layer_statistics(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer_signals(queries, keys, values, scaling)
+
+    def select(
+        self, statistics: list[tuple[torch.Tensor, torch.Tensor]], request: Request, prefill: Prefill
+    ) -> Selection:
+        try:
+            logprobs = prefill.token_logprobs(self.window - 1)
+        except ValueError as exc:
+            raise KVRuntimeError(f"compilerkv needs token ids: {exc}") from None
+        signals = prompt_signals(statistics, logprobs)
+        tables = self.tables.for_layers(len(statistics))
+        keep = request.kept_per_head(prefill.length, self.window)  # the ceiling of every layer's count
+        index = tables.budget_index(keep, self.nearest_budget)
+        budget = tables.budgets[index]
+        entropy_bin = risk_bin(signals.entropy, tables.entropy_edges)
+        perplexity_bin = risk_bin(signals.perplexity, tables.perplexity_edges)
+        num_kv_heads = signals.rho.shape[1]
+        scores, counts, thresholds = [], [], []
+        for layer in range(len(statistics)):
+            weights = tables.head_reliability[index, layer]
+            if self.uniform_heads:
+                weights = torch.ones_like(weights)
+            threshold = self.fixed_threshold
+            if threshold is None:
+                threshold = float(tables.risk_thresholds[index, layer, entropy_bin, perplexity_bin])
+            layer_score = layer_scores(signals, layer, weights)
+            scores.append(layer_score[None, None].expand(1, num_kv_heads, -1))
+            counts.append(gated_count(layer_score, threshold, keep))
+            thresholds.append(threshold)
+        notes = [
+            f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
+            f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
+            f"{min(thresholds):.3f}-{max(thresholds):.3f}"
+            + ("; W_head = 1" if self.uniform_heads else ""),
+        ]
+        if sum(counts) < keep * len(counts):  # the learned gate only removes: the budget is a ceiling
+            notes.append(
+                f"risk gate           keeps {sum(counts)} of the {keep * len(counts)} tokens the budget allows "
+                "(only tokens scoring above the layer's threshold stay)"
+            )
+        count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
+        return Selection(scores, count_tensor, notes)

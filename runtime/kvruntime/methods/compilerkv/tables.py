@@ -1,0 +1,95 @@
+"""CompilerKV's compiled tables and how the runtime looks them up: by compiled budget, by relative depth (a model
+with another layer count), and by risk bin.
+
+head_reliability [budgets, layers, query heads]: W_head, in [0.8, 1.5].
+risk_thresholds  [budgets, layers, entropy bins, perplexity bins]: T_gate, in [0.8, 1.0].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...artifact import Artifact, check_kind, schema_problem
+from ...errors import ArtifactError, KVRuntimeError
+
+HEAD_WEIGHT_RANGE = (0.8, 1.5)
+THRESHOLD_RANGE = (0.8, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilerKVTables:
+    budgets: tuple[int, ...]
+    head_reliability: torch.Tensor
+    risk_thresholds: torch.Tensor
+    entropy_edges: torch.Tensor
+    perplexity_edges: torch.Tensor
+
+    def __post_init__(self) -> None:
+        tables = ("head_reliability", "risk_thresholds", "entropy_edges", "perplexity_edges")
+        tensors = {"budgets": torch.tensor(self.budgets, dtype=torch.long), **{n: getattr(self, n) for n in tables}}
+        problem = schema_problem("compilerkv_tables", tensors, {})
+        if problem is not None:
+            raise ArtifactError(f"compilerkv tables disagree: {problem}")
+        for name, table, (low, high) in (
+            ("head_reliability", self.head_reliability, HEAD_WEIGHT_RANGE),
+            ("risk_thresholds", self.risk_thresholds, THRESHOLD_RANGE),
+        ):
+            if bool((table < low - 1e-6).any() or (table > high + 1e-6).any()):
+                raise ArtifactError(f"{name} holds values outside [{low}, {high}]")
+        for name, edges in (("entropy_edges", self.entropy_edges), ("perplexity_edges", self.perplexity_edges)):
+            if bool((edges.diff() < 0).any()):
+                raise ArtifactError(f"{name} are not sorted")
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> CompilerKVTables:
+        check_kind(artifact, "compilerkv_tables")
+        t = artifact.tensors
+        try:  # a check that fails names the file
+            return cls(
+                budgets=tuple(int(b) for b in t["budgets"]),
+                head_reliability=t["head_reliability"].float(),
+                risk_thresholds=t["risk_thresholds"].float(),
+                entropy_edges=t["entropy_edges"].double(),
+                perplexity_edges=t["perplexity_edges"].double(),
+            )
+        except ArtifactError as exc:
+            raise ArtifactError(f"{artifact.path}: {exc}") from None
+
+    @property
+    def num_layers(self) -> int:
+        return self.head_reliability.shape[1]
+
+    def budget_index(self, budget: int, nearest: bool = False) -> int:
+        """The compiled budget's index; a budget not compiled is refused unless `nearest` is set."""
+        if budget in self.budgets:
+            return self.budgets.index(budget)
+        if not nearest:
+            raise KVRuntimeError(
+                f"compilerkv tables were compiled for budgets {', '.join(map(str, self.budgets))} tokens per layer, "
+                f"not {budget}: pass one of them (--budget), or allow the nearest compiled budget "
+                "(nearest_budget=True, --nearest-budget)"
+            )
+        return min(range(len(self.budgets)), key=lambda i: (abs(self.budgets[i] - budget), self.budgets[i]))
+
+    def for_layers(self, num_layers: int) -> CompilerKVTables:
+        """The tables for a model with `num_layers` layers: linear interpolation over relative depth."""
+        if num_layers == self.num_layers:
+            return self
+        return dataclasses.replace(
+            self,
+            head_reliability=interpolate_layers(self.head_reliability, num_layers),
+            risk_thresholds=interpolate_layers(self.risk_thresholds, num_layers),
+        )
+
+
+def interpolate_layers(table: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """Resample dim 1 (layers) of `table` at `num_layers` evenly spaced relative depths in [0, 1]."""
+    compiled = table.shape[1]
+    if compiled == 1:
+        return table.expand(table.shape[0], num_layers, *table.shape[2:]).clone()
+    position = torch.linspace(0, compiled - 1, num_layers, dtype=torch.float64)
+    low = position.floor().long().clamp(max=compiled - 2)
+    fraction = (position - low).to(table.dtype).view(1, -1, *([1] * (table.dim() - 2)))
+    return table[:, low] * (1 - fraction) + table[:, low + 1] * fraction

@@ -1,0 +1,78 @@
+"""KVCompose's compiled statistics and how the runtime reads its allocation for a target ratio.
+
+layer_fractions [ratios, layers]: share of its context each layer keeps (the global composite-token allocation,
+averaged over the calibration prompts); head_fractions [ratios, layers, KV heads]: the same for the unstructured
+variant. Between two compiled ratios the shares are interpolated linearly (the shares of every compiled ratio sum
+to the kept share, so the interpolation does too); outside the compiled grid a ratio is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...artifact import Artifact, check_kind, schema_problem
+from ...errors import ArtifactError, KVRuntimeError
+
+
+@dataclasses.dataclass(frozen=True)
+class KVComposeStats:
+    ratios: tuple[float, ...]
+    layer_fractions: torch.Tensor
+    head_fractions: torch.Tensor
+    task_mode: str
+
+    def __post_init__(self) -> None:
+        tensors = {
+            "ratios": torch.tensor(self.ratios, dtype=torch.float64),
+            "layer_fractions": self.layer_fractions,
+            "head_fractions": self.head_fractions,
+        }
+        problem = schema_problem("kvcompose_stats", tensors, {})
+        if problem is not None:
+            raise ArtifactError(f"kvcompose stats disagree: {problem}")
+        if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):
+            raise ArtifactError(f"kvcompose stats: compiled ratios {list(self.ratios)} are not increasing")
+        for name, fractions in (("layer_fractions", self.layer_fractions), ("head_fractions", self.head_fractions)):
+            if bool((fractions < 0).any() or (fractions > 1 + 1e-6).any()):
+                raise ArtifactError(f"kvcompose stats: {name} holds shares outside [0, 1]")
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> KVComposeStats:
+        check_kind(artifact, "kvcompose_stats")
+        t = artifact.tensors
+        try:  # a check that fails names the file
+            return cls(
+                ratios=tuple(round(float(r), 6) for r in t["ratios"]),
+                layer_fractions=t["layer_fractions"].double(),
+                head_fractions=t["head_fractions"].double(),
+                task_mode=str(artifact.params.get("task_mode", "unknown")),
+            )
+        except ArtifactError as exc:
+            raise ArtifactError(f"{artifact.path}: {exc}") from None
+
+    def check_ratio(self, ratio: float) -> None:
+        low, high = self.ratios[0], self.ratios[-1]
+        if not low - 1e-9 <= ratio <= high + 1e-9:
+            raise KVRuntimeError(
+                f"ratio {ratio:g} is outside the compiled ratios of the kvcompose stats ({low:g} to {high:g}; "
+                f"between them shares are interpolated): compile it with `kvcompile stats --ratios ...`, or use "
+                "mode='dynamic'"
+            )
+
+    def fractions(self, ratio: float, per_head: bool, tolerance: float = 0.0) -> tuple[torch.Tensor, str]:
+        """The compiled shares for `ratio` ([L] or [L, Hkv] with `per_head`) and how they were obtained; a ratio
+        within `tolerance` of a compiled one is served by it."""
+        nearest = min(self.ratios, key=lambda compiled: abs(compiled - ratio))
+        ratio = nearest if abs(nearest - ratio) <= tolerance else ratio
+        self.check_ratio(ratio)
+        table = self.head_fractions if per_head else self.layer_fractions
+        grid = torch.tensor(self.ratios, dtype=torch.float64)
+        upper = int(torch.searchsorted(grid, torch.tensor(ratio, dtype=torch.float64)).clamp(max=len(grid) - 1))
+        if abs(self.ratios[upper] - ratio) < 1e-6:
+            return table[upper], f"compiled ratio {self.ratios[upper]:g}"
+        lower = upper - 1
+        weight = (ratio - self.ratios[lower]) / (self.ratios[upper] - self.ratios[lower])
+        shares = (1 - weight) * table[lower] + weight * table[upper]
+        return shares, f"interpolated between compiled ratios {self.ratios[lower]:g} and {self.ratios[upper]:g}"

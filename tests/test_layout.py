@@ -1,0 +1,91 @@
+"""The structure the README's layout section promises: one home per artifact kind that the runtime, the recipes and
+the command line agree on; the compile stage uses only kvruntime's declared API; methods get the request, refuse
+what they cannot serve before any model work, and the engine knows no method by name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+from typer.testing import CliRunner
+
+import kvruntime
+from kvcompile import recipe
+from kvcompile.cli import app
+from kvcompile.evaluation.contestants import artifact_paths, check_contestants, parse_methods
+from kvcompile.recipes import RECIPES
+from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request, get_method, read_artifact
+from kvruntime.request import METHOD_NAMES, NEEDS
+
+ROOT = Path(__file__).parent.parent
+SHIPPED = ROOT / "artifacts" / "smollm2-135m-instruct"
+runner = CliRunner()
+
+
+def cli_commands() -> set[str]:
+    return set(get_command(app).commands)
+
+
+def test_every_artifact_kind_is_compiled_by_a_command_that_exists_and_read_by_a_class_that_exists():
+    for kind in ARTIFACT_KINDS.values():
+        if kind.command:
+            program, command = kind.command.split()
+            assert program == "kvcompile" and command in cli_commands(), kind
+        if kind.reader:
+            module, name = kind.reader.split(":")
+            reader = getattr(importlib.import_module(f"kvruntime.{module}"), name)
+            assert callable(reader.from_artifact), kind
+
+
+def test_every_recipe_writes_a_known_kind_whose_command_is_its_own_and_every_applied_kind_has_a_recipe():
+    for kind, recipe_type in RECIPES.items():
+        assert recipe_type.kind == kind and kind in ARTIFACT_KINDS
+        assert ARTIFACT_KINDS[kind].command.split()[1] in cli_commands()
+        assert recipe_type.shardable == ("finish" in vars(recipe_type)), kind  # merge finishes what can be split
+    assert set(NEEDS.values()) <= set(RECIPES)
+
+
+def test_the_compile_stage_imports_only_kvruntimes_declared_api():
+    offending = []
+    for path in (ROOT / "kvcompile").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvruntime":
+                offending += [f"{path}: from {node.module} import {a.name}" for a in node.names
+                              if node.module != "kvruntime" or a.name not in kvruntime.__all__]
+            if isinstance(node, ast.Import):
+                offending += [f"{path}: import {a.name}" for a in node.names if a.name.startswith("kvruntime.")]
+    assert offending == []
+
+
+def test_the_engine_names_no_method():
+    source = inspect.getsource(importlib.import_module("kvruntime.engine"))
+    assert [name for name in METHOD_NAMES if name in source] == []
+
+
+def test_compilerkv_refuses_a_ratio_without_the_nearest_budget_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the request was checked"))
+    prompt = ROOT / "calibration_data" / "prompts" / "passkey_2k.txt"
+    result = runner.invoke(app, ["generate", "--method", "compilerkv", "--ratio", "0.5", "--prompt-file", str(prompt)])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "ratio 0.5 asks for a budget that depends on the prompt" in result.output
+    assert "--nearest-budget" in result.output
+    tables = [read_artifact(SHIPPED / "compilerkv_tables.safetensors")]
+    get_method("compilerkv", tables, {"nearest_budget": True}).check_request(Request(ratio=0.5))  # served
+    get_method("compilerkv", tables).check_request(Request(budget=256))  # a compiled budget
+    with pytest.raises(KVRuntimeError, match="not 300"):
+        get_method("compilerkv", tables).check_request(Request(budget=300))
+
+
+def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
+    (contestant,) = parse_methods("compilerkv:fixed_threshold=0.9")[1:]
+    assert contestant.options == {"nearest_budget": True, "fixed_threshold": 0.9}
+    paths = artifact_paths([contestant], SHIPPED)
+    check_contestants([contestant], paths, (0.5, 0.9))
+    assert get_method(contestant.method, [read_artifact(p) for p in paths[contestant.label]], contestant.options).fixed_threshold == 0.9
+    (strict,) = parse_methods("compilerkv:nearest_budget=false")[1:]
+    with pytest.raises(KVRuntimeError, match="nearest_budget=True"):
+        check_contestants([strict], artifact_paths([strict], SHIPPED), (0.5,))
