@@ -98,7 +98,10 @@ def main() -> None:
         )
     ]
     # Held-out continuation passages: Moby-Dick, seeds apart from every calibration run (which reads Austen).
-    jobs += [("nll", "moby-dick", None, ids) for _, ids in calibration_prompts(haystack, tokenizer, args.passages, args.length + 128, seed=7919)]
+    jobs += [
+        ("nll", "moby-dick", None, ids)
+        for _, ids in calibration_prompts(haystack, tokenizer, args.passages, args.length + 128, seed=7919)
+    ]
     rows = []
     settings = settings_for(budgets)
     bar = tqdm(total=len(jobs) * len(settings), desc="ablation", unit="run")
@@ -112,12 +115,25 @@ def main() -> None:
                 )
             else:
                 context, continuation = ids[:, : args.length], ids[:, args.length :]
-                value, report, text = continuation_run(model, context, continuation, method, budget, options, args.tables)
+                value, report, text = continuation_run(
+                    model, context, continuation, method, budget, options, args.tables
+                )
             kept = 1.0 - report.entries_removed_fraction
             if label == "compilerkv":
                 kept_by_compilerkv = round(kept * report.context_length)
-            rows.append(dict(job=job, kind=kind, task=task, label=label, nominal=nominal or 0, budget=budget or 0,
-                             value=value, cache_kept=round(kept, 4), answer=text))
+            rows.append(
+                dict(
+                    job=job,
+                    kind=kind,
+                    task=task,
+                    label=label,
+                    nominal=nominal or 0,
+                    budget=budget or 0,
+                    value=value,
+                    cache_kept=round(kept, 4),
+                    answer=text,
+                )
+            )
             bar.update()
     bar.close()
     write_results(rows, Path(args.out), render(rows, args, budgets, len(jobs) - args.passages))
@@ -156,9 +172,7 @@ def render(rows: list[dict], args: argparse.Namespace, budgets: list[int], retri
         cell = cells[(label, nominal)]
         scores = " | ".join(f"{int(sum(cell[c]))}/{len(cell[c])}" for c in columns)
         nll = statistics.mean(cell["nll"]) if cell["nll"] else float("nan")
-        lines.append(
-            f"| {nominal or 'full'} | {label} | {scores} | {nll:+.4f} | {statistics.mean(cell['kept']):.1%} |"
-        )
+        lines.append(f"| {nominal or 'full'} | {label} | {scores} | {nll:+.4f} | {statistics.mean(cell['kept']):.1%} |")
     return "\n".join(lines) + "\n"
 
 

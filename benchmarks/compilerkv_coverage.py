@@ -36,7 +36,11 @@ def answer_positions(tokenizer, text: str, answer: str) -> list[int]:
 
 def coverage(kept_positions: list[torch.Tensor], span: list[int]) -> float:
     wanted = torch.tensor(span)
-    shares = [float(torch.isin(wanted, kept[0, head]).float().mean()) for kept in kept_positions for head in range(kept.shape[1])]
+    shares = [
+        float(torch.isin(wanted, kept[0, head]).float().mean())
+        for kept in kept_positions
+        for head in range(kept.shape[1])
+    ]
     return statistics.mean(shares)
 
 
@@ -71,7 +75,9 @@ def main() -> None:
                     with compressed(model, "snapkv", size, {}, args.tables) as session:
                         session.prefill(ids)
                 value = compilerkv if size is None else coverage(session.kept_positions, span)
-                rows.append(dict(task=prompt.task, depth=prompt.depth, budget=budget, method=label, coverage=round(value, 4)))
+                rows.append(
+                    dict(task=prompt.task, depth=prompt.depth, budget=budget, method=label, coverage=round(value, 4))
+                )
     write_results(rows, Path(args.out), render(rows, args, budgets))
 
 

@@ -102,8 +102,15 @@ def main() -> None:
         gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
         for table, learned, step, chance, records, rewards, state in (
             ("W_head", head, 0.025, 1 / 29, variant.head, variant.head_rewards(), ("budget", "layer", "head")),
-            ("T_gate", gate, 0.01, 1 / 21, variant.gate, variant.gate_rewards(),
-             ("budget", "layer", "entropy_bin", "perplexity_bin")),
+            (
+                "T_gate",
+                gate,
+                0.01,
+                1 / 21,
+                variant.gate,
+                variant.gate_rewards(),
+                ("budget", "layer", "entropy_bin", "perplexity_bin"),
+            ),
         ):
             seen = (learned[0].support > 0) & (learned[1].support > 0)
             same, near = agreement(learned[0].values, learned[1].values, seen, step)

@@ -64,8 +64,18 @@ def main() -> None:
                     output = model.generate(ids, **greedy)
                 freed = session.report.bytes_freed_fraction
             text = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
-            rows.append(dict(task=prompt.task, length=prompt.length, depth=prompt.depth, method=method,
-                             ratio=ratio, correct=int(prompt.score(text)), bytes_freed=round(freed, 4), answer=text))
+            rows.append(
+                dict(
+                    task=prompt.task,
+                    length=prompt.length,
+                    depth=prompt.depth,
+                    method=method,
+                    ratio=ratio,
+                    correct=int(prompt.score(text)),
+                    bytes_freed=round(freed, 4),
+                    answer=text,
+                )
+            )
             bar.update()
     bar.close()
     write_results(rows, Path(args.out), render(rows, args, settings))

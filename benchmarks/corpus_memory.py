@@ -55,13 +55,17 @@ def main() -> None:
                 corpus = write(Path(scratch), size)
                 lazy, held = child(corpus, env, materialise=False), child(corpus, env, materialise=True)
                 assert lazy["sha256"] == held["sha256"]
-                rows.append({
-                    "format": kind, "text_mib": size, "documents": lazy["documents"],
-                    "rss_before_mib": round(lazy["before"]),
-                    "peak_above_before_mib": round(lazy["peak"] - lazy["before"]),
-                    "seconds": round(lazy["seconds"], 1),
-                    "materialised_peak_above_before_mib": round(held["peak"] - held["before"]),
-                })
+                rows.append(
+                    {
+                        "format": kind,
+                        "text_mib": size,
+                        "documents": lazy["documents"],
+                        "rss_before_mib": round(lazy["before"]),
+                        "peak_above_before_mib": round(lazy["peak"] - lazy["before"]),
+                        "seconds": round(lazy["seconds"], 1),
+                        "materialised_peak_above_before_mib": round(held["peak"] - held["before"]),
+                    }
+                )
                 print(rows[-1], flush=True)
                 if corpus.is_dir():
                     shutil.rmtree(corpus)
@@ -87,7 +91,9 @@ def measure(path: Path, materialise: bool) -> dict:
     from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
     from kvruntime.default_model import load_default_model
 
-    _, tokenizer = load_default_model(lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True)))
+    _, tokenizer = load_default_model(
+        lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    )
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the resident memory now
     before = status_mib("VmRSS")
     start = time.perf_counter()
@@ -149,7 +155,7 @@ def render(rows: list[dict]) -> str:
         "them (heap freed before them and reused is not counted again: small figures are low by up to ~15 MiB, "
         "reading one 1 MiB book takes about 3 MiB at once). The .jsonl runs include its one-time conversion to Arrow in the datasets cache. Materialised: the same "
         "steps holding every document in memory, as corpora were loaded before (for the .jsonl this also counts the "
-        "pages of the memory-mapped Arrow file that reading every row touches, as the old `table[\"text\"]` did).",
+        'pages of the memory-mapped Arrow file that reading every row touches, as the old `table["text"]` did).',
         "",
         "| format | text | documents | memory before | peak above it | time | materialised: peak above it |",
         "|---|---|---|---|---|---|---|",

@@ -24,7 +24,11 @@ from kvruntime.artifact import read_artifact
 
 
 def timed(args: list[str], folder: Path, threads: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     started = time.perf_counter()
     subprocess.run(args, cwd=folder, env=env, check=True, capture_output=True)
     return time.perf_counter() - started
@@ -41,22 +45,36 @@ def main() -> None:
         folder = Path(tmp)
         alone = timed([*command, "--out", "alone.safetensors"], folder, threads=cores)
         together = timed(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.ranks),
-             "--no-python", *command, "--out", "ranks.safetensors"],
-            folder, threads=max(1, cores // options.ranks),
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(options.ranks),
+                "--no-python",
+                *command,
+                "--out",
+                "ranks.safetensors",
+            ],
+            folder,
+            threads=max(1, cores // options.ranks),
         )
         one, many = read_artifact(folder / "alone.safetensors"), read_artifact(folder / "ranks.safetensors")
         identical = one.params == many.params and all(torch.equal(t, many.tensors[n]) for n, t in one.tensors.items())
     rows = [
         {"run": f"1 process, {cores} threads", "seconds": round(alone, 1), "ratio": 1.0},
-        {"run": f"torchrun, {options.ranks} ranks x {max(1, cores // options.ranks)} threads", "seconds": round(together, 1),
-         "ratio": round(together / alone, 2)},
+        {
+            "run": f"torchrun, {options.ranks} ranks x {max(1, cores // options.ranks)} threads",
+            "seconds": round(together, 1),
+            "ratio": round(together / alone, 2),
+        },
     ]
     table = "\n".join(
         [
             "# Distributed calibration: one process against torchrun ranks",
             "",
-            f"Command: `python benchmarks/distributed_calibration.py --ranks {options.ranks} --command \"{options.command}\"`  ",
+            f'Command: `python benchmarks/distributed_calibration.py --ranks {options.ranks} --command "{options.command}"`  ',
             f"Machine: {machine()}  ",
             f"Compile command: `kvcompile {options.command}` (model loading included in each run).  ",
             f"Artifacts bit-identical: {'yes' if identical else 'NO'}",

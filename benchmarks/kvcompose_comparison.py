@@ -38,7 +38,10 @@ STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
 FULL = "full cache"
 METHODS = (  # label, what runs it
     ("kvcompose compiled", Contestant("kvcompose compiled", "kvcompile", "kvcompose")),
-    ("kvcompose compiled, unstructured (masked)", Contestant("unstructured", "kvcompile", "kvcompose", {"unstructured": True})),
+    (
+        "kvcompose compiled, unstructured (masked)",
+        Contestant("unstructured", "kvcompile", "kvcompose", {"unstructured": True}),
+    ),
     ("kvcompose dynamic", Contestant("dynamic", "kvcompile", "kvcompose", {"mode": "dynamic"})),
     ("kvpress KVComposePress", Contestant("kvpress-kvcompose", "kvpress", "kvcompose")),
     ("snapkv", Contestant("snapkv", "kvcompile", "snapkv")),
@@ -84,13 +87,22 @@ def main() -> None:
             result = answer(model, tokenizer, contestant, ratio, context_ids, question_ids, args.new_tokens, stats)
             full = full or result
             text, seconds = result.text, result.prefill_seconds
-            rows.append(dict(
-                job=job, task=prompt.task, length=context_ids.shape[1], depth=prompt.depth, label=label, ratio=ratio,
-                correct=int(prompt.score(text)), prefill_seconds=round(seconds, 3),
-                prefill_vs_full=round(seconds / full.prefill_seconds, 3), peak_mib=round(result.peak_mib, 1),
-                cache_kept=round(result.cache_bytes / full.cache_bytes, 4),
-                answer=text.strip().replace("\n", " ")[:80],
-            ))
+            rows.append(
+                dict(
+                    job=job,
+                    task=prompt.task,
+                    length=context_ids.shape[1],
+                    depth=prompt.depth,
+                    label=label,
+                    ratio=ratio,
+                    correct=int(prompt.score(text)),
+                    prefill_seconds=round(seconds, 3),
+                    prefill_vs_full=round(seconds / full.prefill_seconds, 3),
+                    peak_mib=round(result.peak_mib, 1),
+                    cache_kept=round(result.cache_bytes / full.cache_bytes, 4),
+                    answer=text.strip().replace("\n", " ")[:80],
+                )
+            )
             bar.update()
         write_results(rows, out, render(rows, args, ratios, methods), quiet=True)
     bar.close()
@@ -115,7 +127,9 @@ def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], meth
         "uncompressed prefill of the same prompt. Peak memory: median over prompts of the peak resident memory "
         "during that step above the memory before it. Cache kept: KV bytes held over the full cache's (mean).",
         "",
-        "| ratio | method | accuracy | " + " | ".join(TASKS) + " | prefill vs full | prefill (s, median) | peak memory (MiB) | cache kept |",
+        "| ratio | method | accuracy | "
+        + " | ".join(TASKS)
+        + " | prefill vs full | prefill (s, median) | peak memory (MiB) | cache kept |",
         "|---|---|---|" + "---|" * (len(TASKS) + 4),
     ]
     order = [(FULL, 0.0)] + [(label, r) for r in ratios for label, _ in methods]
@@ -124,7 +138,8 @@ def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], meth
         if not cell:
             continue
         per_task = " | ".join(
-            f"{sum(r['correct'] for r in cell if r['task'] == t)}/{sum(1 for r in cell if r['task'] == t)}" for t in TASKS
+            f"{sum(r['correct'] for r in cell if r['task'] == t)}/{sum(1 for r in cell if r['task'] == t)}"
+            for t in TASKS
         )
         lines.append(
             f"| {ratio or '-'} | {label} | {sum(r['correct'] for r in cell)}/{len(cell)} | {per_task} | "

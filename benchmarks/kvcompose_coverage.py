@@ -78,10 +78,17 @@ def main() -> None:
                 with kvruntime.compress(model, method_for(mode, stats), ratio=ratio) as session:
                     session.prefill(ids)
                 slots[mode] = session.report.slots_per_layer
-                rows.append(dict(task=prompt.task, depth=prompt.depth, ratio=ratio, mode=mode,
-                                 coverage=round(coverage(session.kept_positions, span), 4)))
+                rows.append(
+                    dict(
+                        task=prompt.task,
+                        depth=prompt.depth,
+                        ratio=ratio,
+                        mode=mode,
+                        coverage=round(coverage(session.kept_positions, span), 4),
+                    )
+                )
             gap = sum(abs(a - b) for a, b in zip(slots["compiled"], slots["dynamic"])) / (2 * sum(slots["dynamic"]))
-            for row in rows[-len(MODES):]:
+            for row in rows[-len(MODES) :]:
                 row["allocation_gap"] = round(gap, 4)
     write_results(rows, Path(args.out), render(rows, ratios))
 
@@ -104,7 +111,9 @@ def render(rows: list[dict], ratios: list[float]) -> str:
     for ratio in ratios:
         for mode in MODES:
             cell = cells[(ratio, mode)]
-            per_task = " | ".join(f"{statistics.mean(r['coverage'] for r in cell if r['task'] == t):.2f}" for t in TASKS)
+            per_task = " | ".join(
+                f"{statistics.mean(r['coverage'] for r in cell if r['task'] == t):.2f}" for t in TASKS
+            )
             gap = statistics.mean(r["allocation_gap"] for r in cell)
             lines.append(f"| {ratio} | {mode} | {per_task} | {gap:.1%} |")
     return "\n".join(lines) + "\n"

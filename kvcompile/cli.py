@@ -29,7 +29,9 @@ ModelOption = Annotated[
 ]
 PromptFormatOption = Annotated[
     str,
-    typer.Option(help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."),
+    typer.Option(
+        help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
+    ),
 ]
 
 
@@ -77,14 +79,18 @@ def generate(
             "there is one, else kvcompress."
         ),
     ] = None,
-    ratio: Annotated[float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")] = None,
+    ratio: Annotated[
+        float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")
+    ] = None,
     budget: Annotated[int | None, typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
     question: Annotated[
         list[str] | None,
         typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
     ] = None,
     memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
-    artifact: Annotated[list[Path] | None, typer.Option(help="Compiled artifact(s), checked against the model.")] = None,
+    artifact: Annotated[
+        list[Path] | None, typer.Option(help="Compiled artifact(s), checked against the model.")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
     nearest_budget: Annotated[
         bool, typer.Option(help="compilerkv: use the tables of the nearest compiled budget for a budget not compiled.")
@@ -117,24 +123,25 @@ def generate(
         if nearest_budget:
             options["nearest_budget"] = True
         paths = list(artifact or [])
+        tuned = False
         if method is None:
             from kvruntime import read_artifact
 
-            # The method and ratio of a tuned_defaults artifact (given, or the model's default one), else kvcompress.
-            tuned = default_artifact(model, "tuned_defaults")
-            paths = paths or ([tuned] if tuned.exists() else [])
-            if not any(p.exists() and read_artifact(p).kind == "tuned_defaults" for p in paths):
-                method = "kvcompress"
+            # A tuned_defaults artifact (given, or the model's default one) gives `compress` its method and ratio.
+            default = default_artifact(model, "tuned_defaults")
+            paths = paths or ([default] if default.exists() else [])
+            tuned = any(p.exists() and read_artifact(p).kind == "tuned_defaults" for p in paths)
+        if not tuned and ratio is None and budget is None:
+            ratio = 0.5
         if method is not None:
-            if ratio is None and budget is None:
-                ratio = 0.5
             kinds = required_artifact_kinds(method, options)
             paths = paths or [default_artifact(model, kind) for kind in kinds]
             for kind, path in zip(kinds, paths):
                 if not path.exists():
                     command = ARTIFACT_KINDS[kind].command
-                    raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
-        # Else the tuned defaults give the ratio.
+                    raise KVRuntimeError(
+                        f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
+                    )
         request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
         if method is not None:
             from kvruntime import get_method, read_artifact
@@ -188,7 +195,9 @@ ShardOption = Annotated[
         "for `kvcompile merge` (under torchrun every rank takes its share without this)."
     ),
 ]
-CheckpointOption = Annotated[int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")]
+CheckpointOption = Annotated[
+    int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")
+]
 SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
 PromptsOption = Annotated[int, typer.Option(help="Calibration prompts.")]
 PromptTokensOption = Annotated[int, typer.Option(help="Tokens per calibration prompt.")]
@@ -199,7 +208,6 @@ def _artifact_out(kind: str) -> object:
     return Annotated[Path | None, typer.Option(help=f"Output artifact (default artifacts/<model>/{kind}.safetensors).")]
 
 
-
 MethodsOption = Annotated[
     str | None,
     typer.Option(
@@ -208,11 +216,15 @@ MethodsOption = Annotated[
     ),
 ]
 TasksOption = Annotated[
-    str, typer.Option(help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated).")
+    str,
+    typer.Option(help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated)."),
 ]
 LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
 QuestionAwareOption = Annotated[
-    bool, typer.Option(help="Compress with the question in the observation window (default: the context alone, then the question).")
+    bool,
+    typer.Option(
+        help="Compress with the question in the observation window (default: the context alone, then the question)."
+    ),
 ]
 ArtifactsOption = Annotated[
     Path | None, typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
@@ -224,7 +236,9 @@ def heads(
     model: ModelOption = "default",
     corpus: CorpusOption = None,
     lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
-    depths: Annotated[str, typer.Option(help="Needle depths (0 = start, 1 = end).")] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    depths: Annotated[
+        str, typer.Option(help="Needle depths (0 = start, 1 = end).")
+    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
     prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
     seed: SeedOption = 0,
     out: _artifact_out("srh_heads") = None,
@@ -240,14 +254,17 @@ def heads(
         if prompt_format not in ("chat", "raw"):
             raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
         settings = HeadsSettings(_numbers(lengths, int), _numbers(depths, float), seed, chat=prompt_format == "chat")
-        compile_artifact(HeadsRecipe(corpus), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+        compile_artifact(
+            HeadsRecipe(corpus), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo
+        )
 
 
 @app.command()
 def budgets(
     model: ModelOption = "default",
     heads_artifact: Annotated[
-        Path | None, typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).")
+        Path | None,
+        typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors)."),
     ] = None,
     corpus: CorpusOption = None,
     prompts: PromptsOption = 24,
@@ -272,7 +289,9 @@ def budgets(
 @app.command()
 def tables(
     model: ModelOption = "default",
-    budgets: Annotated[str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")] = "128,256,512,1024",
+    budgets: Annotated[
+        str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")
+    ] = "128,256,512,1024",
     corpus: CorpusOption = None,
     rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
     prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
@@ -291,10 +310,16 @@ def tables(
         from kvcompile.recipes.compilerkv.tables import TablesSettings
 
         settings = TablesSettings(
-            budgets=_numbers(budgets, int), prompts=prompts, context=context, continuation=continuation, rounds=rounds,
+            budgets=_numbers(budgets, int),
+            prompts=prompts,
+            context=context,
+            continuation=continuation,
+            rounds=rounds,
             seed=seed,
         )
-        compile_artifact(TablesRecipe(corpus, from_experience), settings, model, out, resources, resume, echo=typer.echo)
+        compile_artifact(
+            TablesRecipe(corpus, from_experience), settings, model, out, resources, resume, echo=typer.echo
+        )
 
 
 @app.command()
@@ -302,10 +327,14 @@ def stats(
     model: ModelOption = "default",
     corpus: CorpusOption = None,
     task_set: Annotated[
-        Path | None, typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic).")
+        Path | None,
+        typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic)."),
     ] = None,
     ratios: Annotated[
-        str, typer.Option(help="Target compression ratios to compile the allocation for (others in between are interpolated).")
+        str,
+        typer.Option(
+            help="Target compression ratios to compile the allocation for (others in between are interpolated)."
+        ),
     ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
     prompts: PromptsOption = 24,
     prompt_tokens: PromptTokensOption = 2048,
@@ -320,8 +349,12 @@ def stats(
         from kvcompile.recipes.kvcompose import StatsRecipe
         from kvcompile.recipes.kvcompose.attention_stats import StatsSettings
 
-        settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
-        compile_artifact(StatsRecipe(corpus, task_set), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+        settings = StatsSettings(
+            ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed
+        )
+        compile_artifact(
+            StatsRecipe(corpus, task_set), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo
+        )
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -337,7 +370,13 @@ def _command_line(ctx: typer.Context) -> str:
 
 
 def _suite_settings(
-    ratios: tuple[float, ...], tasks: str, lengths: str, samples: int, seed: int, question_aware: bool, new_tokens: int,
+    ratios: tuple[float, ...],
+    tasks: str,
+    lengths: str,
+    samples: int,
+    seed: int,
+    question_aware: bool,
+    new_tokens: int,
     prompt_format: str,
 ) -> object:
     """The suite settings of eval and tune, from their options."""
@@ -345,9 +384,14 @@ def _suite_settings(
     from kvcompile.tasks.suite import parse_lengths
 
     return SuiteSettings(
-        ratios=ratios, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
-        lengths=tuple(parse_lengths(lengths)), samples=samples, seed=seed, question_aware=question_aware,
-        new_tokens=new_tokens, prompt_format=prompt_format,
+        ratios=ratios,
+        tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+        lengths=tuple(parse_lengths(lengths)),
+        samples=samples,
+        seed=seed,
+        question_aware=question_aware,
+        new_tokens=new_tokens,
+        prompt_format=prompt_format,
     )
 
 
@@ -359,13 +403,19 @@ def eval_(
     ratios: Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")] = "0.5,0.75,0.9",
     tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
     lengths: LengthsOption = "2k",
-    samples: Annotated[int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")] = 3,
+    samples: Annotated[
+        int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")
+    ] = 3,
     seed: SeedOption = 0,
     question_aware: QuestionAwareOption = False,
     prompt_format: PromptFormatOption = "auto",
-    new_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")] = 48,
+    new_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")
+    ] = 48,
     artifacts: ArtifactsOption = None,
-    out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path("eval_results"),
+    out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path(
+        "eval_results"
+    ),
     resume: Annotated[
         bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
     ] = False,
@@ -416,9 +466,15 @@ def eval_(
 @app.command()
 def tune(
     model: ModelOption = "default",
-    tolerance: Annotated[float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")] = 0.02,
-    methods: Annotated[str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")] = "compresskv,compilerkv,kvcompose,kvcompress,snapkv",
-    ratios: Annotated[str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",
+    tolerance: Annotated[
+        float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")
+    ] = 0.02,
+    methods: Annotated[
+        str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")
+    ] = "compresskv,compilerkv,kvcompose,kvcompress,snapkv",
+    ratios: Annotated[
+        str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")
+    ] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",
     tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
     lengths: LengthsOption = "2k",
     samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
@@ -447,7 +503,9 @@ def tune(
 @app.command()
 def merge(
     partials: Annotated[list[Path], typer.Argument(help="Partial statistics written by `--shard i/n` jobs.")],
-    out: Annotated[Path, typer.Option(help="Output: the finished artifact, or partial statistics if shards are missing.")],
+    out: Annotated[
+        Path, typer.Option(help="Output: the finished artifact, or partial statistics if shards are missing.")
+    ],
 ) -> None:
     """Add up the partial statistics of separate jobs (heads, budgets, stats) into the artifact one run would write."""
     with clear_errors() as resources:

@@ -38,5 +38,7 @@ def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     )
     before, marker, after = rendered.partition(_CONTENT_MARKER)
     if not marker:
-        raise KVRuntimeError("the model's chat template does not place the user's text verbatim: use --prompt-format raw")
+        raise KVRuntimeError(
+            "the model's chat template does not place the user's text verbatim: use --prompt-format raw"
+        )
     return before, after

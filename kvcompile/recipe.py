@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import KVRuntimeError
+
+if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
+    from kvcompile.calibration.job import CompileJob
 
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
 
@@ -35,18 +37,6 @@ def artifact_folder(model: str) -> Path:
 
 def default_artifact(model: str, kind: str) -> Path:
     return artifact_folder(model) / f"{kind}.safetensors"
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileJob:
-    """Where and how a recipe runs: the loaded model, the artifact's path, and the run's bookkeeping."""
-
-    model: Any  # nn.Module
-    tokenizer: Any  # PreTrainedTokenizerBase
-    out: Path
-    resume: bool = False
-    checkpoint_every: int = 4
-    shard: Any = None  # calibration.distributed.Shard (None: the whole run in this process)
 
 
 class Recipe(abc.ABC):
@@ -138,6 +128,7 @@ def compile_artifact(
     """Run a compile command end to end: refuse bad input before the model loads, claim the output, run the recipe
     on the model, then write the artifact (`write_result`)."""
     from kvcompile.calibration.distributed import Shard, parse_shard
+    from kvcompile.calibration.job import CompileJob
 
     started = time.perf_counter()
     recipe.check(settings)

@@ -13,6 +13,7 @@ from conftest import CharTokenizer, tiny_model
 
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.distributed import Shard, process_group_shard
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv.experience_collection import ExperienceDesign
 from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
 from kvcompile.recipes.compilerkv.tables import TablesSettings, compile_tables
@@ -25,8 +26,15 @@ from kvruntime.fingerprint import model_fingerprint
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(3)))
 STATS = StatsSettings(ratios=(0.3, 0.6), prompts=5, prompt_tokens=96)
 TABLES = TablesSettings(
-    budgets=(80, 120), prompts=3, context=160, continuation=12, rounds=2, entropy_bins=3, perplexity_bins=2,
-    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5), cql=CQLSettings(steps=40),
+    budgets=(80, 120),
+    prompts=3,
+    context=160,
+    continuation=12,
+    rounds=2,
+    entropy_bins=3,
+    perplexity_bins=2,
+    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5),
+    cql=CQLSettings(steps=40),
 )
 RECIPES = ("stats", "budgets", "tables")
 
@@ -41,12 +49,16 @@ def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> Non
     torch.set_num_threads(1)
     model = tiny_model("llama")
     artifacts = {
-        "stats": compile_attention_stats(model, CharTokenizer(), CORPUS, stats, folder / "stats", shard=shard),
-        "budgets": compile_layer_errors(
-            model, CharTokenizer(), CORPUS, heads_artifact(model), BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
-            folder / "budgets", shard=shard,
+        "stats": compile_attention_stats(
+            CompileJob(model, CharTokenizer(), folder / "stats", shard=shard), CORPUS, stats
         ),
-        "tables": compile_tables(model, CharTokenizer(), CORPUS, TABLES, folder / "tables", shard=shard)[0],
+        "budgets": compile_layer_errors(
+            CompileJob(model, CharTokenizer(), folder / "budgets", shard=shard),
+            CORPUS,
+            heads_artifact(model),
+            BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
+        ),
+        "tables": compile_tables(CompileJob(model, CharTokenizer(), folder / "tables", shard=shard), CORPUS, TABLES)[0],
     }
     if shard.writes_results:
         for name, artifact in artifacts.items():
@@ -79,7 +91,9 @@ def tables_rank_main(rank: int, world: int, folder: str, stop_one_step_apart: bo
 
     from kvcompile.recipes.compilerkv import tables
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}.store{int(stop_one_step_apart)}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}.store{int(stop_one_step_apart)}", rank=rank, world_size=world
+    )
     real_save = tables.save_checkpoint
 
     def save_then_die(out, tensors, progress, settings, shard):
@@ -96,7 +110,11 @@ def tables_rank_main(rank: int, world: int, folder: str, stop_one_step_apart: bo
         torch.set_num_threads(1)
         out = Path(folder) / "tables"
         artifact = tables.compile_tables(
-            tiny_model("llama"), CharTokenizer(), CORPUS, TABLES, out, resume=not stop_one_step_apart, shard=process_group_shard()
+            CompileJob(
+                tiny_model("llama"), CharTokenizer(), out, resume=not stop_one_step_apart, shard=process_group_shard()
+            ),
+            CORPUS,
+            TABLES,
         )[0]
         if rank == 0:
             save_artifact(artifact, Path(folder) / "tables.safetensors")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from distributed_worker import CORPUS, TABLES, CharTokenizer, tiny_model
 
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv.tables import compile_tables
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
@@ -21,8 +22,10 @@ def compile_recipe(recipe: str, folder: Path, resume: bool) -> Artifact:
     out = folder / f"{recipe}.safetensors"
     model = tiny_model("llama")
     if recipe == "stats":
-        return compile_attention_stats(model, CharTokenizer(), CORPUS, STATS, out, resume=resume, checkpoint_every=1)
-    return compile_tables(model, CharTokenizer(), CORPUS, TABLES, out, resume=resume)[0]
+        return compile_attention_stats(
+            CompileJob(model, CharTokenizer(), out, resume=resume, checkpoint_every=1), CORPUS, STATS
+        )
+    return compile_tables(CompileJob(model, CharTokenizer(), out, resume=resume), CORPUS, TABLES)[0]
 
 
 if __name__ == "__main__":

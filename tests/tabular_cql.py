@@ -16,7 +16,9 @@ def tabular_cql(
     """Q [num_states, num_actions] minimising the CQL objective; states without records stay at 0."""
     q = torch.zeros(num_states, num_actions, dtype=torch.float64, requires_grad=True)
     rewards = rewards.double()
-    optimiser = torch.optim.LBFGS([q], max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-14, line_search_fn="strong_wolfe")
+    optimiser = torch.optim.LBFGS(
+        [q], max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-14, line_search_fn="strong_wolfe"
+    )
 
     def objective() -> torch.Tensor:
         optimiser.zero_grad()

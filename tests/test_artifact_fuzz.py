@@ -46,7 +46,10 @@ def valid_tensors() -> dict[str, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return {
         "srh_heads": {"srh_score": torch.rand(4, 4, generator=g), "successful_probes": torch.tensor(3)},
-        "layer_budgets": {"layer_error": torch.tensor([0.1, 0.4, 0.2, 0.3]), "raw_error": torch.rand(2, 4, generator=g)},
+        "layer_budgets": {
+            "layer_error": torch.tensor([0.1, 0.4, 0.2, 0.3]),
+            "raw_error": torch.rand(2, 4, generator=g),
+        },
         "compilerkv_tables": {
             "budgets": torch.tensor([70, 100]),
             "head_reliability": 0.8 + 0.7 * torch.rand(2, 4, 4, generator=g),
@@ -166,7 +169,11 @@ def test_random_bytes_after_a_header_length_are_refused_cleanly(data, length):
 
 
 EDITS = st.lists(
-    st.tuples(st.sampled_from(["flip", "insert", "delete", "truncate", "set"]), st.floats(0, 1), st.binary(min_size=1, max_size=8)),
+    st.tuples(
+        st.sampled_from(["flip", "insert", "delete", "truncate", "set"]),
+        st.floats(0, 1),
+        st.binary(min_size=1, max_size=8),
+    ),
     min_size=1,
     max_size=4,
 )
@@ -197,8 +204,31 @@ def test_mutated_bytes_of_a_valid_artifact_are_refused_cleanly(kind, edits):
 
 # -- header mutations ------------------------------------------------------------------------------------------
 
-DTYPES = ["F16", "BF16", "F32", "F64", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64", "BOOL",
-          "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "C64", "E8", "f32", "", "F32 "]
+DTYPES = [
+    "F16",
+    "BF16",
+    "F32",
+    "F64",
+    "I8",
+    "I16",
+    "I32",
+    "I64",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F8_E8M0",
+    "F4",
+    "F6_E2M3",
+    "C64",
+    "E8",
+    "f32",
+    "",
+    "F32 ",
+]
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
@@ -262,7 +292,18 @@ def mutated_metadata(draw) -> bytes:
 def redeclared(draw, entry: dict, body: bytes) -> dict:
     """Another dtype and shape for the same bytes (so that safetensors accepts it)."""
     start, end = entry["data_offsets"]
-    sizes = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+    sizes = {
+        "F64": 8,
+        "I64": 8,
+        "F32": 4,
+        "I32": 4,
+        "F16": 2,
+        "BF16": 2,
+        "U8": 1,
+        "BOOL": 1,
+        "F8_E4M3": 1,
+        "F8_E5M2": 1,
+    }
     dtype = draw(st.sampled_from(sorted(d for d, size in sizes.items() if (end - start) % size == 0)))
     count = (end - start) // sizes[dtype]
     shape = draw(st.sampled_from([[count], [1, count], [count, 1]] + ([[2, count // 2]] if count % 2 == 0 else [])))
@@ -280,7 +321,11 @@ def mutated_tensor_entries(draw) -> bytes:
     original = dict(header[name])
     declared = None
     for _ in range(draw(st.integers(1, 2))):
-        what = draw(st.sampled_from(["dtype", "shape", "offsets", "redeclare", "redeclare", "add", "drop", "length", "not_object"]))
+        what = draw(
+            st.sampled_from(
+                ["dtype", "shape", "offsets", "redeclare", "redeclare", "add", "drop", "length", "not_object"]
+            )
+        )
         entry = header.setdefault(name, {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]})
         if what == "dtype":
             entry["dtype"] = draw(st.sampled_from(DTYPES) | st.text(max_size=6))
@@ -324,8 +369,18 @@ def test_mutated_tensor_entries_are_refused_cleanly(data):
 
 SHAPES = st.lists(st.integers(0, 5), max_size=4)
 TENSOR_DTYPES = st.sampled_from(
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool,
-     torch.float8_e4m3fn, torch.float8_e5m2]
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    ]
 )
 
 
@@ -380,8 +435,14 @@ FINGERPRINT = model_fingerprint(model()).to_dict()
 @pytest.mark.parametrize(
     "metadata, message",
     [
-        ({"model": json.dumps({**FINGERPRINT, "num_layers": "4"})}, "fingerprint num_layers is '4', not a positive integer"),
-        ({"model": json.dumps({**FINGERPRINT, "architecture": None})}, "fingerprint architecture is None, not a non-empty"),
+        (
+            {"model": json.dumps({**FINGERPRINT, "num_layers": "4"})},
+            "fingerprint num_layers is '4', not a positive integer",
+        ),
+        (
+            {"model": json.dumps({**FINGERPRINT, "architecture": None})},
+            "fingerprint architecture is None, not a non-empty",
+        ),
         ({"model": "[" * 100_000 + "]" * 100_000}, "malformed kvcompile metadata (maximum recursion depth exceeded"),
         ({"params": "[1, 2]"}, "malformed kvcompile metadata (params is a JSON list, not an object)"),
         ({"kind": "mystery"}, "unknown artifact kind 'mystery' (known: srh_heads, layer_budgets,"),
@@ -405,16 +466,37 @@ def test_a_nan_in_a_float8_tensor_is_an_artifact_error_not_a_torch_error(tmp_pat
     "kind, change, message",
     [
         ("srh_heads", {"srh_score": None}, "srh_heads tensor 'srh_score' is missing"),
-        ("srh_heads", {"srh_score": torch.rand(3, 4)}, "'srh_score' has shape [3, 4], expected [layers=4, query_heads=4]"),
-        ("layer_budgets", {"layer_error": torch.tensor([True, False, True, True])}, "'layer_error' is bool, expected numeric values"),
-        ("compilerkv_tables", {"budgets": torch.tensor([70.0, 100.0])}, "'budgets' is float32, expected integer values"),
+        (
+            "srh_heads",
+            {"srh_score": torch.rand(3, 4)},
+            "'srh_score' has shape [3, 4], expected [layers=4, query_heads=4]",
+        ),
+        (
+            "layer_budgets",
+            {"layer_error": torch.tensor([True, False, True, True])},
+            "'layer_error' is bool, expected numeric values",
+        ),
+        (
+            "compilerkv_tables",
+            {"budgets": torch.tensor([70.0, 100.0])},
+            "'budgets' is float32, expected integer values",
+        ),
         ("layer_budgets", {"layer_error": torch.zeros(4)}, "'layer_error' must be non-negative with a positive sum"),
-        ("compilerkv_tables", {"budgets": torch.tensor([70, 100, 130])},
-         "'head_reliability' has shape [2, 4, 4], expected [budgets=3, layers=4, query_heads=4]"),
-        ("compilerkv_tables", {"entropy_edges": torch.tensor([1.0, 2.0, 3.0])},
-         "'entropy_edges' has shape [3], expected [entropy_bins-1=2]"),
-        ("kvcompose_stats", {"head_fractions": torch.full((3, 4, 3), 0.5)},
-         "'head_fractions' has shape [3, 4, 3], expected [ratios=3, layers=4, kv_heads=2]"),
+        (
+            "compilerkv_tables",
+            {"budgets": torch.tensor([70, 100, 130])},
+            "'head_reliability' has shape [2, 4, 4], expected [budgets=3, layers=4, query_heads=4]",
+        ),
+        (
+            "compilerkv_tables",
+            {"entropy_edges": torch.tensor([1.0, 2.0, 3.0])},
+            "'entropy_edges' has shape [3], expected [entropy_bins-1=2]",
+        ),
+        (
+            "kvcompose_stats",
+            {"head_fractions": torch.full((3, 4, 3), 0.5)},
+            "'head_fractions' has shape [3, 4, 3], expected [ratios=3, layers=4, kv_heads=2]",
+        ),
         ("kvcompose_stats", {"ratios": torch.zeros(0)}, "'ratios' has shape [0], expected [ratios]"),
         ("tuned_defaults", {"full_accuracy": torch.tensor(0.9)}, "'full_accuracy' has shape [], expected [1]"),
     ],

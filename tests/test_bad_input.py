@@ -71,7 +71,9 @@ def _non_finite(folder: Path, value: float) -> Path:
         metadata = handle.metadata()
     score = torch.rand(4, 4)
     score[1, 2] = value
-    save_file({"srh_score": score}, str(path), metadata={**metadata, "checksum": tensors_checksum({"srh_score": score})})
+    save_file(
+        {"srh_score": score}, str(path), metadata={**metadata, "checksum": tensors_checksum({"srh_score": score})}
+    )
     return path
 
 
@@ -88,7 +90,10 @@ def _text_file(folder: Path) -> Path:
 
 # name -> (how to make the bad file in a folder, the message); the first group is refused by reading the file alone.
 FILE_PROBLEMS: dict[str, tuple[Callable[[Path], Path], str]] = {
-    "truncated": (lambda d: _with_bytes(heads_artifact(d), lambda b: b[: len(b) - 10]), "not a readable safetensors file"),
+    "truncated": (
+        lambda d: _with_bytes(heads_artifact(d), lambda b: b[: len(b) - 10]),
+        "not a readable safetensors file",
+    ),
     "corrupted": (
         lambda d: _with_bytes(heads_artifact(d), lambda b: b[:-1] + bytes([b[-1] ^ 0x40])),
         "corrupted artifact (tensor checksum does not match its metadata)",
@@ -160,7 +165,15 @@ def test_generate_refuses_a_bad_artifact_before_generating(workdir, problem):
 @pytest.mark.parametrize("problem", ALL_PROBLEMS)
 def test_a_compile_command_refuses_a_bad_input_artifact_before_writing(workdir, problem):
     make, message = ALL_PROBLEMS[problem]
-    args = ["budgets", "--heads", str(make(workdir)), "--corpus", "corpus.txt", "--out", "out/layer_budgets.safetensors"]
+    args = [
+        "budgets",
+        "--heads",
+        str(make(workdir)),
+        "--corpus",
+        "corpus.txt",
+        "--out",
+        "out/layer_budgets.safetensors",
+    ]
     assert_refused(workdir, args, message)
 
 
@@ -173,7 +186,9 @@ def test_a_compile_command_refuses_a_bad_input_artifact_before_writing(workdir, 
     ],
 )
 def test_generate_refuses_a_budget_out_of_range(workdir, budget, message):
-    assert_refused(workdir, ["generate", "--prompt-file", "prompt.txt", "--method", "snapkv", "--budget", budget], message)
+    assert_refused(
+        workdir, ["generate", "--prompt-file", "prompt.txt", "--method", "snapkv", "--budget", budget], message
+    )
 
 
 def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supported_ones(workdir, monkeypatch):
@@ -190,8 +205,14 @@ def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supp
     [
         (lambda folder: folder / "missing.txt", "corpus missing.txt does not exist"),
         (lambda folder: _written(folder / "empty.txt", b"  \n"), "corpus empty.txt is empty"),
-        (lambda folder: _written(folder / "binary.txt", b"text\x00\x01\x02"), "corpus file binary.txt is binary, not text"),
-        (lambda folder: _written(folder / "latin.txt", "caf\xe9 " .encode("latin-1") * 50), "corpus file latin.txt is not UTF-8 text"),
+        (
+            lambda folder: _written(folder / "binary.txt", b"text\x00\x01\x02"),
+            "corpus file binary.txt is binary, not text",
+        ),
+        (
+            lambda folder: _written(folder / "latin.txt", "caf\xe9 ".encode("latin-1") * 50),
+            "corpus file latin.txt is not UTF-8 text",
+        ),
         (lambda folder: _written(folder / "short.txt", b"A short book. " * 20), "is too short for 96-token prompts"),
     ],
 )
@@ -200,7 +221,9 @@ def test_compile_commands_refuse_bad_corpora_in_one_line_and_write_nothing(tmp_p
     monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, CharTokenizer()))
     corpus = make(tmp_path).name
     before = sorted(tmp_path.iterdir())
-    result = runner.invoke(cli.app, ["stats", "--corpus", corpus, "--prompts", "2", "--prompt-tokens", "96", "--out", "s.safetensors"])
+    result = runner.invoke(
+        cli.app, ["stats", "--corpus", corpus, "--prompts", "2", "--prompt-tokens", "96", "--out", "s.safetensors"]
+    )
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1
     assert sorted(tmp_path.iterdir()) == before

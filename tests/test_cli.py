@@ -92,7 +92,9 @@ def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, mon
 def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
     from kvcompile import recipe
 
-    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    monkeypatch.setattr(
+        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked")
+    )
     result = runner.invoke(app, ["tables", "--budgets", "32,256"])
     assert result.exit_code == 2
     assert "--budgets must lie between the 64-token window and the 2048-token context" in result.output
@@ -108,17 +110,24 @@ def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
         (["eval", "--methods", "kvpress-h2o"], "unknown kvpress press 'h2o'"),
         (["eval", "--samples", "0"], "--samples and --new-tokens must be at least 1"),
         (["eval", "--prompt-format", "xml"], "--prompt-format 'xml': use one of auto, chat, raw"),
-        (["eval", "--methods", "compresskv", "--artifacts", "nowhere"], "compresskv needs nowhere/srh_heads.safetensors"),
+        (
+            ["eval", "--methods", "compresskv", "--artifacts", "nowhere"],
+            "compresskv needs nowhere/srh_heads.safetensors",
+        ),
         (["tune", "--tolerance", "1.5"], "--tolerance 1.5: give an accuracy difference in [0, 1)"),
         (["tune", "--methods", "snapkv,kvpress-snapkv"], "kvpress"),
         (["tune", "--ratios", "0"], "give compression ratios in (0, 1)"),
     ],
 )
-def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothing(tmp_path, monkeypatch, args, message):
+def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothing(
+    tmp_path, monkeypatch, args, message
+):
     from kvcompile import recipe
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked"))
+    monkeypatch.setattr(
+        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked")
+    )
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert message in result.output

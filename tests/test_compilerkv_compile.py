@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv import tables as tables_module
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
@@ -44,9 +45,7 @@ def test_tabular_cql_and_d3rlpy_both_find_the_best_action_of_each_synthetic_band
     states, actions, rewards, best = _synthetic_bandit()
     q = tabular_cql(torch.from_numpy(states), torch.from_numpy(actions), torch.from_numpy(rewards), 11, 29, alpha=0.75)
     assert q.argmax(dim=1).tolist() == best.tolist()
-    fit = fit_greedy_table(
-        one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings()
-    )
+    fit = fit_greedy_table(one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings())
     assert fit.actions.tolist() == best.tolist()  # including the state that saw only two actions: conservative
     assert len(fit.learning_curve) == 10 and fit.learning_curve[-1] < fit.learning_curve[0]
 
@@ -66,7 +65,9 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     with torch.no_grad():
         logits = model(context, past_key_values=cache, use_cache=True).logits
     first = float(-logits[0, -1].log_softmax(-1)[continuation[0, 0]])
-    prompt = PrefilledPrompt([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], continuation, first)
+    prompt = PrefilledPrompt(
+        [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], continuation, first
+    )
 
     def reference(kept: list[torch.Tensor]) -> float:
         compressed = DynamicCache(config=model.config)
@@ -88,8 +89,15 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(2)))
 SMALL = TablesSettings(
-    budgets=(80, 120), prompts=3, context=160, continuation=12, rounds=2, entropy_bins=3, perplexity_bins=2,
-    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5), cql=CQLSettings(steps=60),
+    budgets=(80, 120),
+    prompts=3,
+    context=160,
+    continuation=12,
+    rounds=2,
+    entropy_bins=3,
+    perplexity_bins=2,
+    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5),
+    cql=CQLSettings(steps=60),
 )
 
 
@@ -97,7 +105,7 @@ SMALL = TablesSettings(
 def compiled(tmp_path_factory):
     model = tiny_model("llama")
     out = tmp_path_factory.mktemp("tables") / "compilerkv_tables.safetensors"
-    tables, experience = compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+    tables, experience = compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, SMALL)
     return model, out, tables, experience
 
 
@@ -110,7 +118,9 @@ def test_compiled_tables_have_the_issue_shapes_ranges_and_learning_records(compi
     assert t["entropy_edges"].shape == (2,) and t["perplexity_edges"].shape == (1,)
     assert t["head_learning_curve"].shape == (tables.params["rounds_run"], 10)
     assert t["round_changes"].shape == (tables.params["rounds_run"], 2)
-    assert int(t["head_support"].sum()) == tables.params["head_records"] == len(Experience.from_artifact(experience).head)
+    assert (
+        int(t["head_support"].sum()) == tables.params["head_records"] == len(Experience.from_artifact(experience).head)
+    )
     # States without records fall back: W_head 1.0; a (budget, layer) without gate records: 0.8.
     assert bool((t["head_reliability"][t["head_support"] == 0] == 1.0).all())
     CompilerKVTables.from_artifact(tables)  # valid for the runtime
@@ -147,9 +157,9 @@ def test_an_interrupted_compile_resumes_to_the_same_tables(compiled, tmp_path, m
 
     monkeypatch.setattr(tables_module, "collect_unit", crash_in_round_two)
     with pytest.raises(KeyboardInterrupt):
-        compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+        compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, SMALL)
     monkeypatch.setattr(tables_module, "collect_unit", real)
-    resumed, _ = compile_tables(model, CharTokenizer(), CORPUS, SMALL, out, resume=True)
+    resumed, _ = compile_tables(CompileJob(model, CharTokenizer(), out, resume=True), CORPUS, SMALL)
     for name in ("head_reliability", "risk_thresholds", "head_support", "gate_support", "round_changes"):
         assert torch.equal(resumed.tensors[name], tables.tensors[name]), name
 
@@ -173,13 +183,17 @@ def test_bad_settings_are_refused_before_any_model_work(change, message):
     import dataclasses
 
     with pytest.raises(KVRuntimeError, match=message):
-        compile_tables(tiny_model("llama"), CharTokenizer(), CORPUS, dataclasses.replace(SMALL, **change), Path("/nonexistent/x"))
+        compile_tables(
+            CompileJob(tiny_model("llama"), CharTokenizer(), Path("/nonexistent/x")),
+            CORPUS,
+            dataclasses.replace(SMALL, **change),
+        )
 
 
 def test_a_corpus_too_short_for_the_prompts_is_refused():
     short = Corpus("short", ("a few words only",))
     with pytest.raises(KVRuntimeError, match="too short for 172-token prompts"):
-        compile_tables(tiny_model("llama"), CharTokenizer(), short, SMALL, Path("/nonexistent/x"))
+        compile_tables(CompileJob(tiny_model("llama"), CharTokenizer(), Path("/nonexistent/x")), short, SMALL)
 
 
 def test_a_model_with_non_finite_outputs_is_refused_and_nothing_is_written(tmp_path):
@@ -188,5 +202,5 @@ def test_a_model_with_non_finite_outputs_is_refused_and_nothing_is_written(tmp_p
         model.model.layers[1].mlp.down_proj.weight.fill_(float("nan"))
     out = tmp_path / "compilerkv_tables.safetensors"
     with pytest.raises(KVRuntimeError, match="continuation NLL is nan"):
-        compile_tables(model, CharTokenizer(), CORPUS, SMALL, out)
+        compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, SMALL)
     assert not out.exists()

@@ -38,22 +38,62 @@ def test_relearning_from_the_shipped_experience_reproduces_the_shipped_tables(tm
     result = runner.invoke(app, ["tables", "--from-experience", str(EXPERIENCE), "--out", str(out)])
     assert result.exit_code == 0, result.output
     shipped, relearned = kvruntime.read_artifact(TABLES).tensors, kvruntime.read_artifact(out).tensors
-    for name in ("head_reliability", "risk_thresholds", "entropy_edges", "perplexity_edges", "head_support", "gate_support"):
+    for name in (
+        "head_reliability",
+        "risk_thresholds",
+        "entropy_edges",
+        "perplexity_edges",
+        "head_support",
+        "gate_support",
+    ):
         assert torch.equal(shipped[name], relearned[name]), name
 
 
 def test_generate_with_compilerkv_at_a_compiled_budget_and_refuse_another():
     result = runner.invoke(
-        app, ["generate", "--method", "compilerkv", "--budget", "256", "--prompt-file", str(PROMPT), "--max-new-tokens", "8"]
+        app,
+        [
+            "generate",
+            "--method",
+            "compilerkv",
+            "--budget",
+            "256",
+            "--prompt-file",
+            str(PROMPT),
+            "--max-new-tokens",
+            "8",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "tables of compiled budget 256" in result.output
     refused = runner.invoke(
-        app, ["generate", "--method", "compilerkv", "--budget", "300", "--prompt-file", str(PROMPT), "--max-new-tokens", "2"]
+        app,
+        [
+            "generate",
+            "--method",
+            "compilerkv",
+            "--budget",
+            "300",
+            "--prompt-file",
+            str(PROMPT),
+            "--max-new-tokens",
+            "2",
+        ],
     )
     assert refused.exit_code == 2 and "not 300" in refused.output
     nearest = runner.invoke(
-        app, ["generate", "--method", "compilerkv", "--budget", "300", "--nearest-budget", "--prompt-file", str(PROMPT),
-              "--max-new-tokens", "2"]
+        app,
+        [
+            "generate",
+            "--method",
+            "compilerkv",
+            "--budget",
+            "300",
+            "--nearest-budget",
+            "--prompt-file",
+            str(PROMPT),
+            "--max-new-tokens",
+            "2",
+        ],
     )
     assert nearest.exit_code == 0 and "tables of compiled budget 256" in nearest.output

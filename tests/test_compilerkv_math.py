@@ -127,8 +127,18 @@ def test_tables_for_another_layer_count_interpolate_over_relative_depth():
 def test_tables_refuse_values_outside_the_action_grids_and_inconsistent_shapes():
     tables = _tables()
     with pytest.raises(ArtifactError, match="head_reliability holds values outside"):
-        CompilerKVTables(tables.budgets, tables.head_reliability * 2, tables.risk_thresholds, tables.entropy_edges,
-                         tables.perplexity_edges)
+        CompilerKVTables(
+            tables.budgets,
+            tables.head_reliability * 2,
+            tables.risk_thresholds,
+            tables.entropy_edges,
+            tables.perplexity_edges,
+        )
     with pytest.raises(ArtifactError, match="tables disagree"):
-        CompilerKVTables(tables.budgets, tables.head_reliability, tables.risk_thresholds[:, :, :2], tables.entropy_edges,
-                         tables.perplexity_edges)
+        CompilerKVTables(
+            tables.budgets,
+            tables.head_reliability,
+            tables.risk_thresholds[:, :, :2],
+            tables.entropy_edges,
+            tables.perplexity_edges,
+        )

@@ -74,7 +74,9 @@ def _reference_kept(model, ids, budget_index, uniform_heads=False, fixed_thresho
 @pytest.mark.parametrize("budget_index", [0, 1])
 def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, tables, prompt, budget_index, options):
     expected = _reference_kept(tiny, prompt, budget_index, **options)
-    with kvruntime.compress(tiny, "compilerkv", budget=BUDGETS[budget_index], artifacts=[tables], options=options) as session:
+    with kvruntime.compress(
+        tiny, "compilerkv", budget=BUDGETS[budget_index], artifacts=[tables], options=options
+    ) as session:
         session.prefill(prompt)
     for layer, indices in enumerate(expected):
         for kv_head in range(2):  # one index set per layer, shared by its KV heads
@@ -119,7 +121,9 @@ def test_a_budget_that_was_not_compiled_is_refused_unless_the_nearest_is_asked_f
     with pytest.raises(KVRuntimeError, match="compiled for budgets 70, 100 tokens per layer, not 90"):
         with kvruntime.compress(tiny, "compilerkv", budget=90, artifacts=[tables]):
             pass
-    with kvruntime.compress(tiny, "compilerkv", budget=90, artifacts=[tables], options={"nearest_budget": True}) as session:
+    with kvruntime.compress(
+        tiny, "compilerkv", budget=90, artifacts=[tables], options={"nearest_budget": True}
+    ) as session:
         session.prefill(prompt)
     assert max(session.report.slots_per_layer) <= 90
     assert "tables of compiled budget 100" in str(session.report)
@@ -138,7 +142,9 @@ def test_method_options_are_checked(tiny, tables):
 
 def test_tables_of_another_layer_count_need_force_and_are_interpolated_over_depth(tiny, tmp_path, prompt):
     deeper = dataclasses.replace(model_fingerprint(tiny), num_layers=7)
-    path = save_artifact(Artifact("compilerkv_tables", _tensors(layers=7), deeper, {"command": "test"}), tmp_path / "t.safetensors")
+    path = save_artifact(
+        Artifact("compilerkv_tables", _tensors(layers=7), deeper, {"command": "test"}), tmp_path / "t.safetensors"
+    )
     with pytest.raises(ArtifactError, match="with 7 layers, the model .* with 4; pass force=True"):
         kvruntime.load_artifact(path, model=tiny)
     with pytest.warns(UserWarning, match="applied by relative depth"):
@@ -146,6 +152,8 @@ def test_tables_of_another_layer_count_need_force_and_are_interpolated_over_dept
             session.prefill(prompt)
     assert len(session.report.slots_per_layer) == 4
     other_heads = dataclasses.replace(model_fingerprint(tiny), num_query_heads=8)
-    path = save_artifact(Artifact("compilerkv_tables", _tensors(), other_heads, {"command": "test"}), tmp_path / "h.safetensors")
+    path = save_artifact(
+        Artifact("compilerkv_tables", _tensors(), other_heads, {"command": "test"}), tmp_path / "h.safetensors"
+    )
     with pytest.raises(ArtifactError, match="num_query_heads: 8 vs 4"):
         kvruntime.load_artifact(path, model=tiny, force=True)

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 import kvcompile.recipes.compresskv.heads
 from kvcompile.calibration.checkpoint import checkpoint_path, save_checkpoint
 from kvcompile.calibration.corpus import load_corpus
+from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
 from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
 from kvcompile.recipes.compresskv.heads import HeadsSettings, compile_head_scores
@@ -32,7 +33,7 @@ def austen():
 def heads(default_model, austen, tmp_path_factory):
     model, tokenizer = default_model
     out = tmp_path_factory.mktemp("heads") / "srh_heads.safetensors"
-    artifact = compile_head_scores(model, tokenizer, austen, GRID, out=out)
+    artifact = compile_head_scores(CompileJob(model, tokenizer, out), austen, GRID)
     save_artifact(artifact, out)
     return load_artifact(out, model=model, kind="srh_heads")
 
@@ -59,10 +60,10 @@ def test_interrupted_heads_run_resumes_to_the_identical_artifact(default_model, 
 
     monkeypatch.setattr(kvcompile.recipes.compresskv.heads, "generate_with_attention_rows", crash_once_on_fourth)
     with pytest.raises(Crash):
-        compile_head_scores(model, tokenizer, austen, GRID, out=out, checkpoint_every=2)
+        compile_head_scores(CompileJob(model, tokenizer, out, checkpoint_every=2), austen, GRID)
     assert checkpoint_path(out).exists() and not out.exists()
     calls.clear()
-    resumed = compile_head_scores(model, tokenizer, austen, GRID, out=out, checkpoint_every=2, resume=True)
+    resumed = compile_head_scores(CompileJob(model, tokenizer, out, resume=True, checkpoint_every=2), austen, GRID)
     assert len(calls) == 4  # probes 3 to 6: the checkpoint (every 2 probes) held the first two
     for name in ("srh_score", "retrieval_score", "successful_probes", "probe_recall"):
         assert torch.equal(resumed.tensors[name], heads.tensors[name]), name
@@ -73,14 +74,14 @@ def test_resume_refuses_a_checkpoint_of_other_settings(default_model, austen, tm
     out = tmp_path / "srh_heads.safetensors"
     save_checkpoint(out, {"srh": torch.zeros(30, 9)}, {"next_probe": 1}, {"seed": 99})
     with pytest.raises(KVRuntimeError, match="other settings"):
-        compile_head_scores(model, tokenizer, austen, GRID, out=out, resume=True)
+        compile_head_scores(CompileJob(model, tokenizer, out, resume=True), austen, GRID)
 
 
 def test_layer_budgets_compile_is_deterministic(default_model, austen, heads, tmp_path):
     model, tokenizer = default_model
     settings = BudgetsSettings(prompts=2, prompt_tokens=192, new_tokens=4, seed=0)
-    first = compile_layer_errors(model, tokenizer, austen, heads, settings, out=tmp_path / "a.safetensors")
-    second = compile_layer_errors(model, tokenizer, austen, heads, settings, out=tmp_path / "b.safetensors")
+    first = compile_layer_errors(CompileJob(model, tokenizer, tmp_path / "a.safetensors"), austen, heads, settings)
+    second = compile_layer_errors(CompileJob(model, tokenizer, tmp_path / "b.safetensors"), austen, heads, settings)
     assert first.tensors["layer_error"].shape == (30,)
     assert torch.equal(first.tensors["layer_error"], second.tensors["layer_error"])
     assert first.tensors["layer_error"].sum().item() == pytest.approx(1.0, abs=1e-5)
@@ -89,7 +90,9 @@ def test_layer_budgets_compile_is_deterministic(default_model, austen, heads, tm
 
 def test_heads_command_refuses_a_corpus_too_short_for_the_grid(tmp_path):
     (tmp_path / "short.txt").write_text("A very short book. It ends here.")
-    result = runner.invoke(app, ["heads", "--corpus", str(tmp_path / "short.txt"), "--out", str(tmp_path / "h.safetensors")])
+    result = runner.invoke(
+        app, ["heads", "--corpus", str(tmp_path / "short.txt"), "--out", str(tmp_path / "h.safetensors")]
+    )
     assert result.exit_code == 2
     assert "too short for" in result.output and len(result.output.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]

@@ -42,7 +42,18 @@ def test_default_model_shape(default_model):
 @pytest.mark.parametrize("method", ["kvcompress", "snapkv"])
 def test_passkey_at_2k_tokens_is_answered_at_ratio_half(shipped_passkey, method):
     result = runner.invoke(
-        app, ["generate", "--method", method, "--ratio", "0.5", "--prompt-file", str(SHIPPED_PROMPT), "--max-new-tokens", "16"]
+        app,
+        [
+            "generate",
+            "--method",
+            method,
+            "--ratio",
+            "0.5",
+            "--prompt-file",
+            str(SHIPPED_PROMPT),
+            "--max-new-tokens",
+            "16",
+        ],
     )
     assert result.exit_code == 0, result.output
     answer, report = result.output.split("compression report:", 1)

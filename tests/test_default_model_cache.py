@@ -44,8 +44,17 @@ def tiny_spec(eos_id: int = 2) -> dm.GGUFTokenizer:
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     return dm.GGUFTokenizer(
-        model="gpt2", pre="smollm", tokens=tuple(tokens), token_types=(3, 3, 3) + (1,) * (len(tokens) - 3),
-        merges=merges, bos_id=1, eos_id=eos_id, unk_id=0, pad_id=2, add_bos=False, add_space_prefix=False,
+        model="gpt2",
+        pre="smollm",
+        tokens=tuple(tokens),
+        token_types=(3, 3, 3) + (1,) * (len(tokens) - 3),
+        merges=merges,
+        bos_id=1,
+        eos_id=eos_id,
+        unk_id=0,
+        pad_id=2,
+        add_bos=False,
+        add_space_prefix=False,
         chat_template=template,
     )
 
@@ -66,7 +75,11 @@ def test_the_tokenizer_built_from_gguf_metadata_round_trips_and_has_the_ggufs_sp
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
     assert tokenizer.tokenize("Hello world") == ["Hello", "Ġwo", "r", "l", "d"]  # the merges, applied by hand
     assert tokenizer("Hello").input_ids == [spec.tokens.index("Hello")]  # no BOS: the GGUF says add_bos false
-    assert (tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert (tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token) == (
+        "<|im_end|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    )
     assert tokenizer.tokenize("2026") == ["2", "0", "2", "6"]
     assert tokenizer.decode(tokenizer(dm.ROUND_TRIP_PROBE).input_ids) == dm.ROUND_TRIP_PROBE
     assert dm.tokenizer_problems(tokenizer, dm.tokenizer_reference(spec)) == []
@@ -89,9 +102,10 @@ def test_the_check_names_what_is_wrong(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(dm.tokenizer_config(spec, 512)))
     problems = dm.tokenizer_problems(AutoTokenizer.from_pretrained(str(tmp_path)), reference)
     assert any("does not survive encode and decode" in p for p in problems)
-    assert reference["chat_template_sha256"] != dm.tokenizer_reference(
-        dm.GGUFTokenizer(**{**spec.__dict__, "chat_template": None})
-    )["chat_template_sha256"]
+    assert (
+        reference["chat_template_sha256"]
+        != dm.tokenizer_reference(dm.GGUFTokenizer(**{**spec.__dict__, "chat_template": None}))["chat_template_sha256"]
+    )
 
 
 def counting_build(count_dir: Path, seconds: float = 0.0):
@@ -192,7 +206,9 @@ def test_the_default_tokenizer_survives_save_and_reload_with_the_ggufs_tokens(de
         assert loaded("Hello world").input_ids == [spec.tokens.index("Hello"), spec.tokens.index("Ġworld")]
         assert (loaded.eos_token, loaded.eos_token_id) == ("<|im_end|>", spec.eos_id)
         assert loaded.decode(loaded(dm.ROUND_TRIP_PROBE).input_ids) == dm.ROUND_TRIP_PROBE
-        chat = loaded.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        chat = loaded.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
         assert dm.tokenizer_problems(loaded, dm.tokenizer_reference(spec)) == []
 
@@ -201,10 +217,22 @@ def test_the_default_tokenizer_survives_save_and_reload_with_the_ggufs_tokens(de
 def test_two_first_runs_at_once_on_an_empty_cache_answer_and_leave_one_good_cache(tmp_path):
     env = {**os.environ, "KVCOMPILE_CACHE": str(tmp_path / "cache")}
     command = [
-        sys.executable, "-m", "kvcompile.cli", "generate", "--method", "kvcompress", "--ratio", "0.5",
-        "--prompt-file", str(ROOT / "calibration_data/prompts/passkey_2k.txt"), "--max-new-tokens", "12",
+        sys.executable,
+        "-m",
+        "kvcompile.cli",
+        "generate",
+        "--method",
+        "kvcompress",
+        "--ratio",
+        "0.5",
+        "--prompt-file",
+        str(ROOT / "calibration_data/prompts/passkey_2k.txt"),
+        "--max-new-tokens",
+        "12",
     ]
-    runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outputs = [run.communicate(timeout=600) for run in runs]
     for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, err

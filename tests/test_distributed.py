@@ -30,7 +30,10 @@ def test_ranks_write_the_artifacts_one_process_writes(single, tmp_path, world):
     run_ranks(tmp_path, world)
     assert not list(tmp_path.glob("error*.txt")), [p.read_text() for p in tmp_path.glob("error*.txt")]
     for recipe in RECIPES:
-        alone, together = read_artifact(single / f"{recipe}.safetensors"), read_artifact(tmp_path / f"{recipe}.safetensors")
+        alone, together = (
+            read_artifact(single / f"{recipe}.safetensors"),
+            read_artifact(tmp_path / f"{recipe}.safetensors"),
+        )
         assert alone.kind == together.kind and alone.params == together.params and alone.model == together.model
         assert alone.tensors.keys() == together.tensors.keys()
         for name, tensor in alone.tensors.items():

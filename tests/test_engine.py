@@ -191,5 +191,7 @@ def test_window_scores_never_switch_the_model_to_eager_attention(tiny, tokens, m
 
 def test_budget_larger_than_the_prompt_is_refused_with_the_lengths(tiny, tokens):
     with kvruntime.compress(tiny, "snapkv", budget=500) as session:
-        with pytest.raises(KVRuntimeError, match="budget 500 tokens per layer is larger than the prompt \\(80 tokens\\)"):
+        with pytest.raises(
+            KVRuntimeError, match="budget 500 tokens per layer is larger than the prompt \\(80 tokens\\)"
+        ):
             session.prefill(tokens)

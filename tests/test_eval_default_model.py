@@ -67,8 +67,21 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
     target = tmp_path / "tuned_defaults.safetensors"
     result = runner.invoke(
         app,
-        ["tune", "--methods", "snapkv,kvcompose:mode=dynamic", "--ratios", "0.5,0.75", "--tasks", "passkey",
-         "--lengths", "1k", "--samples", "1", "--out", str(target)],
+        [
+            "tune",
+            "--methods",
+            "snapkv,kvcompose:mode=dynamic",
+            "--ratios",
+            "0.5,0.75",
+            "--tasks",
+            "passkey",
+            "--lengths",
+            "1k",
+            "--samples",
+            "1",
+            "--out",
+            str(target),
+        ],
     )
     assert result.exit_code == 0, result.output
     artifact = kvruntime.load_artifact(target, model=default_model[0], kind="tuned_defaults")
@@ -82,6 +95,8 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
     assert "recommended: kvcompose:mode=dynamic at ratio 0.75" in result.output
     prompt = tmp_path / "prompt.txt"
     prompt.write_text((Path(__file__).parents[1] / "calibration_data/prompts/passkey_2k.txt").read_text())
-    generated = runner.invoke(app, ["generate", "--prompt-file", str(prompt), "--artifact", str(target), "--max-new-tokens", "8"])
+    generated = runner.invoke(
+        app, ["generate", "--prompt-file", str(prompt), "--artifact", str(target), "--max-new-tokens", "8"]
+    )
     assert generated.exit_code == 0, generated.output
     assert "kvcompose" in generated.output and "entries removed     75.0%" in generated.output

@@ -28,7 +28,9 @@ from kvruntime.fingerprint import model_fingerprint
 def test_next_token_kl_is_the_kl_divergence_of_the_two_distributions():
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(50, generator=generator), torch.randn(50, generator=generator)
-    expected = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=a), torch.distributions.Categorical(logits=b))
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=a), torch.distributions.Categorical(logits=b)
+    )
     assert next_token_kl(a, b) == pytest.approx(float(expected), rel=1e-6)
     assert next_token_kl(a, a + 3.0) == pytest.approx(0.0, abs=1e-9)  # a shift of the logits is the same distribution
     assert next_token_kl(a, b) != pytest.approx(next_token_kl(b, a))  # full cache first: not symmetric
@@ -56,7 +58,12 @@ def test_accuracy_auc_and_the_largest_ratio_within_tolerance():
 # -- contestants -----------------------------------------------------------------------------------------
 def test_methods_parse_with_options_and_the_full_cache_first():
     parsed = parse_methods("kvcompose:mode=dynamic:unstructured=true,compilerkv,snapkv+budgets")
-    assert [c.label for c in parsed] == ["full", "kvcompose:mode=dynamic:unstructured=true", "compilerkv", "snapkv+budgets"]
+    assert [c.label for c in parsed] == [
+        "full",
+        "kvcompose:mode=dynamic:unstructured=true",
+        "compilerkv",
+        "snapkv+budgets",
+    ]
     assert parsed[1].options == {"mode": "dynamic", "unstructured": True}
     assert parsed[2].options == {"nearest_budget": True}  # ratios map to the nearest compiled budget
     assert parsed[1].artifact_kinds() == [] and parsed[3].artifact_kinds() == ["layer_budgets"]
@@ -85,7 +92,9 @@ def test_kvpress_presses_without_the_bench_extra_say_how_to_get_it(monkeypatch):
 
 
 def test_a_missing_artifact_is_refused_with_the_command_that_compiles_it(tmp_path):
-    with pytest.raises(KVRuntimeError, match=r"compresskv needs .*srh_heads.safetensors: compile it with `kvcompile heads`"):
+    with pytest.raises(
+        KVRuntimeError, match=r"compresskv needs .*srh_heads.safetensors: compile it with `kvcompile heads`"
+    ):
         artifact_paths(parse_methods("compresskv"), tmp_path)
 
 
@@ -105,7 +114,9 @@ def test_run_records_resume_only_the_same_run(tmp_path):
 def test_methods_may_be_added_to_a_run_but_not_dropped(tmp_path):
     store = RunStore(tmp_path, {"methods": ["full", "snapkv"], "ratios": [0.5]}, resume=False, extendable=("methods",))
     store.add([{"prompt": 0, "method": "snapkv", "ratio": 0.5, "correct": 1}])
-    grown = RunStore(tmp_path, {"methods": ["full", "snapkv", "tova"], "ratios": [0.5]}, resume=True, extendable=("methods",))
+    grown = RunStore(
+        tmp_path, {"methods": ["full", "snapkv", "tova"], "ratios": [0.5]}, resume=True, extendable=("methods",)
+    )
     assert grown.done(0, "snapkv", 0.5) and not grown.done(0, "tova", 0.5)
     with pytest.raises(KVRuntimeError, match=r"methods differ"):
         RunStore(tmp_path, {"methods": ["full", "tova"], "ratios": [0.5]}, resume=True, extendable=("methods",))
@@ -115,8 +126,19 @@ def test_methods_may_be_added_to_a_run_but_not_dropped(tmp_path):
 
 def test_tables_group_by_method_ratio_task_and_length():
     records = [
-        dict(prompt=p, task=t, length=1024, method=m, ratio=r, correct=c, kl=k, agreement=1.0 - k, prefill_vs_full=1.0,
-             peak_mib=None, cache_kept=1.0 - r)
+        dict(
+            prompt=p,
+            task=t,
+            length=1024,
+            method=m,
+            ratio=r,
+            correct=c,
+            kl=k,
+            agreement=1.0 - k,
+            prefill_vs_full=1.0,
+            peak_mib=None,
+            cache_kept=1.0 - r,
+        )
         for p, t in ((0, "passkey"), (1, "qa"))
         for m, r, c, k in (("full", 0.0, 1, 0.0), ("snapkv", 0.5, p, 0.2), ("snapkv", 0.9, 0, 0.5))
     ]
@@ -145,16 +167,21 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
     assert full.tokens == plain[0, 80:].tolist()
     logits = model(tokens).logits[0, -1]
     assert torch.allclose(full.first_logits, logits, atol=1e-4)
-    same = answer(model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.0, context_ids, question_ids, 8, [])
+    same = answer(
+        model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.0, context_ids, question_ids, 8, []
+    )
     assert same.tokens == full.tokens and next_token_kl(full.first_logits, same.first_logits) < 1e-8
-    half = answer(model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.5, context_ids, question_ids, 8, [])
+    half = answer(
+        model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.5, context_ids, question_ids, 8, []
+    )
     assert half.cache_bytes == pytest.approx(full.cache_bytes / 2, rel=0.02)
     assert full.prefill_seconds > 0 and half.prefill_seconds > 0
 
 
 # -- tuning and the runtime's tuned defaults -----------------------------------------------------------
-SETTINGS = SuiteSettings(ratios=(0.5, 0.75, 0.9), tasks=("passkey",), lengths=(1024,), samples=2, seed=1,
-                         question_aware=False, new_tokens=48)
+SETTINGS = SuiteSettings(
+    ratios=(0.5, 0.75, 0.9), tasks=("passkey",), lengths=(1024,), samples=2, seed=1, question_aware=False, new_tokens=48
+)
 
 
 def tuning_records(accuracies: dict[str, list[float]], full: float = 1.0) -> list[dict]:
@@ -162,15 +189,25 @@ def tuning_records(accuracies: dict[str, list[float]], full: float = 1.0) -> lis
     records = [dict(prompt=p, method="full", ratio=0.0, correct=int(p < 2 * full), kl=0.0) for p in range(2)]
     for label, curve in accuracies.items():
         for ratio, accuracy in zip(SETTINGS.ratios, curve):
-            records += [dict(prompt=p, method=label, ratio=ratio, correct=int(p < 2 * accuracy), kl=ratio) for p in range(2)]
+            records += [
+                dict(prompt=p, method=label, ratio=ratio, correct=int(p < 2 * accuracy), kl=ratio) for p in range(2)
+            ]
     return records
 
 
 def tuned(tmp_path, accuracies, methods="snapkv,kvcompress,compresskv", artifacts=None, full=1.0):
     model = tiny_model("llama")
     contestants = parse_methods(methods)
-    artifact = recommendation(model, contestants, artifacts or {}, SETTINGS, 0.02, tuning_records(accuracies, full),
-                              Corpus("validation", ("text",)), tmp_path)
+    artifact = recommendation(
+        model,
+        contestants,
+        artifacts or {},
+        SETTINGS,
+        0.02,
+        tuning_records(accuracies, full),
+        Corpus("validation", ("text",)),
+        tmp_path,
+    )
     return model, save_artifact(artifact, tmp_path / "tuned_defaults.safetensors")
 
 
@@ -194,11 +231,20 @@ def test_the_runtime_takes_the_tuned_method_ratio_and_artifacts(tmp_path, tokens
     model = tiny_model("llama")
     fingerprint = model_fingerprint(model)
     folder = tmp_path / "artifacts"
-    srh = save_artifact(Artifact("srh_heads", {"srh_score": torch.rand(4, 4)}, fingerprint, {"seed": 0}), folder / "srh_heads.safetensors")
-    budgets = save_artifact(Artifact("layer_budgets", {"layer_error": torch.rand(4) + 0.1}, fingerprint, {"seed": 0}), folder / "layer_budgets.safetensors")
+    srh = save_artifact(
+        Artifact("srh_heads", {"srh_score": torch.rand(4, 4)}, fingerprint, {"seed": 0}),
+        folder / "srh_heads.safetensors",
+    )
+    budgets = save_artifact(
+        Artifact("layer_budgets", {"layer_error": torch.rand(4) + 0.1}, fingerprint, {"seed": 0}),
+        folder / "layer_budgets.safetensors",
+    )
     artifacts = {"compresskv": [srh, budgets]}
     _, path = tuned(folder, {"snapkv": [0.0], "kvcompress": [0.0], "compresskv": [1.0, 0.0]}, artifacts=artifacts)
-    assert kvruntime.read_artifact(path).params["recommended"]["artifacts"] == ["srh_heads.safetensors", "layer_budgets.safetensors"]
+    assert kvruntime.read_artifact(path).params["recommended"]["artifacts"] == [
+        "srh_heads.safetensors",
+        "layer_budgets.safetensors",
+    ]
     with kvruntime.compress(model, artifacts=[path]) as session:
         session.prefill(tokens)
     assert session.method.name == "compresskv" and session.ratio == 0.5

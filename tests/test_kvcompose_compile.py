@@ -9,6 +9,7 @@ from conftest import CharTokenizer, tiny_model
 from typer.testing import CliRunner
 
 from kvcompile.calibration.corpus import Corpus
+from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
 from kvcompile.recipes.kvcompose import attention_stats
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, TaskSet, compile_attention_stats, load_task_set
@@ -20,7 +21,9 @@ runner = CliRunner()
 
 
 def test_the_artifact_holds_shares_that_sum_to_the_kept_share_and_decreasing_curves(tmp_path):
-    artifact = compile_attention_stats(tiny_model("qwen2"), CharTokenizer(), CORPUS, SETTINGS, tmp_path / "s.safetensors")
+    artifact = compile_attention_stats(
+        CompileJob(tiny_model("qwen2"), CharTokenizer(), tmp_path / "s.safetensors"), CORPUS, SETTINGS
+    )
     t = artifact.tensors
     assert artifact.kind == "kvcompose_stats" and artifact.params["task_mode"] == "task-agnostic"
     assert t["layer_fractions"].shape == (2, 4) and t["head_fractions"].shape == (2, 4, 2)
@@ -36,8 +39,12 @@ def test_the_artifact_holds_shares_that_sum_to_the_kept_share_and_decreasing_cur
 
 def test_task_aware_mode_scores_with_the_task_prompts_and_records_the_mode(tmp_path):
     tasks = TaskSet("questions", ("what came first?", "list the letters"))
-    aware = compile_attention_stats(tiny_model("llama"), CharTokenizer(), CORPUS, SETTINGS, tmp_path / "a", task_set=tasks)
-    agnostic = compile_attention_stats(tiny_model("llama"), CharTokenizer(), CORPUS, SETTINGS, tmp_path / "b")
+    aware = compile_attention_stats(
+        CompileJob(tiny_model("llama"), CharTokenizer(), tmp_path / "a"), CORPUS, SETTINGS, task_set=tasks
+    )
+    agnostic = compile_attention_stats(
+        CompileJob(tiny_model("llama"), CharTokenizer(), tmp_path / "b"), CORPUS, SETTINGS
+    )
     assert aware.params["task_mode"] == "task-aware" and aware.params["task_prompts"] == 2
     assert not torch.equal(aware.tensors["composite_curves"], agnostic.tensors["composite_curves"])
 
@@ -45,7 +52,7 @@ def test_task_aware_mode_scores_with_the_task_prompts_and_records_the_mode(tmp_p
 def test_an_interrupted_run_resumes_to_the_identical_artifact(tmp_path, monkeypatch):
     out = tmp_path / "kvcompose_stats.safetensors"
     model = tiny_model("llama")
-    straight = compile_attention_stats(model, CharTokenizer(), CORPUS, SETTINGS, tmp_path / "straight")
+    straight = compile_attention_stats(CompileJob(model, CharTokenizer(), tmp_path / "straight"), CORPUS, SETTINGS)
     real, calls = attention_stats.prompt_scores, []
 
     def failing(*args, **kwargs):
@@ -56,14 +63,20 @@ def test_an_interrupted_run_resumes_to_the_identical_artifact(tmp_path, monkeypa
 
     monkeypatch.setattr(attention_stats, "prompt_scores", failing)
     with pytest.raises(KeyboardInterrupt):
-        compile_attention_stats(model, CharTokenizer(), CORPUS, SETTINGS, out, checkpoint_every=2)
+        compile_attention_stats(CompileJob(model, CharTokenizer(), out, checkpoint_every=2), CORPUS, SETTINGS)
     monkeypatch.setattr(attention_stats, "prompt_scores", real)
     assert out.with_name(out.name + ".partial").exists() and not out.exists()
-    resumed = compile_attention_stats(model, CharTokenizer(), CORPUS, SETTINGS, out, resume=True, checkpoint_every=2)
+    resumed = compile_attention_stats(
+        CompileJob(model, CharTokenizer(), out, resume=True, checkpoint_every=2), CORPUS, SETTINGS
+    )
     for name, tensor in straight.tensors.items():
         assert torch.equal(tensor, resumed.tensors[name]), name
     with pytest.raises(KVRuntimeError, match="other settings .*prompt_tokens"):
-        compile_attention_stats(model, CharTokenizer(), CORPUS, dataclasses.replace(SETTINGS, prompt_tokens=80), out, resume=True)
+        compile_attention_stats(
+            CompileJob(model, CharTokenizer(), out, resume=True),
+            CORPUS,
+            dataclasses.replace(SETTINGS, prompt_tokens=80),
+        )
 
 
 @pytest.mark.parametrize(
@@ -104,7 +117,9 @@ def test_stats_refuses_bad_input_in_one_line_before_loading_the_model(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     Path("empty.txt").write_text("")
-    monkeypatch.setattr(recipe, "load_model", lambda model: pytest.fail("the model was loaded before the input was checked"))
+    monkeypatch.setattr(
+        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the input was checked")
+    )
     before = sorted(tmp_path.iterdir())
     result = runner.invoke(app, ["stats", "--out", "stats.safetensors", *args])
     assert result.exit_code == 2

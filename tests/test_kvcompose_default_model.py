@@ -9,6 +9,7 @@ from conftest import dynamic_layer_shares
 
 import kvruntime
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
+from kvcompile.calibration.job import CompileJob
 from kvcompile.prompt_format import chat_frame
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 
@@ -22,7 +23,9 @@ def test_the_compiled_allocation_is_the_dynamic_allocation_averaged_over_calibra
     model, tokenizer = default_model
     settings = StatsSettings(ratios=(0.5, 0.75, 0.9), prompts=2, prompt_tokens=512, seed=3)
     corpus = load_corpus()
-    artifact = compile_attention_stats(model, tokenizer, corpus, settings, tmp_path / "kvcompose_stats.safetensors")
+    artifact = compile_attention_stats(
+        CompileJob(model, tokenizer, tmp_path / "kvcompose_stats.safetensors"), corpus, settings
+    )
     prompts = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
     for index, ratio in enumerate(settings.ratios):
         compiled = artifact.tensors["layer_fractions"][index].double()

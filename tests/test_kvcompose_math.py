@@ -103,7 +103,9 @@ def test_compiled_shares_are_exact_on_the_grid_interpolated_inside_and_refused_o
     shares, how = stats.fractions(0.625, per_head=True)
     assert torch.allclose(shares, torch.tensor([[0.7, 0.5], [0.2, 0.1]], dtype=torch.float64))
     assert how == "interpolated between compiled ratios 0.5 and 0.75"
-    with pytest.raises(KVRuntimeError, match=r"ratio 0.9 is outside the compiled ratios of the kvcompose stats \(0.5 to 0.75"):
+    with pytest.raises(
+        KVRuntimeError, match=r"ratio 0.9 is outside the compiled ratios of the kvcompose stats \(0.5 to 0.75"
+    ):
         stats.fractions(0.9, per_head=False)
     assert stats.fractions(0.499, per_head=False, tolerance=0.01)[1] == "compiled ratio 0.5"
 

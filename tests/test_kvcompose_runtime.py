@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.allocation import apportion
 from kvruntime.artifact import save_artifact
@@ -25,7 +26,7 @@ SETTINGS = StatsSettings(ratios=(0.25, 0.5, 0.75), prompts=3, prompt_tokens=160)
 @pytest.fixture(scope="module")
 def stats_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("kvcompose") / "kvcompose_stats.safetensors"
-    artifact = compile_attention_stats(tiny_model("llama"), CharTokenizer(), CORPUS, SETTINGS, out)
+    artifact = compile_attention_stats(CompileJob(tiny_model("llama"), CharTokenizer(), out), CORPUS, SETTINGS)
     return save_artifact(artifact, out)
 
 
@@ -47,7 +48,9 @@ def _top_positions(scores: torch.Tensor, count: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("chunk", [7, 512])
-def test_the_scoring_pass_gives_the_eager_attention_of_the_prompt_fed_after_itself_and_restores_the_cache(tiny, tokens, chunk):
+def test_the_scoring_pass_gives_the_eager_attention_of_the_prompt_fed_after_itself_and_restores_the_cache(
+    tiny, tokens, chunk
+):
     length = tokens.shape[1]
     cache = DynamicCache(config=tiny.config)
     with torch.no_grad():
@@ -106,7 +109,9 @@ def test_compiled_mode_says_how_the_shares_were_obtained(stats_path):
     model = tiny_model("llama")
     with kvruntime.compress(model, "kvcompose", ratio=0.625, artifacts=[stats_path]) as session:
         session.prefill(_prompt())
-    assert "compiled allocation (task-agnostic stats, interpolated between compiled ratios 0.5 and 0.75)" in str(session.report)
+    assert "compiled allocation (task-agnostic stats, interpolated between compiled ratios 0.5 and 0.75)" in str(
+        session.report
+    )
     assert "composite tokens" in str(session.report)
 
 
@@ -123,7 +128,9 @@ def test_unstructured_variant_keeps_per_head_counts_masked(stats_path):
     model = tiny_model("llama")
     ids = _prompt()
     with pytest.raises(KVRuntimeError, match="use memory='masked'"):
-        kvruntime.compress(model, "kvcompose", ratio=0.5, options={"unstructured": True}, artifacts=[stats_path]).__enter__()
+        kvruntime.compress(
+            model, "kvcompose", ratio=0.5, options={"unstructured": True}, artifacts=[stats_path]
+        ).__enter__()
     for options in ({"unstructured": True}, {"unstructured": True, "mode": "dynamic"}):
         with kvruntime.compress(
             model, "kvcompose", ratio=0.5, memory="masked", options=options, artifacts=[stats_path]

@@ -10,6 +10,7 @@ from distributed_worker import CORPUS, STATS, CharTokenizer, heads_artifact, tin
 from typer.testing import CliRunner
 
 from kvcompile.calibration.distributed import Shard, parse_shard
+from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
 from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
@@ -23,14 +24,18 @@ def stats_shards(folder, count, settings=STATS, seed=0):
     paths = []
     for index in range(count):
         shard = Shard(index, count)
-        artifact = compile_attention_stats(tiny_model("llama", seed), CharTokenizer(), CORPUS, settings, folder / "run", shard=shard)
+        artifact = compile_attention_stats(
+            CompileJob(tiny_model("llama", seed), CharTokenizer(), folder / "run", shard=shard), CORPUS, settings
+        )
         paths.append(save_artifact(artifact, folder / f"stats{index}of{count}.safetensors"))
     return paths
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    return compile_attention_stats(tiny_model("llama"), CharTokenizer(), CORPUS, STATS, tmp_path_factory.mktemp("w") / "x")
+    return compile_attention_stats(
+        CompileJob(tiny_model("llama"), CharTokenizer(), tmp_path_factory.mktemp("w") / "x"), CORPUS, STATS
+    )
 
 
 def merge(*paths, out):
@@ -61,7 +66,9 @@ def test_shards_merged_at_once_or_in_steps_give_the_artifact_of_one_run(tmp_path
 def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
     model = tiny_model("llama")
     settings = BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0)
-    half = compile_layer_errors(model, CharTokenizer(), CORPUS, heads_artifact(model), settings, tmp_path / "b", shard=Shard(1, 2))
+    half = compile_layer_errors(
+        CompileJob(model, CharTokenizer(), tmp_path / "b", shard=Shard(1, 2)), CORPUS, heads_artifact(model), settings
+    )
     assert half.tensors["items_done"].tolist() == [0, 1, 0, 1]
     assert half.params["statistics_of"] == "layer_budgets"
 
@@ -72,9 +79,18 @@ def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
         (lambda folder: stats_shards(folder, 2, dataclasses.replace(STATS, seed=5))[1], "they differ in seed"),
         (lambda folder: stats_shards(folder, 2, seed=1)[1], "they differ in model weights_hash"),
         (lambda folder: stats_shards(folder, 2)[0], "the partial statistics overlap: items [0, 2, 4]"),
-        (lambda folder: save_artifact(compile_layer_errors(
-            tiny_model("llama"), CharTokenizer(), CORPUS, heads_artifact(tiny_model("llama")),
-            BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0), folder / "b", shard=Shard(1, 2)), folder / "budgets.safetensors"), "holds statistics of 'layer_budgets'"),
+        (
+            lambda folder: save_artifact(
+                compile_layer_errors(
+                    CompileJob(tiny_model("llama"), CharTokenizer(), folder / "b", shard=Shard(1, 2)),
+                    CORPUS,
+                    heads_artifact(tiny_model("llama")),
+                    BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
+                ),
+                folder / "budgets.safetensors",
+            ),
+            "holds statistics of 'layer_budgets'",
+        ),
         (lambda folder: folder / "missing.safetensors", "no such artifact file"),
     ],
 )

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile import cli, recipe
+from kvcompile.calibration.job import CompileJob
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.files import path_lock
@@ -41,9 +42,18 @@ def workdir(tmp_path, monkeypatch) -> Path:
         (["--max-new-tokens", "-1"], "--max-new-tokens -1: give at least 1 token to generate"),
         (["--question", ""], "--question is empty"),
         (["--question", "What is it?", "--question", "  "], "--question is empty"),
-        (["--method", "kvcompose", "--option", "unstructured=maybe"], "kvcompose option unstructured='maybe' is not a boolean"),
-        (["--method", "compilerkv", "--option", "fixed_threshold=high"], "compilerkv option fixed_threshold='high' is not a number"),
-        (["--method", "kvcompose", "--option", "mode=fast"], "unknown kvcompose mode 'fast' (use one of compiled, dynamic)"),
+        (
+            ["--method", "kvcompose", "--option", "unstructured=maybe"],
+            "kvcompose option unstructured='maybe' is not a boolean",
+        ),
+        (
+            ["--method", "compilerkv", "--option", "fixed_threshold=high"],
+            "compilerkv option fixed_threshold='high' is not a number",
+        ),
+        (
+            ["--method", "kvcompose", "--option", "mode=fast"],
+            "unknown kvcompose mode 'fast' (use one of compiled, dynamic)",
+        ),
         (["--option", "mode=dynamic"], "--option needs --method"),
     ],
 )
@@ -53,7 +63,11 @@ def test_generate_refuses_bad_options_in_one_line(workdir, args, message):
 
 def test_generate_refuses_a_one_token_prompt_before_generating(workdir):
     (workdir / "one.txt").write_text("A")
-    assert_refused(workdir, ["generate", "--prompt-file", "one.txt", "--method", "snapkv"], "holds fewer than 2 tokens: nothing to compress")
+    assert_refused(
+        workdir,
+        ["generate", "--prompt-file", "one.txt", "--method", "snapkv"],
+        "holds fewer than 2 tokens: nothing to compress",
+    )
 
 
 def test_folders_given_as_files_are_called_folders(workdir):
@@ -106,7 +120,9 @@ def _partial(folder: Path, index: int) -> Path:
 
     out = folder / f"s{index}.safetensors"
     settings = StatsSettings(ratios=(0.5,), prompts=2, prompt_tokens=96)
-    partial = compile_attention_stats(LLAMA, CharTokenizer(), load_corpus("corpus.txt"), settings, out, shard=parse_shard(f"{index}/2"))
+    partial = compile_attention_stats(
+        CompileJob(LLAMA, CharTokenizer(), out, shard=parse_shard(f"{index}/2")), load_corpus("corpus.txt"), settings
+    )
     return save_artifact(partial, out)
 
 
@@ -145,7 +161,9 @@ def test_merge_refuses_a_folder_or_one_of_its_inputs_as_out(statsdir):
     (workdir / "folder").mkdir()
     names = [p.name for p in partials]
     assert_refused(workdir, ["merge", *names, "--out", "folder"], "--out folder is a folder")
-    assert_refused(workdir, ["merge", *names, "--out", names[1]], f"--out {names[1]} is one of the partials being merged")
+    assert_refused(
+        workdir, ["merge", *names, "--out", names[1]], f"--out {names[1]} is one of the partials being merged"
+    )
 
 
 def test_a_second_run_writing_the_same_out_is_refused(statsdir):
@@ -158,15 +176,27 @@ def test_a_second_run_writing_the_same_out_is_refused(statsdir):
 
 
 def test_heads_refuses_lengths_it_cannot_probe(workdir, monkeypatch):
-    assert_refused(workdir, ["heads", "--corpus", "corpus.txt", "--lengths", "0"], "--lengths 0: a needle probe needs at least 128 tokens")
+    assert_refused(
+        workdir,
+        ["heads", "--corpus", "corpus.txt", "--lengths", "0"],
+        "--lengths 0: a needle probe needs at least 128 tokens",
+    )
     too_long = str(TINY["max_position_embeddings"] + 1)
-    assert_refused(workdir, ["heads", "--corpus", "corpus.txt", "--lengths", too_long], f"is longer than the model's {TINY['max_position_embeddings']} positions")
+    assert_refused(
+        workdir,
+        ["heads", "--corpus", "corpus.txt", "--lengths", too_long],
+        f"is longer than the model's {TINY['max_position_embeddings']} positions",
+    )
 
 
 def test_a_jsonl_text_column_that_holds_numbers_is_called_that(statsdir):
     workdir = statsdir
     (workdir / "numbers.jsonl").write_text("\n".join(json.dumps({"text": i}) for i in range(5)))
-    assert_refused(workdir, [*STATS, "--corpus", "numbers.jsonl", "--out", "s.safetensors"], "column 'text' holds int64 values, not text")
+    assert_refused(
+        workdir,
+        [*STATS, "--corpus", "numbers.jsonl", "--out", "s.safetensors"],
+        "column 'text' holds int64 values, not text",
+    )
 
 
 def test_starting_over_an_interrupted_run_says_so(statsdir, monkeypatch):
@@ -292,11 +322,18 @@ def test_kvcompose_and_compilerkv_table_errors_name_the_file(tmp_path):
     fingerprint = model_fingerprint(LLAMA)
     stats = Artifact(
         "kvcompose_stats",
-        {"ratios": torch.tensor([0.5, 0.3]), "layer_fractions": torch.full((2, 4), 0.5), "head_fractions": torch.full((2, 4, 2), 0.5)},
-        fingerprint, {"command": "test"},
+        {
+            "ratios": torch.tensor([0.5, 0.3]),
+            "layer_fractions": torch.full((2, 4), 0.5),
+            "head_fractions": torch.full((2, 4, 2), 0.5),
+        },
+        fingerprint,
+        {"command": "test"},
     )
     path = save_artifact(stats, tmp_path / "stats.safetensors")
-    with pytest.raises(KVRuntimeError, match=rf"{path}: kvcompose stats: compiled ratios \[0.5, 0.3\] are not increasing"):
+    with pytest.raises(
+        KVRuntimeError, match=rf"{path}: kvcompose stats: compiled ratios \[0.5, 0.3\] are not increasing"
+    ):
         kvruntime.get_method("kvcompose", [kvruntime.load_artifact(path, model=LLAMA)])
 
 

@@ -28,5 +28,9 @@ def test_every_package_and_shipped_folder_is_in_the_wheel_list():
         assert mapped[f"kvcompile._shipped.{name}"] == shipped_folder(name)  # the checkout's folder is the one shipped
         patterns = setuptools["package-data"][f"kvcompile._shipped.{name}"]
         shipped = {p for pattern in patterns for p in shipped_folder(name).glob(pattern)}
-        tracked = {p for p in shipped_folder(name).rglob("*") if p.is_file() and p.suffix in (".md", ".safetensors", ".png", ".gz", ".txt")}
+        tracked = {
+            p
+            for p in shipped_folder(name).rglob("*")
+            if p.is_file() and p.suffix in (".md", ".safetensors", ".png", ".gz", ".txt")
+        }
         assert tracked == shipped  # no shipped file left out of the wheel

@@ -13,6 +13,7 @@ from conftest import CharTokenizer, tiny_model
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.fingerprint import model_fingerprint
@@ -45,7 +46,7 @@ def setup(request, tmp_path_factory):
     errors = torch.tensor([0.02, 0.9, 0.03, 0.05])
     heads = torch.rand(4, 4, generator=torch.Generator().manual_seed(1))
     settings = StatsSettings(ratios=RATIOS, prompts=3, prompt_tokens=LENGTH)
-    stats = compile_attention_stats(model, CharTokenizer(), CORPUS, settings, folder / "stats.safetensors")
+    stats = compile_attention_stats(CompileJob(model, CharTokenizer(), folder / "stats.safetensors"), CORPUS, settings)
     paths = [
         save_artifact(Artifact("srh_heads", {"srh_score": heads}, **common), folder / "srh.safetensors"),
         save_artifact(Artifact("layer_budgets", {"layer_error": errors}, **common), folder / "budgets.safetensors"),

@@ -88,14 +88,18 @@ class Scanner(ast.NodeVisitor):
             self.flag(node, f"calls the builtin {name}() (runs code made from data)")
         elif name == "numpy.load" and allow_pickle is not None and not _is_false(allow_pickle):
             self.flag(node, "calls numpy.load with allow_pickle")
-        elif name in ("yaml.load", "yaml.load_all") and (loader is None or self.dotted(loader) not in SAFE_YAML_LOADERS):
+        elif name in ("yaml.load", "yaml.load_all") and (
+            loader is None or self.dotted(loader) not in SAFE_YAML_LOADERS
+        ):
             self.flag(node, f"calls {name} without a SafeLoader")
         elif name in UNSAFE_YAML:
             self.flag(node, f"calls {name} (not the safe loader)")
         elif name in IMPORT_FUNCTIONS and _constant_text(node.args[:1]) is not None:
             self.check_module(node, _constant_text(node.args[:1]))
-        elif isinstance(node.func, ast.Attribute) and node.func.attr in D3RLPY_PERSISTENCE and (
-            self.uses_d3rlpy or name.startswith("d3rlpy.")
+        elif (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr in D3RLPY_PERSISTENCE
+            and (self.uses_d3rlpy or name.startswith("d3rlpy."))
         ):
             self.flag(node, f"calls .{node.func.attr}() in a module that uses d3rlpy (d3rlpy model files are pickles)")
         for keyword in node.keywords:
@@ -182,9 +186,15 @@ def test_the_project_sources_load_no_pickles_remote_code_or_code_from_data():
         ("import d3rlpy\nalgo.save_model(path)", "calls .save_model()"),
         ("import d3rlpy\nalgo.save(path)", "calls .save()"),
         ("import d3rlpy\nconfig = d3rlpy.algos.DiscreteCQLConfig.from_json(path)", "calls .from_json()"),
-        ("def load():\n    import d3rlpy\n    return d3rlpy\nalgo = load()\nalgo.load_model(path)", "calls .load_model()"),
+        (
+            "def load():\n    import d3rlpy\n    return d3rlpy\nalgo = load()\nalgo.load_model(path)",
+            "calls .load_model()",
+        ),
         ("model = AutoModel.from_pretrained(name, trust_remote_code=True)", "passes trust_remote_code"),
-        ("model = AutoModel.from_pretrained(name, **{'trust_remote_code': True})", "names trust_remote_code in a string"),
+        (
+            "model = AutoModel.from_pretrained(name, **{'trust_remote_code': True})",
+            "names trust_remote_code in a string",
+        ),
         ("config.trust_remote_code = True", "sets or reads an attribute trust_remote_code"),
         ("value = eval(text)", "calls the builtin eval()"),
         ("exec(code)", "calls the builtin exec()"),

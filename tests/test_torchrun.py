@@ -33,8 +33,11 @@ def run(args: list[str], folder: Path) -> None:
 def test_the_readme_torchrun_command_writes_the_artifact_of_one_process(tmp_path, command):
     torchrun = next(c for c in readme_torchrun_commands() if command in c)
     assert torchrun[:5] == ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python"]
-    kvcompile = torchrun[torchrun.index("kvcompile"):]
-    run([sys.executable, "-m", "torch.distributed.run", *torchrun[1:], *SMALLER[command], "--out", "ranks.safetensors"], tmp_path)
+    kvcompile = torchrun[torchrun.index("kvcompile") :]
+    run(
+        [sys.executable, "-m", "torch.distributed.run", *torchrun[1:], *SMALLER[command], "--out", "ranks.safetensors"],
+        tmp_path,
+    )
     run([*kvcompile, *SMALLER[command], "--out", "alone.safetensors"], tmp_path)
     ranks, alone = read_artifact(tmp_path / "ranks.safetensors"), read_artifact(tmp_path / "alone.safetensors")
     assert ranks.params == alone.params and ranks.model == alone.model

@@ -24,7 +24,9 @@ def test_window_attention_equals_eager_rows(tiny, tokens):
         got = window_attention(queries, keys, layer.self_attn.scaling)
         expected = output.attentions[index][:, :, -window:, :]
         batch, kv_heads, groups, _, length = got.shape
-        torch.testing.assert_close(got.reshape(batch, kv_heads * groups, window, length), expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            got.reshape(batch, kv_heads * groups, window, length), expected, atol=1e-5, rtol=1e-4
+        )
 
 
 def test_window_attention_is_causal_inside_window():

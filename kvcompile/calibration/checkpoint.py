@@ -38,8 +38,10 @@ def load_checkpoint(
     if not path.exists():
         return None
     if not resume:
-        print(f"note: starting over; the checkpoint {path} of an interrupted run will be replaced (--resume continues it)",
-              file=sys.stderr)
+        print(
+            f"note: starting over; the checkpoint {path} of an interrupted run will be replaced (--resume continues it)",
+            file=sys.stderr,
+        )
         return None
     try:
         with safe_open(str(path), framework="pt") as handle:

@@ -82,7 +82,9 @@ def load_corpus(source: str | Path | None = None) -> Corpus:
     if source is None or str(source) == DEFAULT_CORPUS:
         return _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
     if str(source) == "moby-dick":
-        return _text_files("moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz")))
+        return _text_files(
+            "moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz"))
+        )
     path = Path(source)
     if not path.exists():
         raise KVRuntimeError(f"corpus {path} does not exist (give a text file, a folder of .txt, or a jsonl/parquet)")
@@ -182,6 +184,8 @@ def calibration_prompts(
         start = rng.randrange(0, len(document) - tokens * 8)
         ids = passage_ids(tokenizer, document, start, tokens)
         if len(ids) < tokens:
-            raise KVRuntimeError(f"corpus {corpus.name}: document {source} gave a passage of {len(ids)} < {tokens} tokens")
+            raise KVRuntimeError(
+                f"corpus {corpus.name}: document {source} gave a passage of {len(ids)} < {tokens} tokens"
+            )
         prompts.append((source, torch.tensor([ids])))
     return prompts

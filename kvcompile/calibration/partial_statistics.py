@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
-from kvcompile.calibration.distributed import Shard, agree_on_settings, differing_settings, gather_dicts
+from kvcompile.calibration.distributed import agree_on_settings, differing_settings, gather_dicts
+from kvcompile.calibration.job import CompileJob
 from kvruntime import Artifact, KVRuntimeError, ModelFingerprint
 
 PARTIAL_KIND = "partial_statistics"
@@ -33,7 +33,7 @@ ERROR = ".error"
 @dataclasses.dataclass(frozen=True)
 class StatisticsRun:
     kind: str  # the artifact kind the sums finish into
-    model: ModelFingerprint
+    model: ModelFingerprint  # the model the sums were measured on
     settings: dict[str, Any]  # everything the sums depend on besides the model (JSON-able)
     items: int
     provenance: dict[str, Any]
@@ -53,20 +53,19 @@ def accumulate(
     run: StatisticsRun,
     sums: dict[str, torch.Tensor],
     add_item: Callable[[int, dict[str, torch.Tensor]], None],
-    out: Path,
-    shard: Shard,
-    resume: bool,
-    checkpoint_every: int,
+    job: CompileJob,
     label: str,
     unit: str,
 ) -> dict[str, torch.Tensor]:
-    """Run `add_item(item, sums)` over this shard's items, checkpointing every `checkpoint_every` items; returns
-    the sums (over every rank when in a process group), with the `items_done` count."""
+    """Run `add_item(item, sums)` over the job's share of the items, checkpointing every `job.checkpoint_every`
+    items (beside `job.out`); returns the sums (over every rank when in a process group), with the `items_done`
+    count. `label` and `unit` name the progress bar and its items."""
+    shard, out = job.shard, job.out
     agree_on_settings(shard, run.identity)
     zeros = {**sums, DONE: torch.zeros(run.items, dtype=torch.int64)}
     sums = combine([zeros])
     identity = {**run.identity, "shard": shard.describe()}
-    saved = load_checkpoint(out, identity, shard, resume)
+    saved = load_checkpoint(out, identity, shard, job.resume)
     if saved is not None:
         sums = saved[0]
     todo = [item for item in shard.items(run.items) if not sums[DONE][item]]
@@ -78,7 +77,7 @@ def accumulate(
         contribution[DONE][item] = 1
         sums = combine([sums, contribution])
         bar.update()
-        if done % checkpoint_every == 0 and done < len(todo):
+        if done % job.checkpoint_every == 0 and done < len(todo):
             save_checkpoint(out, sums, {"items_done": int(sums[DONE].sum())}, identity, shard)
     bar.close()
     return combine(gather_dicts(shard, sums))
@@ -133,7 +132,10 @@ def partial_artifact(run: StatisticsRun, sums: dict[str, torch.Tensor], shards: 
 def run_of_partial(partial: Artifact) -> StatisticsRun:
     params = partial.params
     return StatisticsRun(
-        kind=params["statistics_of"], model=partial.model, settings=params["settings"], items=params["items"],
+        kind=params["statistics_of"],
+        model=partial.model,
+        settings=params["settings"],
+        items=params["items"],
         provenance=partial.provenance,
     )
 

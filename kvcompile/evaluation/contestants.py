@@ -108,7 +108,9 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
         for path in paths[contestant.label]:
             if not path.exists():
                 command = ARTIFACT_KINDS[path.name.removesuffix(".safetensors")].command
-                raise KVRuntimeError(f"{contestant.label} needs {path}: compile it with `{command}` or pass --artifacts DIR")
+                raise KVRuntimeError(
+                    f"{contestant.label} needs {path}: compile it with `{command}` or pass --artifacts DIR"
+                )
     return paths
 
 
@@ -119,6 +121,8 @@ def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]
 
     for contestant in contestants:
         if contestant.kind == "kvcompile":
-            method = get_method(contestant.method, [read_artifact(p) for p in paths[contestant.label]], contestant.options)
+            method = get_method(
+                contestant.method, [read_artifact(p) for p in paths[contestant.label]], contestant.options
+            )
             for ratio in ratios:
                 method.check_request(Request(ratio=ratio))

@@ -51,7 +51,9 @@ def machine() -> str:
     cpu = "unknown CPU"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     device = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ", no GPU"
     return (

@@ -21,17 +21,27 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.3 * rows), squeeze=False, sharey=True)
     for axis, task in zip(axes.flat, tasks):
         chosen = records if task == "all tasks" else [r for r in records if r["task"] == task]
-        accuracy = {k: statistics.mean(r["correct"] for r in v) for k, v in grouped(chosen, lambda r: (r["method"], r["ratio"])).items()}
+        accuracy = {
+            k: statistics.mean(r["correct"] for r in v)
+            for k, v in grouped(chosen, lambda r: (r["method"], r["ratio"])).items()
+        }
         full = accuracy[(FULL, 0.0)]
         for index, method in enumerate(methods):
             ratios = sorted(r for m, r in accuracy if m == method)
             style = "-" if not method.startswith("kvpress") else "--"
-            axis.plot([0.0, *ratios], [full, *(accuracy[(method, r)] for r in ratios)], style, marker="o",
-                      markersize=3, label=method, color=plt.cm.tab20(index % 20))
+            axis.plot(
+                [0.0, *ratios],
+                [full, *(accuracy[(method, r)] for r in ratios)],
+                style,
+                marker="o",
+                markersize=3,
+                label=method,
+                color=plt.cm.tab20(index % 20),
+            )
         axis.set_title(task)
         axis.set_xlabel("compression ratio")
         axis.set_ylim(-0.05, 1.05)
-    for axis in axes.flat[len(tasks):]:
+    for axis in axes.flat[len(tasks) :]:
         axis.axis("off")
     for axis in axes[:, 0]:
         axis.set_ylabel("accuracy")
@@ -52,7 +62,9 @@ def plot_niah_heatmap(records: list[dict], path: Path) -> None:
     lengths = sorted({r["length"] for r in placed})
     methods = list(dict.fromkeys(r["method"] for r in placed))
     ratios = sorted({r["ratio"] for r in placed if r["method"] != FULL})
-    cells = grouped(placed, lambda r: (r["method"], 0.0 if r["method"] == FULL else r["ratio"], r["length"], round(r["depth"], 1)))
+    cells = grouped(
+        placed, lambda r: (r["method"], 0.0 if r["method"] == FULL else r["ratio"], r["length"], round(r["depth"], 1))
+    )
     figure, axes = plt.subplots(
         len(ratios), len(methods), figsize=(1.6 * len(methods) + 1, 1.9 * len(ratios) + 0.8), squeeze=False, sharey=True
     )
@@ -66,7 +78,9 @@ def plot_niah_heatmap(records: list[dict], path: Path) -> None:
                         grid[i, j] = statistics.mean(r["correct"] for r in cell)
             axis = axes[row, column]
             image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-            axis.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize=7)
+            axis.set_xticks(
+                range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize=7
+            )
             axis.set_yticks(range(len(depths)), [f"{d:.1f}" for d in depths], fontsize=7)
             if row == 0:
                 axis.set_title(method, fontsize=7)

@@ -32,7 +32,12 @@ def with_peak_ratios(records: list[dict]) -> list[dict]:
     memory was not measured)."""
     full = {r["prompt"]: r["peak_mib"] for r in records if r["method"] == FULL}
     return [
-        {**r, "peak_vs_full": r["peak_mib"] / full[r["prompt"]] if r["peak_mib"] is not None and full.get(r["prompt"]) else None}
+        {
+            **r,
+            "peak_vs_full": r["peak_mib"] / full[r["prompt"]]
+            if r["peak_mib"] is not None and full.get(r["prompt"])
+            else None,
+        }
         for r in records
     ]
 

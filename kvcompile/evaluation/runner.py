@@ -77,7 +77,10 @@ def prefilled(
     cache = DynamicCache(config=model.config)
     with PeakMemory() as peak:
         started = time.perf_counter()
-        with torch.no_grad(), contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext():
+        with (
+            torch.no_grad(),
+            contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext(),
+        ):
             model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - started
 
@@ -101,8 +104,12 @@ def answer(
     """The contestant's greedy answer to the question over its compressed context, with the prefill's measures."""
     with prefilled(model, contestant, ratio, context_ids, artifacts) as context:
         output = context.generate(
-            question_ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id,
+            question_ids,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.eos_token_id,
         )
     tokens = output.sequences[0, question_ids.shape[1] :].tolist()
     return Answer(

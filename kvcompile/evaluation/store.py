@@ -24,17 +24,22 @@ class RunStore:
         self.records: list[dict] = []
         settings_path, runs_path = folder / "run.json", folder / "runs.jsonl"
         if runs_path.exists() and not resume:
-            raise KVRuntimeError(f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out")
+            raise KVRuntimeError(
+                f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out"
+            )
         if resume and runs_path.exists():
             saved = json.loads(settings_path.read_text()) if settings_path.exists() else {}
             given = json.loads(json.dumps(settings))
             changed = sorted(
-                k for k in set(saved) | set(given)
+                k
+                for k in set(saved) | set(given)
                 if saved.get(k) != given.get(k)
                 and not (k in extendable and set(saved.get(k) or []) <= set(given.get(k) or []))
             )
             if changed:
-                raise KVRuntimeError(f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out")
+                raise KVRuntimeError(
+                    f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out"
+                )
             self.records = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
         self._keys = {self.key(r["prompt"], r["method"], r["ratio"]) for r in self.records}
         self._settings = settings

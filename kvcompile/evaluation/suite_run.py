@@ -52,7 +52,12 @@ def evaluate(
     store: RunStore,
 ) -> list[dict]:
     prompts = suite_prompts(
-        load_corpus(HELD_OUT_BOOK), tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed,
+        load_corpus(HELD_OUT_BOOK),
+        tokenizer,
+        settings.tasks,
+        settings.lengths,
+        settings.samples,
+        settings.seed,
         settings.prompt_format,
     )
     full = contestants[0]
@@ -77,7 +82,12 @@ def evaluate(
 
 
 def reference_answer(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, index: int, prompt: TaskPrompt, full: Contestant, settings: SuiteSettings
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    index: int,
+    prompt: TaskPrompt,
+    full: Contestant,
+    settings: SuiteSettings,
 ) -> tuple[Answer, dict]:
     """The full cache's answer (the reference of every score of the prompt) and its record."""
     records = run_prompt(model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, None)
@@ -100,20 +110,38 @@ def run_prompt(
     results = []
     for contestant, ratio in jobs:
         result = answer(
-            model, tokenizer, contestant, ratio, context_ids, question_ids, settings.new_tokens, artifacts.get(contestant.label, [])
+            model,
+            tokenizer,
+            contestant,
+            ratio,
+            context_ids,
+            question_ids,
+            settings.new_tokens,
+            artifacts.get(contestant.label, []),
         )
         base = reference or result
-        results.append((result, dict(
-            prompt=index, task=prompt.task, length=prompt.length, tokens=int(context_ids.shape[1]), depth=prompt.depth,
-            method=contestant.label, ratio=ratio, correct=int(prompt.score(result.text)),
-            kl=round(next_token_kl(base.first_logits, result.first_logits), 5),
-            agreement=round(greedy_agreement(base.tokens, result.tokens), 4),
-            prefill_seconds=round(result.prefill_seconds, 4),
-            prefill_vs_full=round(result.prefill_seconds / base.prefill_seconds, 4),
-            peak_mib=None if result.peak_mib is None else round(result.peak_mib, 1),
-            cache_kept=round(result.cache_bytes / base.cache_bytes, 4),
-            answer=" ".join(result.text.split())[:120],
-        )))
+        results.append(
+            (
+                result,
+                dict(
+                    prompt=index,
+                    task=prompt.task,
+                    length=prompt.length,
+                    tokens=int(context_ids.shape[1]),
+                    depth=prompt.depth,
+                    method=contestant.label,
+                    ratio=ratio,
+                    correct=int(prompt.score(result.text)),
+                    kl=round(next_token_kl(base.first_logits, result.first_logits), 5),
+                    agreement=round(greedy_agreement(base.tokens, result.tokens), 4),
+                    prefill_seconds=round(result.prefill_seconds, 4),
+                    prefill_vs_full=round(result.prefill_seconds / base.prefill_seconds, 4),
+                    peak_mib=None if result.peak_mib is None else round(result.peak_mib, 1),
+                    cache_kept=round(result.cache_bytes / base.cache_bytes, 4),
+                    answer=" ".join(result.text.split())[:120],
+                ),
+            )
+        )
         if bar is not None:
             bar.update()
     return results

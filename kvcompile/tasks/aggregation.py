@@ -63,13 +63,22 @@ def common_words_prompt(
         listed = common * repeats + rare[:rare_count] * 2
         entries = int(len(listed) * room / len(tokenizer(numbered(listed)).input_ids))
     rng.shuffle(listed)
-    context = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n" + numbered(listed)
+    context = (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n"
+        + numbered(listed)
+    )
     return _prompt("common_words", tokenizer, context, question, tuple(common), length, None, chat)
 
 
 def _prompt(
-    task: str, tokenizer: PreTrainedTokenizerBase, context: str, question: str, expected: tuple[str, ...],
-    length: int, depth: float | None, chat: bool,
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str,
+    expected: tuple[str, ...],
+    length: int,
+    depth: float | None,
+    chat: bool,
 ) -> TaskPrompt:
     # Raw text needs no answer cue: the question ends in RULER's answer prefix.
     prompt = render_prompt(tokenizer, context + question, chat=True) if chat else context + question

@@ -102,7 +102,9 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> 
     if not chat:
         return text + RAW_ANSWER_CUE
     require_chat_template(tokenizer)
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def probe_grid(

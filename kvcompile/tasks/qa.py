@@ -21,13 +21,37 @@ class BookQuestion:
 
 
 MOBY_DICK_QUESTIONS = (
-    BookQuestion("In which town did the narrator arrive after quitting Manhatto?", "New Bedford", "I duly arrived in New Bedford"),
-    BookQuestion("In which month did the narrator arrive in New Bedford?", "December", "It was a Saturday night in December"),
-    BookQuestion("For which island had the little packet already sailed?", "Nantucket", "the little packet for Nantucket had already sailed"),
-    BookQuestion("Whose name was painted under the words The Spouter Inn on the sign?", "Peter Coffin", "The Spouter Inn:--Peter Coffin"),
-    BookQuestion("Which sign did the narrator pass first, finding it too expensive and jolly?", "Crossed Harpoons", 'passed the sign of "The Crossed Harpoons"'),
-    BookQuestion("By which name did they call the little withered old man at the bar?", "Jonah", "like another cursed Jonah (by which name indeed they called him)"),
-    BookQuestion("What potion did the barkeeper mix for the man with a bad cold?", "gin and molasses", "a pitch-like potion of gin and molasses"),
+    BookQuestion(
+        "In which town did the narrator arrive after quitting Manhatto?", "New Bedford", "I duly arrived in New Bedford"
+    ),
+    BookQuestion(
+        "In which month did the narrator arrive in New Bedford?", "December", "It was a Saturday night in December"
+    ),
+    BookQuestion(
+        "For which island had the little packet already sailed?",
+        "Nantucket",
+        "the little packet for Nantucket had already sailed",
+    ),
+    BookQuestion(
+        "Whose name was painted under the words The Spouter Inn on the sign?",
+        "Peter Coffin",
+        "The Spouter Inn:--Peter Coffin",
+    ),
+    BookQuestion(
+        "Which sign did the narrator pass first, finding it too expensive and jolly?",
+        "Crossed Harpoons",
+        'passed the sign of "The Crossed Harpoons"',
+    ),
+    BookQuestion(
+        "By which name did they call the little withered old man at the bar?",
+        "Jonah",
+        "like another cursed Jonah (by which name indeed they called him)",
+    ),
+    BookQuestion(
+        "What potion did the barkeeper mix for the man with a bad cold?",
+        "gin and molasses",
+        "a pitch-like potion of gin and molasses",
+    ),
 )
 
 

@@ -52,10 +52,30 @@ class TaskPrompt:
 
 
 def retrieval_prompt(
-    task: str, corpus: Corpus, tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, chat: bool = True
+    task: str,
+    corpus: Corpus,
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    depth: float,
+    seed: int,
+    chat: bool = True,
 ) -> TaskPrompt:
     """One prompt of a retrieval task; `chat` renders the question turn through the model's chat template (the
     pass key is always raw text ending in its answer cue)."""
+
+    def magic_numbers(keys: list[str], values: list[str], asked: str, expected: list[str]) -> TaskPrompt:
+        """Key-value needles in book text: the first at `depth`, the others at spread depths; asks "What is/are
+        <asked>?"."""
+        sentences = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
+        verb = "are" if len(expected) > 1 else "is"
+        question = QUESTION_TEMPLATE.format(question=f"What {verb} {asked}?")
+        needles = (Needle(sentences[0], "", values[0]),)
+        base = needle_probe(corpus, tokenizer, length - 20 * len(keys), depth, 0, seed, chat=False, needles=needles)
+        context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
+        others = [((depth + offset) % 1.0, sentence) for offset, sentence in zip(OTHER_NEEDLE_OFFSETS, sentences[1:])]
+        prompt = render_prompt(tokenizer, insert_sentences(context, others) + question, chat)
+        return TaskPrompt(task, prompt, tuple(expected), length, depth, question_start(prompt))
+
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
         return TaskPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
@@ -67,45 +87,13 @@ def retrieval_prompt(
         rng = random.Random(f"multikey:{seed}:{length}:{depth}")
         keys = rng.sample(MULTIKEY_KEYS, 4)
         values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
-        asked = f"the special magic number for {keys[0]}"
-        return _magic_numbers(task, corpus, tokenizer, length, depth, seed, keys, values, asked, values[:1], chat)
+        return magic_numbers(keys, values, f"the special magic number for {keys[0]}", values[:1])
     if task == "multivalue":
         rng = random.Random(f"multivalue:{seed}:{length}:{depth}")
         key = rng.choice(MULTIKEY_KEYS)
         values = [str(rng.randint(1_000_000, 9_999_999)) for _ in range(len(OTHER_NEEDLE_OFFSETS) + 1)]
-        return _magic_numbers(
-            task, corpus, tokenizer, length, depth, seed, [key] * len(values), values,
-            f"all the special magic numbers for {key}", values, chat,
-        )
+        return magic_numbers([key] * len(values), values, f"all the special magic numbers for {key}", values)
     raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)}, multivalue)")
-
-
-def _magic_numbers(
-    task: str,
-    corpus: Corpus,
-    tokenizer: PreTrainedTokenizerBase,
-    length: int,
-    depth: float,
-    seed: int,
-    keys: list[str],
-    values: list[str],
-    asked: str,
-    expected: list[str],
-    chat: bool,
-) -> TaskPrompt:
-    """Key-value needles in book text: the first at `depth`, the others at spread depths; asks "What is/are <asked>?"."""
-    sentences = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values)]
-    verb = "are" if len(expected) > 1 else "is"
-    question = QUESTION_TEMPLATE.format(question=f"What {verb} {asked}?")
-    base = needle_probe(
-        corpus, tokenizer, length - 20 * len(keys), depth, 0, seed, chat=False,
-        needles=(Needle(sentences[0], "", values[0]),),
-    )
-    context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
-    others = [((depth + offset) % 1.0, sentence) for offset, sentence in zip(OTHER_NEEDLE_OFFSETS, sentences[1:])]
-    context = insert_sentences(context, others)
-    prompt = render_prompt(tokenizer, context + question, chat)
-    return TaskPrompt(task, prompt, tuple(expected), length, depth, question_start(prompt))
 
 
 def insert_sentences(context: str, placed: list[tuple[float, str]]) -> str:

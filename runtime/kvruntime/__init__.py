@@ -19,8 +19,18 @@ _EXPORTS = {
     **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
     **dict.fromkeys(
         (
-            "METHOD_NAMES", "CompilerKV", "KVCompose", "KVCompress", "Method", "Prefill", "ScoringMethod",
-            "SemanticRetrievalHeads", "Selection", "SnapKV", "WithLayerBudgets", "get_method",
+            "METHOD_NAMES",
+            "CompilerKV",
+            "KVCompose",
+            "KVCompress",
+            "Method",
+            "Prefill",
+            "ScoringMethod",
+            "SemanticRetrievalHeads",
+            "Selection",
+            "SnapKV",
+            "WithLayerBudgets",
+            "get_method",
         ),
         "methods",
     ),
@@ -31,8 +41,15 @@ _EXPORTS = {
     "KEEP_MASK_KEYWORD": "attention",
     # Artifacts: the format, every kind's schema and command, and what the runtime reads them into.
     **dict.fromkeys(
-        ("Artifact", "check_tensors", "load_artifact", "read_artifact", "save_artifact", "tensors_checksum",
-         "write_safetensors_atomically"),
+        (
+            "Artifact",
+            "check_tensors",
+            "load_artifact",
+            "read_artifact",
+            "save_artifact",
+            "tensors_checksum",
+            "write_safetensors_atomically",
+        ),
         "artifact",
     ),
     **dict.fromkeys(("ARTIFACT_KINDS", "ArtifactKind", "artifact_kind"), "artifact_kinds"),
@@ -43,22 +60,28 @@ _EXPORTS = {
     # Requests and errors, torch-free: the command line checks its input with them before importing torch.
     **dict.fromkeys(
         (
-            "MEMORY_MODES", "Request", "check_method_options", "check_request", "kept_per_head", "parse_method_name",
-            "parse_option_pairs", "required_artifact_kinds",
+            "MEMORY_MODES",
+            "Request",
+            "check_method_options",
+            "check_request",
+            "kept_per_head",
+            "parse_method_name",
+            "parse_option_pairs",
+            "required_artifact_kinds",
         ),
         "request",
     ),
     **dict.fromkeys(("ArtifactError", "KVRuntimeError", "UnsupportedModelError", "first_line"), "errors"),
-    **dict.fromkeys(("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"),
+    **dict.fromkeys(
+        ("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"
+    ),
     # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
     **dict.fromkeys(("cache_bytes",), "cache_ops"),
     **dict.fromkeys(("error_aware_budgets",), "allocation"),
     **dict.fromkeys(("top_indices",), "selection"),
     **dict.fromkeys(("query_hooks", "window_attention"), "window"),
     "task_attention_maxima": "second_pass",
-    **dict.fromkeys(
-        ("PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "methods.compilerkv"
-    ),
+    **dict.fromkeys(("PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "methods.compilerkv"),
     **dict.fromkeys(("candidate_count", "gated_count", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),
     **dict.fromkeys(
         ("composite_curve", "kv_head_scores", "prompt_allocation", "rank_quantile_values", "sorted_head_scores"),

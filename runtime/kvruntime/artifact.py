@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -30,6 +30,7 @@ from .fingerprint import ModelFingerprint, model_fingerprint
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1
+T = TypeVar("T")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPES = {
     "integer": (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
@@ -158,7 +159,11 @@ def check_tensors(artifact: Artifact) -> None:
     """Refuse an artifact that lacks a tensor the runtime reads from its kind, or holds one of another dtype, shape
     (against its own fingerprint) or range: one line naming the tensor instead of a crash inside a method."""
     fingerprint = artifact.model
-    sizes = {"layers": fingerprint.num_layers, "query_heads": fingerprint.num_query_heads, "kv_heads": fingerprint.num_kv_heads}
+    sizes = {
+        "layers": fingerprint.num_layers,
+        "query_heads": fingerprint.num_query_heads,
+        "kv_heads": fingerprint.num_kv_heads,
+    }
     problem = schema_problem(artifact.kind, artifact.tensors, sizes)
     if problem is not None:
         raise ArtifactError(f"{artifact.path}: {artifact.kind} tensor {problem}")
@@ -182,6 +187,31 @@ def schema_problem(kind: str, tensors: dict[str, torch.Tensor], sizes: dict[str,
             if not _VALUE_RULES[rule](tensor):
                 return f"{name!r} must be {rule}"
     return None
+
+
+class ArtifactReader:
+    """Base of a kind's reader class (`artifact_kinds`): what the runtime applies, built by `from_tensors`;
+    `from_artifact` checks the kind, and a check that fails while building names the file."""
+
+    kind: ClassVar[str]
+
+    @classmethod
+    def from_tensors(cls: type[T], tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> T:
+        raise NotImplementedError
+
+    @classmethod
+    def from_artifact(cls: type[T], artifact: Artifact) -> T:
+        check_kind(artifact, cls.kind)
+        try:
+            return cls.from_tensors(artifact.tensors, artifact.params)
+        except ArtifactError as exc:
+            raise ArtifactError(f"{artifact.path}: {exc}") from None
+
+    def check_schema(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse tensors that break the kind's rules among themselves (sizes that disagree)."""
+        problem = schema_problem(self.kind, tensors, {})
+        if problem is not None:
+            raise ArtifactError(f"{self.kind.replace('_', ' ')} disagree: {problem}")
 
 
 def applied_form(artifact: Artifact) -> object:
@@ -218,7 +248,7 @@ def _describe_size(term: int | str, sizes: dict[str, int]) -> str:
 
 
 def _named_size(term: str) -> tuple[str, int]:
-    """"ratios" -> ("ratios", 0); "entropy_bins-1" -> ("entropy_bins", 1): the size named, and how much less."""
+    """ "ratios" -> ("ratios", 0); "entropy_bins-1" -> ("entropy_bins", 1): the size named, and how much less."""
     return (term[:-2], 1) if term.endswith("-1") else (term, 0)
 
 

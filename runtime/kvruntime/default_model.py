@@ -106,10 +106,14 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
         return default if field is None else field.contents()
 
     return GGUFTokenizer(
-        model=value("tokenizer.ggml.model"), pre=value("tokenizer.ggml.pre", "default"),
-        tokens=tuple(value("tokenizer.ggml.tokens")), token_types=tuple(value("tokenizer.ggml.token_type")),
-        merges=tuple(value("tokenizer.ggml.merges")), bos_id=int(value("tokenizer.ggml.bos_token_id")),
-        eos_id=int(value("tokenizer.ggml.eos_token_id")), unk_id=int(value("tokenizer.ggml.unknown_token_id", 0)),
+        model=value("tokenizer.ggml.model"),
+        pre=value("tokenizer.ggml.pre", "default"),
+        tokens=tuple(value("tokenizer.ggml.tokens")),
+        token_types=tuple(value("tokenizer.ggml.token_type")),
+        merges=tuple(value("tokenizer.ggml.merges")),
+        bos_id=int(value("tokenizer.ggml.bos_token_id")),
+        eos_id=int(value("tokenizer.ggml.eos_token_id")),
+        unk_id=int(value("tokenizer.ggml.unknown_token_id", 0)),
         pad_id=int(value("tokenizer.ggml.padding_token_id", value("tokenizer.ggml.eos_token_id"))),
         add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
         add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", False)),
@@ -122,7 +126,9 @@ def build_tokenizer(spec: GGUFTokenizer) -> object:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if spec.model != "gpt2":
-        raise KVRuntimeError(f"the default GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) is supported")
+        raise KVRuntimeError(
+            f"the default GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) is supported"
+        )
     vocab = {token: index for index, token in enumerate(spec.tokens)}
     merges = [tuple(merge.split(" ", 1)) for merge in spec.merges]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -198,7 +204,9 @@ def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[
     if decoded != ROUND_TRIP_PROBE:
         problems.append(f"text does not survive encode and decode ({ROUND_TRIP_PROBE[:20]!r} -> {decoded[:20]!r})")
     if template:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         eos = reference["special_tokens"]["eos"][0]
         if eos not in tokenizer(rendered, add_special_tokens=False).input_ids:
             problems.append("the chat template's turns do not encode to the eos token")

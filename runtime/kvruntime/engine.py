@@ -29,7 +29,7 @@ from .cache_ops import attention_modules, cache_bytes, check_full_attention_cach
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import Method, Prefill, get_method
 from .report import CompressionReport
-from .request import Request
+from .request import DEFAULT_METHOD, Request
 from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
 from .tuned_defaults import TunedDefaults
@@ -222,17 +222,25 @@ class CompressionSession:
     def _second_pass(self, cache: Cache, state: _Prefill) -> list[torch.Tensor]:
         """The prompt fed again after itself (`Prefill.second_pass_attention`), timed as part of the scoring."""
         if state.input_ids is None:
-            raise KVRuntimeError(f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings")
+            raise KVRuntimeError(
+                f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings"
+            )
         return task_attention_maxima(self.model, cache, state.input_ids, state.length)
 
     # -- selection -----------------------------------------------------------------------------------------
-    def _compress_cache(self, cache: Cache, state: _Prefill, prefill: Prefill) -> tuple[list[int], list[int], list[str]]:
+    def _compress_cache(
+        self, cache: Cache, state: _Prefill, prefill: Prefill
+    ) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
         window = min(self.method.window, state.length)
         keep = self.request.kept_per_head(state.length, window)
         asked = self.request.kept_per_head(state.length, 1)
         # Why the cache held may differ from the request: the report says it rather than hide it.
-        notes = [f"window              the last {window} tokens always stay: {keep} kept per layer, not {asked}"] if keep > asked else []
+        notes = (
+            [f"window              the last {window} tokens always stay: {keep} kept per layer, not {asked}"]
+            if keep > asked
+            else []
+        )
         self.kept_positions = []
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
@@ -251,7 +259,9 @@ class CompressionSession:
             # so that the cache held is the requested size (padding each layer to its largest head count held more).
             shares = apportion(counts.sum(dim=1).double(), int(counts.sum()) // counts.shape[1], window, state.length)
             counts = shares[:, None].expand_as(counts)
-            notes.append("padded              each layer's slots are its share of the selection, spread over its KV heads")
+            notes.append(
+                "padded              each layer's slots are its share of the selection, spread over its KV heads"
+            )
         slots, entries, masks = [], [], {}
         for index, (layer, scores) in enumerate(zip(cache.layers, selection.scores)):
             slot_count = int(counts[index].max())
@@ -271,7 +281,9 @@ class CompressionSession:
 class CompressedContext:
     """A context compressed without its question; answers questions one after another on the same cache."""
 
-    def __init__(self, session: CompressionSession, cache: Cache, context_length: int, report: CompressionReport) -> None:
+    def __init__(
+        self, session: CompressionSession, cache: Cache, context_length: int, report: CompressionReport
+    ) -> None:
         self.session = session
         self.cache = cache
         self.context_length = context_length
@@ -287,10 +299,14 @@ class CompressedContext:
         generate returns (sequences start with the question). The compressed context is restored afterwards
         (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
         if not self.session.active:
-            raise KVRuntimeError("answer questions inside the `with kvruntime.compress(...)` block that made the context")
+            raise KVRuntimeError(
+                "answer questions inside the `with kvruntime.compress(...)` block that made the context"
+            )
         saved = [(layer.keys, layer.values) for layer in self.cache.layers]
         try:
-            return generate_after_context(self.session.model, self.cache, self.context_length, question_ids, **generate_kwargs)
+            return generate_after_context(
+                self.session.model, self.cache, self.context_length, question_ids, **generate_kwargs
+            )
         finally:
             for layer, (keys, values) in zip(self.cache.layers, saved):
                 layer.keys, layer.values = keys, values
@@ -345,7 +361,11 @@ def compress(
         if ratio is None and budget is None:
             ratio = defaults.ratio
         present = {a.path.resolve() for a in loaded if a.path is not None}
-        loaded += [load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present]
-    session = CompressionSession(model, get_method(method or "kvcompress", loaded, options), ratio, budget, memory, loaded)
+        loaded += [
+            load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present
+        ]
+    session = CompressionSession(
+        model, get_method(method or DEFAULT_METHOD, loaded, options), ratio, budget, memory, loaded
+    )
     with per_layer_attention(model), session.attached():
         yield session

@@ -90,7 +90,9 @@ def path_lock(path: Path, wait: bool) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise KVRuntimeError(f"another run is writing {path}: wait for it to finish, or give another --out") from None
+            raise KVRuntimeError(
+                f"another run is writing {path}: wait for it to finish, or give another --out"
+            ) from None
         try:
             yield
         finally:

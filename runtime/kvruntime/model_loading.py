@@ -30,7 +30,9 @@ def load_model(
         )
     if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
         # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
-        raise KVRuntimeError(f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model")
+        raise KVRuntimeError(
+            f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model"
+        )
     try:
         return _load_folder(folder, dtype)
     except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder

@@ -12,6 +12,7 @@ from .errors import KVRuntimeError
 
 MEMORY_MODES = ("padded", "masked")
 ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
+DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
 # The options each method takes: a type (bool, float) or the tuple of its allowed words.
 OPTIONS: dict[str, dict[str, object]] = {
@@ -20,7 +21,12 @@ OPTIONS: dict[str, dict[str, object]] = {
 }
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs (`artifact_kinds` says what compiles it).
-NEEDS = {"srh": "srh_heads", "budgets": "layer_budgets", "compilerkv": "compilerkv_tables", "kvcompose": "kvcompose_stats"}
+NEEDS = {
+    "srh": "srh_heads",
+    "budgets": "layer_budgets",
+    "compilerkv": "compilerkv_tables",
+    "kvcompose": "kvcompose_stats",
+}
 
 
 def parse_method_name(name: str) -> list[str]:

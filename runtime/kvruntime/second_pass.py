@@ -46,6 +46,8 @@ def context_attention_max(
         probabilities = logits.softmax(dim=-1)[..., :context_length]
         best = torch.maximum(best, probabilities.amax(dim=-2))
     return best.view(batch, num_query_heads, context_length)
+
+
 TASK_CHUNK = 512  # task tokens per forward: bounds the attention scores of the scoring pass (sdpa with a mask)
 
 

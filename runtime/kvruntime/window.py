@@ -31,7 +31,9 @@ def window_queries(
     """Post-RoPE queries of the last `window` positions: [batch, query heads, window, head_dim]."""
     batch = hidden_states.shape[0]
     head_dim = attention.head_dim
-    queries = attention.q_proj(hidden_states[:, -window:]).view(batch, -1, attention.config.num_attention_heads, head_dim)
+    queries = attention.q_proj(hidden_states[:, -window:]).view(
+        batch, -1, attention.config.num_attention_heads, head_dim
+    )
     if hasattr(attention, "q_norm"):  # Qwen3-style per-head norm before RoPE
         queries = attention.q_norm(queries)
     queries = queries.transpose(1, 2)

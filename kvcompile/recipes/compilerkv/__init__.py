@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcompile.recipe import CompileJob, Recipe
+from kvcompile.calibration.job import CompileJob
+from kvcompile.recipe import Recipe
 
 
 class TablesRecipe(Recipe):
@@ -37,7 +38,7 @@ class TablesRecipe(Recipe):
 
         if self.from_experience is not None:
             return relearn_tables(load_artifact(self.from_experience, model=job.model, kind="compilerkv_experience"))
-        tables, experience = compile_tables(job.model, job.tokenizer, corpus, settings, job.out, job.resume)
+        tables, experience = compile_tables(job, corpus, settings)
         experience_path = job.out.with_name("compilerkv_experience.safetensors")
         save_artifact(experience, experience_path)
         print(f"wrote {experience_path}")

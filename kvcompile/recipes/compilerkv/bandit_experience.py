@@ -21,7 +21,18 @@ HEAD_FALLBACK = 1.0  # W_head of a state without experience: neutral
 GATE_FALLBACK = 0.8  # T_gate of a layer without experience: the most conservative threshold
 
 HEAD_COLUMNS = ("prompt", "budget", "layer", "head", "action", "nll", "base_nll", "round")
-GATE_COLUMNS = ("prompt", "budget", "layer", "entropy_bin", "perplexity_bin", "action", "nll", "base_nll", "candidates", "round")
+GATE_COLUMNS = (
+    "prompt",
+    "budget",
+    "layer",
+    "entropy_bin",
+    "perplexity_bin",
+    "action",
+    "nll",
+    "base_nll",
+    "candidates",
+    "round",
+)
 _FLOAT_COLUMNS = {"nll", "base_nll"}
 
 

@@ -95,7 +95,9 @@ def _kept(scores: torch.Tensor, count: int) -> torch.Tensor:
     return top_indices(scores[None, None], count)[0, 0]
 
 
-def probed_states(kind: str, unit: int, layers: int, groups: int, design: ExperienceDesign, seed: int, round_: int) -> list[int]:
+def probed_states(
+    kind: str, unit: int, layers: int, groups: int, design: ExperienceDesign, seed: int, round_: int
+) -> list[int]:
     """Stratified probes: units walk through one seeded permutation of the (layer, KV group) pairs (head) or of
     the layers (gate), so that every state is probed about equally often over a round."""
     population = layers * groups if kind == "head" else layers
@@ -110,8 +112,13 @@ Probe = tuple[int, dict, torch.Tensor]
 
 
 def head_probes(
-    signals: PromptSignals, head_reliability: torch.Tensor, thresholds: torch.Tensor, budget: int,
-    probes: list[int], count: int, rng: random.Random,
+    signals: PromptSignals,
+    head_reliability: torch.Tensor,
+    thresholds: torch.Tensor,
+    budget: int,
+    probes: list[int],
+    count: int,
+    rng: random.Random,
 ) -> list[Probe]:
     """For each probed (layer, KV group): `count` weights from HEAD_ACTIONS, each given to one query head of the
     group at a time while every other head keeps its table weight."""
@@ -132,7 +139,12 @@ def head_probes(
 
 
 def gate_probes(
-    prompt: CalibrationPrompt, scores: list[torch.Tensor], budget: int, probes: list[int], count: int, rng: random.Random
+    prompt: CalibrationPrompt,
+    scores: list[torch.Tensor],
+    budget: int,
+    probes: list[int],
+    count: int,
+    rng: random.Random,
 ) -> list[Probe]:
     """For each probed layer: `count` thresholds from GATE_ACTIONS on the layer's current scores."""
     found = []
@@ -140,7 +152,12 @@ def gate_probes(
         actions = sorted(rng.sample(range(len(GATE_ACTIONS)), min(count, len(GATE_ACTIONS))))
         for action in actions:
             candidates = candidate_count(scores[layer], float(GATE_ACTIONS[action]))
-            row = dict(action=action, candidates=candidates, entropy_bin=prompt.entropy_bin, perplexity_bin=prompt.perplexity_bin)
+            row = dict(
+                action=action,
+                candidates=candidates,
+                entropy_bin=prompt.entropy_bin,
+                perplexity_bin=prompt.perplexity_bin,
+            )
             found.append((layer, row, _kept(scores[layer], min(budget, candidates))))
     return found
 
@@ -180,6 +197,11 @@ def collect_unit(
             nll_of[key] = _finite(nll, prompt.index)
         for row, key, _ in here:
             records.append(
-                prompt=prompt.index, budget=budget_index, layer=layer, nll=nll_of[key], base_nll=base.nll,
-                round=round_, **row,
+                prompt=prompt.index,
+                budget=budget_index,
+                layer=layer,
+                nll=nll_of[key],
+                base_nll=base.nll,
+                round=round_,
+                **row,
             )

@@ -61,7 +61,9 @@ def fit_greedy_table(
     if len(rewards) == 0:
         raise KVRuntimeError("no experience to learn from")
     if not np.isfinite(rewards).all():
-        raise KVRuntimeError(f"{int((~np.isfinite(rewards)).sum())} rewards are NaN or infinite: refusing to learn from them")
+        raise KVRuntimeError(
+            f"{int((~np.isfinite(rewards)).sum())} rewards are NaN or infinite: refusing to learn from them"
+        )
     scale = float(rewards.std()) or 1.0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small networks: one thread is faster than two, and deterministic
@@ -102,14 +104,20 @@ def one_hot(index: np.ndarray, size: int) -> np.ndarray:
     return np.eye(size, dtype=np.float32)[index]
 
 
-def head_state_features(budget: np.ndarray, layer: np.ndarray, head: np.ndarray, sizes: tuple[int, int, int]) -> np.ndarray:
+def head_state_features(
+    budget: np.ndarray, layer: np.ndarray, head: np.ndarray, sizes: tuple[int, int, int]
+) -> np.ndarray:
     """(budget, layer, query head) as concatenated one-hot codes: the network can share what budgets, layers
     and heads have in common where a single state has little data."""
     return np.concatenate([one_hot(budget, sizes[0]), one_hot(layer, sizes[1]), one_hot(head, sizes[2])], axis=1)
 
 
 def gate_state_features(
-    budget: np.ndarray, layer: np.ndarray, entropy_bin: np.ndarray, perplexity_bin: np.ndarray, sizes: tuple[int, int, int, int]
+    budget: np.ndarray,
+    layer: np.ndarray,
+    entropy_bin: np.ndarray,
+    perplexity_bin: np.ndarray,
+    sizes: tuple[int, int, int, int],
 ) -> np.ndarray:
     """(budget, layer) one-hot, the two risk bins as ordinal coordinates in [0, 1]: bins are ordered, and a cell
     without its own prompts is read between its neighbours rather than from untrained weights."""

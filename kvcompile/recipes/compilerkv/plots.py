@@ -17,12 +17,26 @@ def plot_compilerkv_tables(artifact: Artifact, path: Path) -> str:
     figure, axes = plt.subplots(3, columns, figsize=(3.8 * columns, 11), squeeze=False, layout="constrained")
     for index, budget in enumerate(budgets):
         axis = axes[0][index]
-        image = axis.imshow(tensors["head_reliability"][index].numpy(), aspect="auto", cmap="coolwarm", vmin=0.8, vmax=1.5, origin="lower")
+        image = axis.imshow(
+            tensors["head_reliability"][index].numpy(),
+            aspect="auto",
+            cmap="coolwarm",
+            vmin=0.8,
+            vmax=1.5,
+            origin="lower",
+        )
         axis.set_title(f"W_head, B={budget}")
         axis.set_xlabel("query head")
         axis.set_ylabel("layer")
         axis = axes[1][index]
-        gate = axis.imshow(tensors["risk_thresholds"][index].mean(dim=0).numpy(), aspect="auto", cmap="viridis", vmin=0.8, vmax=1.0, origin="lower")
+        gate = axis.imshow(
+            tensors["risk_thresholds"][index].mean(dim=0).numpy(),
+            aspect="auto",
+            cmap="viridis",
+            vmin=0.8,
+            vmax=1.0,
+            origin="lower",
+        )
         seen = tensors["gate_support"][index].sum(dim=0).nonzero()
         axis.scatter(seen[:, 1], seen[:, 0], s=8, c="white", marker="o")
         axis.set_title(f"T_gate over layers, B={budget}")
@@ -47,7 +61,7 @@ def plot_compilerkv_tables(artifact: Artifact, path: Path) -> str:
         axis.legend()
     for axis in axes[2][3:]:
         axis.axis("off")
-    for axis in axes[0][len(budgets):].tolist() + axes[1][len(budgets):].tolist():
+    for axis in axes[0][len(budgets) :].tolist() + axes[1][len(budgets) :].tolist():
         axis.axis("off")
     figure.suptitle(f"CompilerKV tables, {artifact.model.architecture}")
     return save_figure(figure, path, dpi=100)

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
@@ -28,6 +25,7 @@ from kvcompile.calibration.distributed import (
     gather_json,
     gather_tensors,
 )
+from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
@@ -107,7 +105,13 @@ def learn_head_table(experience: Experience, num_layers: int, num_heads: int, cq
     """W_head [budgets, layers, heads]: the greedy weight of each state; states without records keep 1.0."""
     sizes = (len(experience.budgets), num_layers, num_heads)
     values, support, fit = _greedy_table(
-        experience.head, ("budget", "layer", "head"), sizes, head_state_features, experience.head_rewards(), HEAD_ACTIONS, cql
+        experience.head,
+        ("budget", "layer", "head"),
+        sizes,
+        head_state_features,
+        experience.head_rewards(),
+        HEAD_ACTIONS,
+        cql,
     )
     values = torch.where(support > 0, values, torch.tensor(HEAD_FALLBACK))
     return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
@@ -121,8 +125,13 @@ def learn_gate_table(
     neighbours); a (budget, layer) without records keeps 0.8."""
     sizes = (len(experience.budgets), num_layers, entropy_bins, perplexity_bins)
     values, support, fit = _greedy_table(
-        experience.gate, ("budget", "layer", "entropy_bin", "perplexity_bin"), sizes, gate_state_features,
-        experience.gate_rewards(), GATE_ACTIONS, cql,
+        experience.gate,
+        ("budget", "layer", "entropy_bin", "perplexity_bin"),
+        sizes,
+        gate_state_features,
+        experience.gate_rewards(),
+        GATE_ACTIONS,
+        cql,
     )
     layer_seen = support.sum(dim=(2, 3), keepdim=True) > 0
     values = torch.where(layer_seen, values, torch.tensor(GATE_FALLBACK))
@@ -143,8 +152,12 @@ def _greedy_table(
     columns = [records.column(c).numpy() for c in state_columns]
     grid = np.stack(np.meshgrid(*[np.arange(s) for s in sizes], indexing="ij"), axis=-1).reshape(-1, len(sizes))
     fit = fit_greedy_table(
-        features(*columns, sizes), records.column("action").numpy(), rewards.numpy(), len(action_grid),
-        features(*grid.T, sizes), cql,
+        features(*columns, sizes),
+        records.column("action").numpy(),
+        rewards.numpy(),
+        len(action_grid),
+        features(*grid.T, sizes),
+        cql,
     )
     flat = np.ravel_multi_index(tuple(columns), sizes)
     support = torch.from_numpy(np.bincount(flat, minlength=int(np.prod(sizes))).reshape(sizes))
@@ -155,21 +168,14 @@ def risk_edges(experience: Experience, entropy_bins: int, perplexity_bins: int) 
     return quantile_edges(experience.entropy, entropy_bins), quantile_edges(experience.perplexity, perplexity_bins)
 
 
-def compile_tables(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    corpus: Corpus,
-    settings: TablesSettings,
-    out: Path,
-    resume: bool = False,
-    shard: Shard = Shard(),
-) -> tuple[Artifact, Artifact]:
+def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) -> tuple[Artifact, Artifact]:
     """Collect experience and learn both tables; returns the tables and the experience artifacts.
 
     In a process group each rank prefills and probes its own share of the prompts; before every fit the ranks
     pool their records (in the order one process would have made them), and every rank continues with rank 0's
     table."""
     settings.check()
+    model, tokenizer, out, shard = job.model, job.tokenizer, job.out, job.shard
     fingerprint = model_fingerprint(model)
     if fingerprint.num_query_heads % fingerprint.num_kv_heads:
         raise KVRuntimeError("query heads must be a multiple of KV heads")
@@ -179,7 +185,9 @@ def compile_tables(
         "settings": settings.to_dict(),
     }
     agree_on_settings(shard, checkpoint_settings)
-    calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed)
+    calibration = calibration_prompts(
+        corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed
+    )
     own = list(shard.items(settings.prompts))
     prompts = {
         index: prefill_prompt(model, calibration[index][1], settings.context, index, settings.batch_size)
@@ -216,7 +224,7 @@ def compile_tables(
     # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
     own_records = {kind: Records(experience_columns(kind)) for kind in PHASES}
     units = [(p, b) for p in own for b in range(len(settings.budgets))]
-    saved = load_checkpoint(out, checkpoint_settings, shard, resume)
+    saved = load_checkpoint(out, checkpoint_settings, shard, job.resume)
     if saved is not None:
         tensors, progress = saved
         own_records = {kind: Records.from_tensors(experience_columns(kind), tensors, kind) for kind in PHASES}
@@ -235,7 +243,9 @@ def compile_tables(
 
     def save(round_: int, phase: int, unit: int) -> None:
         tensors = {
-            **own_records["head"].tensors("head"), **own_records["gate"].tensors("gate"), **state,
+            **own_records["head"].tensors("head"),
+            **own_records["gate"].tensors("gate"),
+            **state,
             **{f"round_start_{name}": table for name, table in round_start.items()},
         }
         progress = {"round": round_, "phase": phase, "unit": unit, "history": history}
@@ -248,7 +258,9 @@ def compile_tables(
             kind = PHASES[phase]
             first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
             bar = tqdm(
-                total=len(units), initial=first_unit, desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
+                total=len(units),
+                initial=first_unit,
+                desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
                 unit="unit",
             )
             for unit in range(first_unit, len(units)):
@@ -256,14 +268,21 @@ def compile_tables(
                 prompt = prompts[prompt_index]
                 global_unit = prompt_index * len(settings.budgets) + budget_index  # the unit's seeds: shard-free
                 collect_unit(
-                    model, prompt,
+                    model,
+                    prompt,
                     state["head_reliability"][budget_index],
                     state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
-                    budget_index, settings.budgets[budget_index], kind,
-                    probed_states(kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_),
+                    budget_index,
+                    settings.budgets[budget_index],
+                    kind,
+                    probed_states(
+                        kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_
+                    ),
                     settings.design,
                     random.Random(f"{settings.seed}:{round_}:{kind}:{global_unit}"),
-                    round_, own_records[kind], settings.batch_size,
+                    round_,
+                    own_records[kind],
+                    settings.batch_size,
                 )
                 bar.update()
                 bar.set_postfix(records=len(own_records[kind]))
@@ -288,7 +307,10 @@ def compile_tables(
     params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged}
     source = provenance(corpus, settings.seed)
     experience_artifact = Artifact(
-        kind="compilerkv_experience", tensors=experience.tensors(), model=fingerprint, provenance=source,
+        kind="compilerkv_experience",
+        tensors=experience.tensors(),
+        model=fingerprint,
+        provenance=source,
         params=params,
     )
     tables = tables_artifact(fingerprint, experience, learned, history, edges, source, params)
@@ -393,11 +415,20 @@ def relearn_tables(experience_artifact: Artifact) -> Artifact:
     learned = {
         kind: _learn(kind, experience, fingerprint.num_layers, fingerprint.num_query_heads, settings) for kind in PHASES
     }
-    history = {"head_curves": [learned["head"].learning_curve], "gate_curves": [learned["gate"].learning_curve], "changes": []}
+    history = {
+        "head_curves": [learned["head"].learning_curve],
+        "gate_curves": [learned["gate"].learning_curve],
+        "changes": [],
+    }
     source = {**experience_artifact.provenance, "relearned_from": str(experience_artifact.path)}
     return tables_artifact(
-        fingerprint, experience, learned, history, risk_edges(experience, settings.entropy_bins, settings.perplexity_bins),
-        source, params,
+        fingerprint,
+        experience,
+        learned,
+        history,
+        risk_edges(experience, settings.entropy_bins, settings.perplexity_bins),
+        source,
+        params,
     )
 
 

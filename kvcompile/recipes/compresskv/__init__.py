@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcompile.recipe import CompileJob, Recipe
+from kvcompile.calibration.job import CompileJob
+from kvcompile.recipe import Recipe
 
 
 class HeadsRecipe(Recipe):
@@ -28,9 +29,7 @@ class HeadsRecipe(Recipe):
     def run(self, job: CompileJob, settings: Any, corpus: Any) -> Any:
         from kvcompile.recipes.compresskv.heads import compile_head_scores
 
-        return compile_head_scores(
-            job.model, job.tokenizer, corpus, settings, job.out, job.resume, job.checkpoint_every, job.shard
-        )
+        return compile_head_scores(job, corpus, settings)
 
     def finish(self, sums: dict, run: Any) -> Any:
         from kvcompile.recipes.compresskv.heads import finish_head_scores
@@ -70,9 +69,7 @@ class BudgetsRecipe(Recipe):
         from kvruntime import load_artifact
 
         heads = load_artifact(self.heads, model=job.model, kind="srh_heads")
-        return compile_layer_errors(
-            job.model, job.tokenizer, corpus, heads, settings, job.out, job.resume, job.checkpoint_every, job.shard
-        )
+        return compile_layer_errors(job, corpus, heads, settings)
 
     def finish(self, sums: dict, run: Any) -> Any:
         from kvcompile.recipes.compresskv.budgets import finish_layer_budgets

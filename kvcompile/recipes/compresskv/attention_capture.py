@@ -32,10 +32,8 @@ def generate_with_attention_rows(
         rows.setdefault(module.layer_idx, []).append(probs.reshape(-1, prompt_length))
 
     with query_hooks(model, keep_row), torch.no_grad():
-        output = model.generate(
-            prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-            pad_token_id=eos_token_id,
-        )
+        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        output = model.generate(prompt_ids, eos_token_id=eos_token_id, pad_token_id=eos_token_id, **greedy)
     generated = output[0, prompt_length:].tolist()
     stacked = torch.stack([torch.stack(rows[layer][: len(generated)]) for layer in sorted(rows)], dim=1)
     return stacked, generated

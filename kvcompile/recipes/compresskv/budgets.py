@@ -9,14 +9,12 @@ on the full cache, so errors do not cascade between layers.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
-from kvcompile.calibration.distributed import Shard
+from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import attention_output
@@ -82,19 +80,15 @@ class BudgetsSettings:
             raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")
 
 
-def compile_layer_errors(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    corpus: Corpus,
-    heads: Artifact,
-    settings: BudgetsSettings,
-    out: Path,
-    resume: bool = False,
-    checkpoint_every: int = 4,
-    shard: Shard = Shard(),
-) -> Artifact:
-    """The layer_budgets artifact (or this shard's partial statistics)."""
-    prompts, prompt_tokens, new_tokens, seed = settings.prompts, settings.prompt_tokens, settings.new_tokens, settings.seed
+def compile_layer_errors(job: CompileJob, corpus: Corpus, heads: Artifact, settings: BudgetsSettings) -> Artifact:
+    """The layer_budgets artifact (or this shard's partial statistics) of the selection of `heads`."""
+    model, tokenizer = job.model, job.tokenizer
+    prompts, prompt_tokens, new_tokens, seed = (
+        settings.prompts,
+        settings.prompt_tokens,
+        settings.new_tokens,
+        settings.seed,
+    )
     selection = SemanticRetrievalHeads(head_scores=heads.tensors["srh_score"])
     calibration = calibration_prompts(corpus, tokenizer, prompts, prompt_tokens, seed)
     sources = min(prompts, len(corpus.documents))  # prompts are taken round-robin from the documents
@@ -102,8 +96,13 @@ def compile_layer_errors(
         kind="layer_budgets",
         model=model_fingerprint(model),
         settings={
-            "corpus_sha256": corpus.sha256, "heads_sha256": tensors_checksum(heads.tensors), "prompts": prompts,
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "seed": seed, "sources": sources,
+            "corpus_sha256": corpus.sha256,
+            "heads_sha256": tensors_checksum(heads.tensors),
+            "prompts": prompts,
+            "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens,
+            "seed": seed,
+            "sources": sources,
         },
         items=len(calibration),
         provenance=provenance(corpus, seed, heads=str(heads.path)),
@@ -114,8 +113,8 @@ def compile_layer_errors(
         source, ids = calibration[index]
         sums["per_source"][source] += layer_errors_of_prompt(model, selection, ids, new_tokens)
 
-    sums = accumulate(run, sums, add_prompt, out, shard, resume, checkpoint_every, "layer errors", "prompt")
-    return finish_or_partial(run, sums, [shard.describe()], finish_layer_budgets)
+    sums = accumulate(run, sums, add_prompt, job, "layer errors", "prompt")
+    return finish_or_partial(run, sums, [job.shard.describe()], finish_layer_budgets)
 
 
 def finish_layer_budgets(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:

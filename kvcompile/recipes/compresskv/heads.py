@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import Corpus
-from kvcompile.calibration.distributed import Shard
+from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
@@ -37,7 +35,9 @@ class HeadsSettings:
         if not self.lengths or not self.depths or any(not 0 <= d <= 1 for d in self.depths):
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
         if min(self.lengths) < MIN_PROBE_TOKENS:
-            raise KVRuntimeError(f"--lengths {min(self.lengths)}: a needle probe needs at least {MIN_PROBE_TOKENS} tokens")
+            raise KVRuntimeError(
+                f"--lengths {min(self.lengths)}: a needle probe needs at least {MIN_PROBE_TOKENS} tokens"
+            )
 
     def check_model(self, model: nn.Module) -> None:
         longest = getattr(model.config, "max_position_embeddings", None)
@@ -45,25 +45,21 @@ class HeadsSettings:
             raise KVRuntimeError(f"--lengths {max(self.lengths)} is longer than the model's {longest} positions")
 
 
-def compile_head_scores(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    corpus: Corpus,
-    settings: HeadsSettings,
-    out: Path,
-    resume: bool = False,
-    checkpoint_every: int = 8,
-    shard: Shard = Shard(),
-) -> Artifact:
+def compile_head_scores(job: CompileJob, corpus: Corpus, settings: HeadsSettings) -> Artifact:
     """The srh_heads artifact (or this shard's partial statistics)."""
+    model, tokenizer = job.model, job.tokenizer
     lengths, depths, seed = list(settings.lengths), list(settings.depths), settings.seed
     probes = probe_grid(corpus, tokenizer, lengths, depths, seed, settings.chat)
     run = StatisticsRun(
         kind="srh_heads",
         model=model_fingerprint(model),
         settings={
-            "corpus_sha256": corpus.sha256, "lengths": lengths, "depths": depths, "seed": seed,
-            "needles": len(CALIBRATION_NEEDLES), "chat": settings.chat,
+            "corpus_sha256": corpus.sha256,
+            "lengths": lengths,
+            "depths": depths,
+            "seed": seed,
+            "needles": len(CALIBRATION_NEEDLES),
+            "chat": settings.chat,
         },
         items=len(probes),
         provenance=provenance(corpus, seed),
@@ -83,13 +79,15 @@ def compile_head_scores(
         rows, generated = generate_with_attention_rows(
             model, torch.tensor([prompt_ids]), sentence_tokens + 8, tokenizer.eos_token_id
         )
-        sums["recalls"][index] = recall = rouge1_recall(probe.answer, tokenizer.decode(generated, skip_special_tokens=True))
+        sums["recalls"][index] = recall = rouge1_recall(
+            probe.answer, tokenizer.decode(generated, skip_special_tokens=True)
+        )
         if recall > SUCCESS_RECALL:
             sums["srh"] += semantic_retrieval_score(rows.double(), prompt_ids, span, generated)
             sums["copy"] += copy_retrieval_score(rows.double(), prompt_ids, span, generated)
 
-    sums = accumulate(run, sums, add_probe, out, shard, resume, checkpoint_every, "needle probes", "probe")
-    return finish_or_partial(run, sums, [shard.describe()], finish_head_scores)
+    sums = accumulate(run, sums, add_probe, job, "needle probes", "probe")
+    return finish_or_partial(run, sums, [job.shard.describe()], finish_head_scores)
 
 
 def finish_head_scores(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcompile.recipe import CompileJob, Recipe
+from kvcompile.calibration.job import CompileJob
+from kvcompile.recipe import Recipe
 
 
 class StatsRecipe(Recipe):
@@ -28,9 +29,7 @@ class StatsRecipe(Recipe):
         from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 
         corpus, tasks = inputs
-        return compile_attention_stats(
-            job.model, job.tokenizer, corpus, settings, job.out, tasks, job.resume, job.checkpoint_every, job.shard
-        )
+        return compile_attention_stats(job, corpus, settings, tasks)
 
     def finish(self, sums: dict, run: Any) -> Any:
         from kvcompile.recipes.kvcompose.attention_stats import finish_attention_stats

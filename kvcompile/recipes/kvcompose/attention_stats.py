@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers import DynamicCache
 
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
-from kvcompile.calibration.distributed import Shard
+from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
 from kvruntime import (
@@ -111,17 +111,10 @@ def prompt_allocations(scores: torch.Tensor, ratios: tuple[float, ...]) -> tuple
 
 
 def compile_attention_stats(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    corpus: Corpus,
-    settings: StatsSettings,
-    out: Path,
-    task_set: TaskSet | None = None,
-    resume: bool = False,
-    checkpoint_every: int = 4,
-    shard: Shard = Shard(),
+    job: CompileJob, corpus: Corpus, settings: StatsSettings, task_set: TaskSet | None = None
 ) -> Artifact:
     """The kvcompose_stats artifact (or this shard's partial statistics)."""
+    model, tokenizer = job.model, job.tokenizer
     settings.check()
     calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
     tasks = None
@@ -159,8 +152,8 @@ def compile_attention_stats(
         sums["head_score_quantiles"] += rank_quantile_values(sorted_head_scores(scores), RANK_QUANTILES)
 
     label = f"attention stats ({'task-aware' if task_set else 'task-agnostic'})"
-    sums = accumulate(run, sums, add_prompt, out, shard, resume, checkpoint_every, label, "prompt")
-    return finish_or_partial(run, sums, [shard.describe()], finish_attention_stats)
+    sums = accumulate(run, sums, add_prompt, job, label, "prompt")
+    return finish_or_partial(run, sums, [job.shard.describe()], finish_attention_stats)
 
 
 def finish_attention_stats(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:

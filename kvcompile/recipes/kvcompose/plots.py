@@ -26,8 +26,14 @@ def plot_kvcompose_stats(artifact: Artifact, path: Path, shown: tuple[float, ...
     chosen = [i for i, r in enumerate(ratios) if any(abs(r - s) < 1e-6 for s in shown)]
     width = 0.8 / max(len(chosen), 1)
     for offset, index in enumerate(chosen):
-        axis.bar([x + offset * width for x in range(layers)], fractions[index].numpy(), width,
-                 yerr=spread[index].numpy(), capsize=1, label=f"ratio {ratios[index]:g} (mean {1 - ratios[index]:.2f})")
+        axis.bar(
+            [x + offset * width for x in range(layers)],
+            fractions[index].numpy(),
+            width,
+            yerr=spread[index].numpy(),
+            capsize=1,
+            label=f"ratio {ratios[index]:g} (mean {1 - ratios[index]:.2f})",
+        )
     axis.set_xlabel("layer")
     axis.set_ylabel("share kept (error bar: std over prompts)")
     axis.set_title("allocation for a few ratios")

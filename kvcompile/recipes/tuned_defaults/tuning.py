@@ -123,8 +123,11 @@ def recommendation(
     if best is not None:
         r = settings.ratios.index(chosen[best])
         recommended = dict(
-            method=methods[best].method, options=dict(methods[best].options), ratio=chosen[best],
-            accuracy=accuracy[best][r], label=methods[best].label,
+            method=methods[best].method,
+            options=dict(methods[best].options),
+            ratio=chosen[best],
+            accuracy=accuracy[best][r],
+            label=methods[best].label,
             # Relative to the tuned_defaults file, so that a folder of artifacts can move as a whole.
             artifacts=[os.path.relpath(p.resolve(), folder.resolve()) for p in artifacts.get(methods[best].label, [])],
         )
@@ -135,15 +138,21 @@ def recommendation(
     return Artifact(
         kind="tuned_defaults",
         tensors=dict(
-            ratios=torch.tensor(settings.ratios, dtype=torch.float32), accuracy=table(accuracy), kl=table(kl),
+            ratios=torch.tensor(settings.ratios, dtype=torch.float32),
+            accuracy=table(accuracy),
+            kl=table(kl),
             chosen_ratio=table([[UNMEASURED if c is None else c for c in chosen]])[0],
             full_accuracy=torch.tensor([full_accuracy], dtype=torch.float32),
         ),
         model=model_fingerprint(model),
         provenance=provenance(corpus, settings.seed, validation_prompts=len({x["prompt"] for x in records})),
         params=dict(
-            methods=[c.label for c in methods], tolerance=tolerance, tasks=list(settings.tasks),
-            lengths=list(settings.lengths), samples=settings.samples, question_aware=settings.question_aware,
+            methods=[c.label for c in methods],
+            tolerance=tolerance,
+            tasks=list(settings.tasks),
+            lengths=list(settings.lengths),
+            samples=settings.samples,
+            question_aware=settings.question_aware,
             recommended=recommended,
         ),
     )
@@ -161,7 +170,8 @@ def describe_tuning(artifact: Artifact) -> str:
         lines.append(f"{label}: {verdict} (accuracy by ratio: {measured})")
     recommended = params["recommended"]
     lines.append(
-        f"recommended: {recommended['label']} at ratio {recommended['ratio']}" if recommended
+        f"recommended: {recommended['label']} at ratio {recommended['ratio']}"
+        if recommended
         else "recommended: none (no method stays within the tolerance at the smallest ratio tried)"
     )
     return "\n".join(lines)

@@ -15,8 +15,8 @@ from .base import ScoringMethod
 @dataclasses.dataclass
 class KVCompress(ScoringMethod):
     name = "kvcompress"
-    window: int = 8
-    kernel: int = 7
+    window: int = 8  # KVC-w: the last 8 queries
+    kernel: int = 7  # max-pooling width over tokens
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return kvcompress_scores(attention, self.kernel)

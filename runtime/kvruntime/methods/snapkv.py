@@ -18,8 +18,8 @@ from .base import ScoringMethod
 @dataclasses.dataclass
 class SnapKV(ScoringMethod):
     name = "snapkv"
-    window: int = 32
-    kernel: int = 7
+    window: int = 32  # the last 32 queries (observation window)
+    kernel: int = 7  # max-pooling width over tokens (see above)
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return snapkv_scores(attention, self.kernel)

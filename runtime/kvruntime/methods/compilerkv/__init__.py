@@ -5,4 +5,12 @@ from .method import CompilerKV
 from .signals import WINDOW, PromptSignals, layer_scores, layer_signals, prompt_signals
 from .tables import CompilerKVTables
 
-__all__ = ["WINDOW", "CompilerKV", "CompilerKVTables", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"]
+__all__ = [
+    "WINDOW",
+    "CompilerKV",
+    "CompilerKVTables",
+    "PromptSignals",
+    "layer_scores",
+    "layer_signals",
+    "prompt_signals",
+]

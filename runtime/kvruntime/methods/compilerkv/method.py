@@ -78,8 +78,7 @@ class CompilerKV(Method):
         notes = [
             f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
             f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
-            f"{min(thresholds):.3f}-{max(thresholds):.3f}"
-            + ("; W_head = 1" if self.uniform_heads else ""),
+            f"{min(thresholds):.3f}-{max(thresholds):.3f}" + ("; W_head = 1" if self.uniform_heads else ""),
         ]
         if sum(counts) < keep * len(counts):  # the learned gate only removes: the budget is a ceiling
             notes.append(

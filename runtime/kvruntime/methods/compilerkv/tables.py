@@ -8,10 +8,11 @@ risk_thresholds  [budgets, layers, entropy bins, perplexity bins]: T_gate, in [0
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from ...artifact import Artifact, check_kind, schema_problem
+from ...artifact import ArtifactReader
 from ...errors import ArtifactError, KVRuntimeError
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)
@@ -19,19 +20,18 @@ THRESHOLD_RANGE = (0.8, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerKVTables:
-    budgets: tuple[int, ...]
-    head_reliability: torch.Tensor
-    risk_thresholds: torch.Tensor
-    entropy_edges: torch.Tensor
-    perplexity_edges: torch.Tensor
+class CompilerKVTables(ArtifactReader):
+    kind = "compilerkv_tables"
+    budgets: tuple[int, ...]  # the compiled budgets, tokens per layer
+    head_reliability: torch.Tensor  # W_head [budgets, layers, query heads]
+    risk_thresholds: torch.Tensor  # T_gate [budgets, layers, entropy bins, perplexity bins]
+    entropy_edges: torch.Tensor  # inner edges of the entropy bins
+    perplexity_edges: torch.Tensor  # inner edges of the window-perplexity bins
 
     def __post_init__(self) -> None:
         tables = ("head_reliability", "risk_thresholds", "entropy_edges", "perplexity_edges")
         tensors = {"budgets": torch.tensor(self.budgets, dtype=torch.long), **{n: getattr(self, n) for n in tables}}
-        problem = schema_problem("compilerkv_tables", tensors, {})
-        if problem is not None:
-            raise ArtifactError(f"compilerkv tables disagree: {problem}")
+        self.check_schema(tensors)
         for name, table, (low, high) in (
             ("head_reliability", self.head_reliability, HEAD_WEIGHT_RANGE),
             ("risk_thresholds", self.risk_thresholds, THRESHOLD_RANGE),
@@ -43,19 +43,14 @@ class CompilerKVTables:
                 raise ArtifactError(f"{name} are not sorted")
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact) -> CompilerKVTables:
-        check_kind(artifact, "compilerkv_tables")
-        t = artifact.tensors
-        try:  # a check that fails names the file
-            return cls(
-                budgets=tuple(int(b) for b in t["budgets"]),
-                head_reliability=t["head_reliability"].float(),
-                risk_thresholds=t["risk_thresholds"].float(),
-                entropy_edges=t["entropy_edges"].double(),
-                perplexity_edges=t["perplexity_edges"].double(),
-            )
-        except ArtifactError as exc:
-            raise ArtifactError(f"{artifact.path}: {exc}") from None
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> CompilerKVTables:
+        return cls(
+            budgets=tuple(int(b) for b in tensors["budgets"]),
+            head_reliability=tensors["head_reliability"].float(),
+            risk_thresholds=tensors["risk_thresholds"].float(),
+            entropy_edges=tensors["entropy_edges"].double(),
+            perplexity_edges=tensors["perplexity_edges"].double(),
+        )
 
     @property
     def num_layers(self) -> int:

@@ -43,7 +43,9 @@ class KVCompose(ScoringMethod):
         if self.mode not in MODES:
             raise KVRuntimeError(f"unknown kvcompose mode {self.mode!r} (use one of {', '.join(MODES)})")
         if self.mode == "compiled" and self.stats is None:
-            raise KVRuntimeError("kvcompose mode 'compiled' needs kvcompose_stats (compile them with `kvcompile stats`)")
+            raise KVRuntimeError(
+                "kvcompose mode 'compiled' needs kvcompose_stats (compile them with `kvcompile stats`)"
+            )
 
     def required_memory(self) -> str | None:
         return "masked" if self.unstructured else None

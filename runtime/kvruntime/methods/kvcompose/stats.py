@@ -9,19 +9,21 @@ to the kept share, so the interpolation does too); outside the compiled grid a r
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from ...artifact import Artifact, check_kind, schema_problem
+from ...artifact import ArtifactReader
 from ...errors import ArtifactError, KVRuntimeError
 
 
 @dataclasses.dataclass(frozen=True)
-class KVComposeStats:
-    ratios: tuple[float, ...]
-    layer_fractions: torch.Tensor
-    head_fractions: torch.Tensor
-    task_mode: str
+class KVComposeStats(ArtifactReader):
+    kind = "kvcompose_stats"
+    ratios: tuple[float, ...]  # the compiled target ratios, increasing
+    layer_fractions: torch.Tensor  # [ratios, layers]
+    head_fractions: torch.Tensor  # [ratios, layers, KV heads]
+    task_mode: str  # how the calibration prompts were scored (task-agnostic or task-aware)
 
     def __post_init__(self) -> None:
         tensors = {
@@ -29,9 +31,7 @@ class KVComposeStats:
             "layer_fractions": self.layer_fractions,
             "head_fractions": self.head_fractions,
         }
-        problem = schema_problem("kvcompose_stats", tensors, {})
-        if problem is not None:
-            raise ArtifactError(f"kvcompose stats disagree: {problem}")
+        self.check_schema(tensors)
         if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):
             raise ArtifactError(f"kvcompose stats: compiled ratios {list(self.ratios)} are not increasing")
         for name, fractions in (("layer_fractions", self.layer_fractions), ("head_fractions", self.head_fractions)):
@@ -39,18 +39,13 @@ class KVComposeStats:
                 raise ArtifactError(f"kvcompose stats: {name} holds shares outside [0, 1]")
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact) -> KVComposeStats:
-        check_kind(artifact, "kvcompose_stats")
-        t = artifact.tensors
-        try:  # a check that fails names the file
-            return cls(
-                ratios=tuple(round(float(r), 6) for r in t["ratios"]),
-                layer_fractions=t["layer_fractions"].double(),
-                head_fractions=t["head_fractions"].double(),
-                task_mode=str(artifact.params.get("task_mode", "unknown")),
-            )
-        except ArtifactError as exc:
-            raise ArtifactError(f"{artifact.path}: {exc}") from None
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> KVComposeStats:
+        return cls(
+            ratios=tuple(round(float(r), 6) for r in tensors["ratios"]),
+            layer_fractions=tensors["layer_fractions"].double(),
+            head_fractions=tensors["head_fractions"].double(),
+            task_mode=str(params.get("task_mode", "unknown")),
+        )
 
     def check_ratio(self, ratio: float) -> None:
         low, high = self.ratios[0], self.ratios[-1]
