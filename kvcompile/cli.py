@@ -357,6 +357,36 @@ def stats(
         )
 
 
+@app.command()
+def distill(
+    model: ModelOption = "default",
+    corpus: CorpusOption = None,
+    oracle: Annotated[
+        str,
+        typer.Option(
+            help="The second pass distilled: reconstruction (the context again) or repeat (behind an instruction)."
+        ),
+    ] = "reconstruction",
+    prompts: Annotated[
+        int, typer.Option(help="Calibration prompts (every 4th held out to choose the ridge strength).")
+    ] = 32,
+    prompt_tokens: PromptTokensOption = 2048,
+    seed: SeedOption = 0,
+    out: _artifact_out("distilled_scorer") = None,
+    resume: ResumeOption = False,
+    shard: ShardOption = None,
+    checkpoint_every: CheckpointOption = 4,
+) -> None:
+    """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
+    with clear_errors() as resources:
+        from kvcompile.recipes.distilled import DistillRecipe
+        from kvcompile.recipes.distilled.distill import DistillSettings
+
+        settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
+        recipe_ = DistillRecipe(corpus)
+        compile_artifact(recipe_, settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+
+
 def _command_line(ctx: typer.Context) -> str:
     """The command with every setting spelled out (defaults included), for the reports it writes."""
     parts = ["kvcompile", ctx.info_name]

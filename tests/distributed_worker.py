@@ -18,6 +18,7 @@ from kvcompile.recipes.compilerkv.experience_collection import ExperienceDesign
 from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
 from kvcompile.recipes.compilerkv.tables import TablesSettings, compile_tables
 from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
+from kvcompile.recipes.distilled.distill import DistillSettings, compile_distilled_scorer
 from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
@@ -36,7 +37,8 @@ TABLES = TablesSettings(
     design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5),
     cql=CQLSettings(steps=40),
 )
-RECIPES = ("stats", "budgets", "tables")
+DISTILL = DistillSettings(prompts=4, prompt_tokens=96)
+RECIPES = ("stats", "budgets", "tables", "distilled")
 
 
 def heads_artifact(model: torch.nn.Module) -> Artifact:
@@ -59,6 +61,9 @@ def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> Non
             BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
         ),
         "tables": compile_tables(CompileJob(model, CharTokenizer(), folder / "tables", shard=shard), CORPUS, TABLES)[0],
+        "distilled": compile_distilled_scorer(
+            CompileJob(model, CharTokenizer(), folder / "distilled", shard=shard), CORPUS, DISTILL
+        ),
     }
     if shard.writes_results:
         for name, artifact in artifacts.items():

@@ -29,8 +29,11 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "streaming_llm": ("StreamingLLMPress", {}),
     "pyramidkv": ("PyramidKVPress", {}),
     "kvcompose": ("KVComposePress", {}),
+    "compactor": ("CompactorPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+    "kvzip": ("KVzipPress", {}),  # context reconstruction, two extra passes (FastKVzip needs gates from the hub)
 }
-KVCOMPILE_METHODS = ("compresskv", "compilerkv", "kvcompose", "kvcompress", "snapkv")
+KVCOMPILE_METHODS = ("compresskv", "compilerkv", "kvcompose", "kvcompress", "snapkv", "distilled")
 # A ratio maps to a budget that is rarely one of compilerkv's compiled budgets: take the nearest compiled tables.
 DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"compilerkv": {"nearest_budget": True}}
 

@@ -13,7 +13,9 @@ from kvcompile.plotting import plt, save_figure
 
 
 def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
-    """One panel per task and one for all tasks; a line per method, starting from the full cache at ratio 0."""
+    """One panel per task and one for all tasks; a line per method, starting from the full cache. The x axis is the
+    share of the full cache's bytes each method actually removed (measured, mean over prompts), not the nominal
+    ratio: methods that hold more or less than asked are compared at the bytes they really hold."""
     tasks = [*dict.fromkeys(r["task"] for r in records), "all tasks"]
     methods = [m for m in dict.fromkeys(r["method"] for r in records) if m != FULL]
     columns = min(4, len(tasks))
@@ -21,16 +23,15 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.3 * rows), squeeze=False, sharey=True)
     for axis, task in zip(axes.flat, tasks):
         chosen = records if task == "all tasks" else [r for r in records if r["task"] == task]
-        accuracy = {
-            k: statistics.mean(r["correct"] for r in v)
-            for k, v in grouped(chosen, lambda r: (r["method"], r["ratio"])).items()
-        }
+        groups = grouped(chosen, lambda r: (r["method"], r["ratio"]))
+        accuracy = {k: statistics.mean(r["correct"] for r in v) for k, v in groups.items()}
+        removed = {k: 1.0 - statistics.mean(r["cache_kept"] for r in v) for k, v in groups.items()}
         full = accuracy[(FULL, 0.0)]
         for index, method in enumerate(methods):
             ratios = sorted(r for m, r in accuracy if m == method)
             style = "-" if not method.startswith("kvpress") else "--"
             axis.plot(
-                [0.0, *ratios],
+                [0.0, *(removed[(method, r)] for r in ratios)],
                 [full, *(accuracy[(method, r)] for r in ratios)],
                 style,
                 marker="o",
@@ -39,7 +40,7 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
                 color=plt.cm.tab20(index % 20),
             )
         axis.set_title(task)
-        axis.set_xlabel("compression ratio")
+        axis.set_xlabel("share of the cache's bytes removed")
         axis.set_ylim(-0.05, 1.05)
     for axis in axes.flat[len(tasks) :]:
         axis.axis("off")
@@ -47,7 +48,7 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
         axis.set_ylabel("accuracy")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower right", fontsize=8, ncol=2)
-    figure.suptitle("Accuracy versus compression ratio (solid: kvcompile, dashed: kvpress)")
+    figure.suptitle("Accuracy versus the cache's bytes really removed (solid: kvcompile, dashed: kvpress)")
     figure.tight_layout()
     save_figure(figure, path, dpi=100)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 from kvcompile.recipe import Recipe
 from kvcompile.recipes.compilerkv import TablesRecipe
 from kvcompile.recipes.compresskv import BudgetsRecipe, HeadsRecipe
+from kvcompile.recipes.distilled import DistillRecipe
 from kvcompile.recipes.kvcompose import StatsRecipe
 from kvcompile.recipes.tuned_defaults import TuneRecipe
 
 RECIPES: dict[str, type[Recipe]] = {
-    recipe.kind: recipe for recipe in (HeadsRecipe, BudgetsRecipe, TablesRecipe, StatsRecipe, TuneRecipe)
+    recipe.kind: recipe for recipe in (HeadsRecipe, BudgetsRecipe, TablesRecipe, StatsRecipe, DistillRecipe, TuneRecipe)
 }

@@ -21,6 +21,7 @@ _EXPORTS = {
         (
             "METHOD_NAMES",
             "CompilerKV",
+            "Distilled",
             "KVCompose",
             "KVCompress",
             "Method",
@@ -56,6 +57,7 @@ _EXPORTS = {
     **dict.fromkeys(("ModelFingerprint", "model_fingerprint"), "fingerprint"),
     "CompilerKVTables": "methods.compilerkv",
     "KVComposeStats": "methods.kvcompose",
+    "DistilledScorer": "methods.distilled",
     "TunedDefaults": "tuned_defaults",
     # Requests and errors, torch-free: the command line checks its input with them before importing torch.
     **dict.fromkeys(
@@ -76,13 +78,14 @@ _EXPORTS = {
         ("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"
     ),
     # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
-    **dict.fromkeys(("cache_bytes",), "cache_ops"),
+    **dict.fromkeys(("attention_modules", "cache_bytes"), "cache_ops"),
     **dict.fromkeys(("error_aware_budgets",), "allocation"),
     **dict.fromkeys(("top_indices",), "selection"),
     **dict.fromkeys(("query_hooks", "window_attention"), "window"),
     "task_attention_maxima": "second_pass",
     **dict.fromkeys(("PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "methods.compilerkv"),
     **dict.fromkeys(("candidate_count", "gated_count", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),
+    **dict.fromkeys(("oracle_targets", "predicted_scores", "token_features"), "methods.distilled"),
     **dict.fromkeys(
         ("composite_curve", "kv_head_scores", "prompt_allocation", "rank_quantile_values", "sorted_head_scores"),
         "methods.kvcompose.composite_tokens",

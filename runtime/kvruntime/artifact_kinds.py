@@ -76,6 +76,12 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
             {"full_accuracy": ("numeric", (1,))},
             reader="tuned_defaults:TunedDefaults",
         ),
+        ArtifactKind(
+            "distilled_scorer",
+            "kvcompile distill",
+            {"weights": ("numeric", ("layers", "features", "kv_heads"))},
+            reader="methods.distilled.scorer:DistilledScorer",
+        ),
         # Sums of a share of a compile run (`--shard`), for `kvcompile merge`; never applied to a model.
         ArtifactKind("partial_statistics", ""),
     )

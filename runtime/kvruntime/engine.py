@@ -171,7 +171,12 @@ class CompressionSession:
         with torch.no_grad():
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
             state.statistics[module.layer_idx] = self.method.layer_statistics(
-                queries, cache_layer.keys, cache_layer.values, module.scaling, module.layer_idx
+                queries,
+                cache_layer.keys,
+                cache_layer.values,
+                module.scaling,
+                module.layer_idx,
+                hidden_states=kwargs.get("hidden_states", args[0] if args else None),
             )
         state.scoring_seconds += time.perf_counter() - started
 

@@ -13,11 +13,12 @@ from .errors import KVRuntimeError
 MEMORY_MODES = ("padded", "masked")
 ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
-METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose")
+METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")
 # The options each method takes: a type (bool, float) or the tuple of its allowed words.
 OPTIONS: dict[str, dict[str, object]] = {
     "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float},
     "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
+    "distilled": {"allocation": ("dynamic", "uniform")},
 }
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs (`artifact_kinds` says what compiles it).
@@ -26,6 +27,7 @@ NEEDS = {
     "budgets": "layer_budgets",
     "compilerkv": "compilerkv_tables",
     "kvcompose": "kvcompose_stats",
+    "distilled": "distilled_scorer",
 }
 
 
@@ -33,7 +35,7 @@ def parse_method_name(name: str) -> list[str]:
     """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
     parts = ALIASES.get(name, name).split("+")
     budgetable = parts[0] in (*ARTIFACT_FREE_NAMES, "srh") and parts[1:] in ([], ["budgets"])
-    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
+    if not budgetable and parts not in (["compilerkv"], ["kvcompose"], ["distilled"]):
         raise KVRuntimeError(
             f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
             f"{', '.join((*ARTIFACT_FREE_NAMES, 'srh'))})"

@@ -17,6 +17,7 @@ from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_na
 from .base import Method, Prefill, ScoringMethod, Selection
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
+from .distilled import Distilled
 from .kvcompose import KVCompose
 from .kvcompress import KVCompress
 from .snapkv import SnapKV
@@ -47,6 +48,8 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
     if base == "kvcompose":
         compiled = options.get("mode", "compiled") == "compiled"
         return KVCompose(stats=applied("kvcompose") if compiled else None, **options)
+    if base == "distilled":
+        return Distilled(scorer=applied("distilled"), **options)
     if base == "srh":
         method: ScoringMethod = SemanticRetrievalHeads(head_scores=applied("srh").tensors["srh_score"])
     else:
@@ -59,6 +62,7 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
 __all__ = [
     "METHOD_NAMES",
     "CompilerKV",
+    "Distilled",
     "Prefill",
     "ScoringMethod",
     "Selection",

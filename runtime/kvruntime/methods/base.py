@@ -73,10 +73,17 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def layer_statistics(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        layer: int,
+        hidden_states: torch.Tensor,
     ) -> Any:
         """What the method keeps from one layer at the end of prefill: window queries [B, Hq, w, D] (post-RoPE),
-        the layer's cached keys and values [B, Hkv, N, D]."""
+        the layer's cached keys and values [B, Hkv, N, D], and the attention's input [B, N, hidden] (after the
+        layer's input norm)."""
 
     @abc.abstractmethod
     def select(self, statistics: list[Any], request: Request, prefill: Prefill) -> Selection:
@@ -99,7 +106,13 @@ class ScoringMethod(Method):
         return protect_window(self.token_scores(window_attention(queries, keys, scaling), layer), queries.shape[2])
 
     def layer_statistics(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        layer: int,
+        hidden_states: torch.Tensor,
     ) -> torch.Tensor:
         return self.window_scores(queries, keys, scaling, layer)
 

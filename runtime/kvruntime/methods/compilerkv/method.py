@@ -44,7 +44,13 @@ class CompilerKV(Method):
             )
 
     def layer_statistics(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        layer: int,
+        hidden_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return layer_signals(queries, keys, values, scaling)
 

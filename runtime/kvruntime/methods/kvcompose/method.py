@@ -55,10 +55,20 @@ class KVCompose(ScoringMethod):
             self.stats.check_ratio(request.ratio)
 
     def layer_statistics(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, layer: int
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        layer: int,
+        hidden_states: torch.Tensor,
     ) -> torch.Tensor | None:
         # The dynamic mode scores in its second pass (`select`): nothing to gather from the window.
-        return None if self.mode == "dynamic" else super().layer_statistics(queries, keys, values, scaling, layer)
+        return (
+            None
+            if self.mode == "dynamic"
+            else super().layer_statistics(queries, keys, values, scaling, layer, hidden_states)
+        )
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         """Eq. 14-16 with the window's queries as the task: max over them, per query head, then per KV head."""

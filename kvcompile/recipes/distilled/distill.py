@@ -1,0 +1,180 @@
+"""`kvcompile distill`: a one-pass student of what a second pass over the context finds.
+
+Oracle (offline, per calibration prompt): the prompt is prefilled, then fed again after itself (`reconstruction`,
+KVCompose's task-agnostic pass; `repeat` puts "repeat the text" before the copy), and each context token's score
+per (layer, KV head) is the largest attention any token of the copy gives it (mean over the KV head's query heads,
+plus the mean over the layer's KV heads: `kv_head_scores`, what `kvcompose:mode=dynamic` ranks by).
+Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position)
+to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y summed over tokens), which add up
+exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
+layer's ridge strength (validation error computed from the sums alone), then the weights are fitted on all prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.job import CompileJob
+from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
+from kvcompile.calibration.provenance import provenance
+from kvruntime import (
+    Artifact,
+    KVRuntimeError,
+    attention_modules,
+    kv_head_scores,
+    model_fingerprint,
+    oracle_targets,
+    task_attention_maxima,
+    token_features,
+)
+
+ORACLES = ("reconstruction", "repeat")
+REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
+ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X
+HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillSettings:
+    prompts: int = 32  # calibration prompts (every 4th held out to choose the ridge strength)
+    prompt_tokens: int = 2048  # tokens per calibration prompt
+    oracle: str = "reconstruction"  # the second pass distilled (ORACLES)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.oracle not in ORACLES:
+            raise KVRuntimeError(f"--oracle {self.oracle!r}: use one of {', '.join(ORACLES)}")
+        if self.prompts < HELD_OUT_EVERY:
+            raise KVRuntimeError(f"--prompts must be at least {HELD_OUT_EVERY} (every {HELD_OUT_EVERY}th is held out)")
+        if self.prompt_tokens < 64:
+            raise KVRuntimeError("--prompt-tokens must be at least 64")
+
+
+def prompt_features_and_targets(
+    model: nn.Module, context_ids: torch.Tensor, task_ids: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each layer's token features [N, F] (float64) from the prefill, and the oracle's log-scores [L, Hkv, N] from
+    the second pass (`task_ids` fed after the context)."""
+    length = context_ids.shape[1]
+    inputs: dict[int, torch.Tensor] = {}
+
+    def keep_input(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        inputs[module.layer_idx] = token_features(kwargs.get("hidden_states", args[0] if args else None))[0]
+
+    handles = [m.register_forward_hook(keep_input, with_kwargs=True) for m in attention_modules(model)]
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model.base_model(input_ids=context_ids, past_key_values=cache, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    maxima = task_attention_maxima(model, cache, task_ids, length)
+    num_kv_heads = cache.layers[0].keys.shape[1]
+    scores = torch.stack([kv_head_scores(task_max, num_kv_heads)[0] for task_max in maxima])
+    return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores)
+
+
+def oracle_task(tokenizer: object, context_ids: torch.Tensor, oracle: str) -> torch.Tensor:
+    """What the second pass feeds after the context: the context again, behind the instruction for `repeat`."""
+    if oracle == "reconstruction":
+        return context_ids
+    instruction = tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False).input_ids
+    return torch.cat([torch.tensor([instruction]), context_ids], dim=1)
+
+
+def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillSettings) -> Artifact:
+    """The distilled_scorer artifact (or this shard's partial statistics)."""
+    settings.check()
+    model, tokenizer = job.model, job.tokenizer
+    calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
+    fingerprint = model_fingerprint(model)
+    run = StatisticsRun(
+        kind="distilled_scorer",
+        model=fingerprint,
+        settings={"corpus_sha256": corpus.sha256, **dataclasses.asdict(settings), "alphas": list(ALPHAS)},
+        items=len(calibration),
+        provenance=provenance(corpus, settings.seed),
+    )
+    layers, heads = fingerprint.num_layers, fingerprint.num_kv_heads
+    features = model.config.hidden_size + 3
+    sums = {}
+    for part in ("fit", "held_out"):
+        sums[f"xtx_{part}"] = torch.zeros(layers, features, features, dtype=torch.float64)
+        sums[f"xty_{part}"] = torch.zeros(layers, features, heads, dtype=torch.float64)
+    sums["yty_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
+    sums["ysum_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
+    sums["tokens_held_out"] = torch.zeros(1, dtype=torch.float64)
+
+    def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
+        _, ids = calibration[index]
+        inputs, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, settings.oracle))
+        part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
+        for layer, x in enumerate(inputs):
+            y = targets[layer].T  # [N, Hkv]
+            sums[f"xtx_{part}"][layer] += x.T @ x
+            sums[f"xty_{part}"][layer] += x.T @ y
+            if part == "held_out":
+                sums["yty_held_out"][layer] += (y * y).sum(dim=0)
+                sums["ysum_held_out"][layer] += y.sum(dim=0)
+        if part == "held_out":
+            sums["tokens_held_out"] += ids.shape[1]
+
+    sums = accumulate(run, sums, add_prompt, job, f"distill ({settings.oracle})", "prompt")
+    return finish_or_partial(run, sums, [job.shard.describe()], finish_distilled_scorer)
+
+
+def ridge(xtx: torch.Tensor, xty: torch.Tensor, alpha: float) -> torch.Tensor:
+    """argmin_W |Y - X W|^2 + lam |W|^2 with lam = alpha * mean(diag(X^T X)): [F, H]."""
+    lam = alpha * float(xtx.diagonal().mean())
+    return torch.linalg.solve(xtx + lam * torch.eye(xtx.shape[0], dtype=xtx.dtype), xty)
+
+
+def held_out_error(w: torch.Tensor, xtx: torch.Tensor, xty: torch.Tensor, yty: torch.Tensor) -> torch.Tensor:
+    """Sum over held-out tokens of the squared error per KV head, from the held-out sums alone: [H]."""
+    return yty - 2 * (w * xty).sum(dim=0) + (w * (xtx @ w)).sum(dim=0)
+
+
+def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
+    """Per layer, the ridge strength with the least held-out error, then the weights fitted on every prompt."""
+    tokens = float(sums["tokens_held_out"])
+    if tokens == 0:
+        raise KVRuntimeError("no held-out prompt: give at least 4 prompts")
+    layers = sums["xtx_fit"].shape[0]
+    r2 = torch.zeros(layers, len(ALPHAS), dtype=torch.float64)
+    weights, chosen = [], []
+    for layer in range(layers):
+        xtx, xty = sums["xtx_held_out"][layer], sums["xty_held_out"][layer]
+        variance = sums["yty_held_out"][layer] - sums["ysum_held_out"][layer] ** 2 / tokens  # per head, x tokens
+        for a, alpha in enumerate(ALPHAS):
+            w = ridge(sums["xtx_fit"][layer], sums["xty_fit"][layer], alpha)
+            error = held_out_error(w, xtx, xty, sums["yty_held_out"][layer])
+            r2[layer, a] = 1 - (error / variance).mean()
+        best = int(r2[layer].argmax())
+        chosen.append(ALPHAS[best])
+        total_xtx = sums["xtx_fit"][layer] + sums["xtx_held_out"][layer]
+        weights.append(ridge(total_xtx, sums["xty_fit"][layer] + sums["xty_held_out"][layer], ALPHAS[best]))
+    return Artifact(
+        kind="distilled_scorer",
+        tensors={
+            "weights": torch.stack(weights).float(),
+            "held_out_r2": r2.float(),  # [layers, alphas]: 1 - held-out error / held-out variance, per alpha
+            "alpha": torch.tensor(chosen, dtype=torch.float32),
+        },
+        model=run.model,
+        provenance=run.provenance,
+        params={
+            "oracle": run.settings["oracle"],
+            "prompts": run.items,
+            "prompt_tokens": run.settings["prompt_tokens"],
+            "held_out_every": HELD_OUT_EVERY,
+            "alphas": list(ALPHAS),
+            "features": "attention input (after the input norm), bias, log1p(position), first token",
+            "target": "log of the oracle's score (clamped at 1e-6)",
+        },
+    )

@@ -1,0 +1,70 @@
+"""Distilled (kvcompile's own): one prefill, each layer scores its tokens from its own inputs with the weights of a
+`distilled_scorer` artifact, a linear student of what a second pass over the context finds (`kvcompile distill`).
+
+Each KV head keeps its own best tokens in its layer's shared slots (composite tokens: every removed byte is freed).
+How many each layer keeps: `allocation="dynamic"` (default) ranks the layers' composite tokens by their predicted
+scores in one global pool, as KVCompose's dynamic mode does with its second pass's; `"uniform"` gives every layer
+the same count. The last `window` tokens always stay. A token's score depends only on its own inputs, not on the
+tokens after it: nothing in the scoring needs the end of the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...errors import KVRuntimeError
+from ...request import Request
+from ...selection import protect_window
+from ..base import Method, Prefill, Selection
+from ..kvcompose.composite_tokens import prompt_allocation
+from .features import predicted_scores, token_features
+from .scorer import DistilledScorer
+
+ALLOCATIONS = ("dynamic", "uniform")
+
+
+@dataclasses.dataclass
+class Distilled(Method):
+    name = "distilled"
+    window: int = 8
+    scorer: DistilledScorer | None = None
+    allocation: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise KVRuntimeError(
+                f"unknown distilled allocation {self.allocation!r} (use one of {', '.join(ALLOCATIONS)})"
+            )
+        if self.scorer is None:
+            raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
+
+    def layer_statistics(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scaling: float,
+        layer: int,
+        hidden_states: torch.Tensor,
+    ) -> torch.Tensor:
+        weights = self.scorer.weights[layer].to(hidden_states.device)
+        scores = predicted_scores(token_features(hidden_states), weights.double()).float()
+        return protect_window(scores, min(self.window, scores.shape[-1]))
+
+    def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
+        num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
+        if batch != 1:
+            raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
+        keep = request.kept_per_head(length, self.window)
+        if self.allocation == "dynamic":
+            # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
+            counts = prompt_allocation(torch.stack([s[0] for s in statistics]).exp(), keep, per_head=False)
+        else:
+            counts = torch.full((num_layers,), keep, dtype=torch.long)
+        note = (
+            f"distilled           {self.allocation} allocation over scores distilled from {self.scorer.oracle}; "
+            f"tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
+        )
+        return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])

@@ -1,0 +1,170 @@
+"""The distilled scorer: the ridge fit from sufficient statistics against a direct reference, the compile recipe on
+a tiny model (shards and resumption give the artifact of one run), and the runtime method it feeds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import CharTokenizer, tiny_model
+from distributed_worker import CORPUS, DISTILL
+from typer.testing import CliRunner
+
+import kvruntime
+from kvcompile import recipe
+from kvcompile.calibration.distributed import Shard
+from kvcompile.calibration.job import CompileJob
+from kvcompile.calibration.partial_statistics import PARTIAL_KIND, merge_partials
+from kvcompile.cli import app
+from kvcompile.recipes.distilled import distill
+from kvcompile.recipes.distilled.distill import (
+    HELD_OUT_EVERY,
+    compile_distilled_scorer,
+    finish_distilled_scorer,
+    held_out_error,
+    ridge,
+)
+from kvruntime import Artifact, DistilledScorer, KVRuntimeError, model_fingerprint, save_artifact, token_features
+
+runner = CliRunner()
+
+
+def test_ridge_and_its_held_out_error_from_sums_match_a_direct_computation():
+    rng = np.random.default_rng(0)
+    x_fit, x_out = rng.normal(size=(200, 6)), rng.normal(size=(50, 6))
+    w_true = rng.normal(size=(6, 2))
+    y_fit, y_out = x_fit @ w_true + 0.1 * rng.normal(size=(200, 2)), x_out @ w_true + 0.1 * rng.normal(size=(50, 2))
+    alpha = 0.01
+    lam = alpha * np.mean(np.diag(x_fit.T @ x_fit))
+    expected = np.linalg.solve(x_fit.T @ x_fit + lam * np.eye(6), x_fit.T @ y_fit)
+    t = lambda a: torch.tensor(a)  # noqa: E731
+    w = ridge(t(x_fit.T @ x_fit), t(x_fit.T @ y_fit), alpha)
+    np.testing.assert_allclose(w.numpy(), expected, rtol=1e-10)
+    error = held_out_error(w, t(x_out.T @ x_out), t(x_out.T @ y_out), t((y_out**2).sum(axis=0)))
+    np.testing.assert_allclose(error.numpy(), ((y_out - x_out @ expected) ** 2).sum(axis=0), rtol=1e-8)
+
+
+def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_ridge():
+    rng = np.random.default_rng(1)
+    layers, features, heads = 2, 5, 3
+    w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
+    sums = {"tokens_held_out": torch.tensor([100.0])}
+    for part, count in (("fit", 300), ("held_out", 100)):
+        x = torch.tensor(rng.normal(size=(layers, count, features)))
+        y = x @ w_true
+        sums[f"xtx_{part}"], sums[f"xty_{part}"] = x.transpose(1, 2) @ x, x.transpose(1, 2) @ y
+        if part == "held_out":
+            sums["yty_held_out"], sums["ysum_held_out"] = (y * y).sum(dim=1), y.sum(dim=1)
+    run = distill.StatisticsRun(
+        "distilled_scorer", model_fingerprint(tiny_model("llama")), {"oracle": "x", "prompt_tokens": 1}, 8, {}
+    )
+    artifact = finish_distilled_scorer(sums, run)
+    torch.testing.assert_close(
+        artifact.tensors["alpha"], torch.full((layers,), distill.ALPHAS[0])
+    )  # no noise: the weakest ridge
+    torch.testing.assert_close(artifact.tensors["weights"].double(), w_true, atol=1e-3, rtol=1e-3)
+    assert bool((artifact.tensors["held_out_r2"][:, 0] > 0.999).all())
+
+
+def test_token_features_are_the_input_its_position_and_the_first_token():
+    hidden = torch.randn(1, 5, 4)
+    features = token_features(hidden)
+    assert features.shape == (1, 5, 7) and features.dtype == torch.float64
+    torch.testing.assert_close(features[0, :, :4], hidden[0].double())
+    assert features[0, :, 4].tolist() == [1.0] * 5
+    torch.testing.assert_close(features[0, :, 5], torch.arange(5, dtype=torch.float64).log1p())
+    assert features[0, :, 6].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def scorer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distilled") / "distilled_scorer.safetensors"
+    artifact = compile_distilled_scorer(CompileJob(tiny_model("llama"), CharTokenizer(), out), CORPUS, DISTILL)
+    return save_artifact(artifact, out)
+
+
+def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resumption_reproduce(
+    scorer, tmp_path, monkeypatch
+):
+    whole = kvruntime.read_artifact(scorer)
+    assert whole.kind == "distilled_scorer" and whole.tensors["weights"].shape == (4, 64 + 3, 2)
+    assert DISTILL.prompts // HELD_OUT_EVERY == 1 and whole.tensors["held_out_r2"].shape == (4, len(distill.ALPHAS))
+    model = tiny_model("llama")
+    parts = [
+        compile_distilled_scorer(CompileJob(model, CharTokenizer(), tmp_path / "p", shard=Shard(i, 2)), CORPUS, DISTILL)
+        for i in range(2)
+    ]
+    assert all(part.kind == PARTIAL_KIND for part in parts)
+    merged = merge_partials(parts, {"distilled_scorer": finish_distilled_scorer})
+    assert torch.equal(merged.tensors["weights"], whole.tensors["weights"])
+    real, calls = distill.prompt_features_and_targets, []
+
+    def fail_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    out = tmp_path / "resumed.safetensors"
+    monkeypatch.setattr(distill, "prompt_features_and_targets", fail_third)
+    with pytest.raises(KeyboardInterrupt):
+        compile_distilled_scorer(CompileJob(model, CharTokenizer(), out, checkpoint_every=1), CORPUS, DISTILL)
+    monkeypatch.setattr(distill, "prompt_features_and_targets", real)
+    resumed = compile_distilled_scorer(CompileJob(model, CharTokenizer(), out, resume=True), CORPUS, DISTILL)
+    assert torch.equal(resumed.tensors["weights"], whole.tensors["weights"])
+
+
+def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> Artifact:
+    """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
+    fingerprint = model_fingerprint(model)
+    weights = torch.zeros(fingerprint.num_layers, model.config.hidden_size + 3, fingerprint.num_kv_heads)
+    weights[:, feature] = sign
+    return Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
+
+
+@pytest.mark.parametrize("allocation", ["dynamic", "uniform"])
+def test_each_head_keeps_its_own_best_tokens_in_shared_slots_and_the_ratio_holds(tiny, tokens, tmp_path, allocation):
+    hidden = tiny.config.hidden_size
+    path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
+    with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options={"allocation": allocation}) as s:
+        s.prefill(tokens)
+    length, window = tokens.shape[1], 8
+    report = s.report
+    assert report.bytes_after == pytest.approx(report.bytes_before / 2, rel=0.05)
+    for positions, slots in zip(s.kept_positions, report.slots_per_layer):
+        # score -log1p(position): the oldest tokens first, then the protected window
+        expected = sorted({*range(slots - window), *range(length - window, length)})
+        assert all(p.tolist() == expected for p in positions[0])
+    if allocation == "uniform":
+        assert len(set(report.slots_per_layer)) == 1
+
+
+def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):
+    path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
+    with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path]) as session:
+        context = session.prefill(tokens)
+        output = context.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert output.shape == (1, 6)
+    other = save_artifact(scorer_that_prefers(tiny_model("qwen2"), 0), tmp_path / "other.safetensors")
+    with pytest.raises(KVRuntimeError, match="compiled for another model"):
+        with kvruntime.compress(tiny_model("llama"), "distilled", ratio=0.5, artifacts=[other]):
+            pass
+    assert isinstance(kvruntime.get_method("distilled", [kvruntime.read_artifact(path)]).scorer, DistilledScorer)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--oracle", "psychic"], "--oracle 'psychic': use one of reconstruction, repeat"),
+        (["--prompts", "2"], "--prompts must be at least 4"),
+        (["--corpus", "short.txt", "--prompt-tokens", "4096"], "too short for 4096-token prompts"),
+    ],
+)
+def test_bad_distill_input_is_refused_in_one_line_and_nothing_is_written(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "short.txt").write_text("a few words only. " * 50)
+    monkeypatch.setattr(recipe, "load_model", lambda model: (tiny_model("llama"), CharTokenizer()))
+    result = runner.invoke(app, ["distill", "--out", "d.safetensors", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and result.output.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
