@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -200,6 +202,11 @@ CheckpointOption = Annotated[
 ]
 SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
 PromptsOption = Annotated[int, typer.Option(help="Calibration prompts.")]
+DeviceOption = Annotated[
+    str,
+    typer.Option(help="Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."),
+]
+DtypeOption = Annotated[str, typer.Option(help="The model's dtype: float32, bfloat16 or float16.")]
 PromptTokensOption = Annotated[int, typer.Option(help="Tokens per calibration prompt.")]
 
 
@@ -231,9 +238,49 @@ ArtifactsOption = Annotated[
 ]
 
 
-@app.command()
+def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 4) -> Callable:
+    """Register a compile command. The decorated function takes the command's own options (and `model` or `out`
+    if it needs them) and returns (recipe, settings); the options every compile command shares (--model, --out,
+    --resume, --device, --dtype, and for recipes that split their work --shard and --checkpoint-every) are declared
+    here once, and the command runs `compile_artifact` with them, refusing bad input in one line."""
+    shared = {
+        "model": (ModelOption, "default"),
+        "out": (_artifact_out(kind), None),
+        "resume": (ResumeOption, False),
+        **(
+            {"shard": (ShardOption, None), "checkpoint_every": (CheckpointOption, checkpoint_every)}
+            if shardable
+            else {}
+        ),
+        "device": (DeviceOption, "cpu"),
+        "dtype": (DtypeOption, "float32"),
+    }
+
+    def register(build: Callable) -> Callable:
+        hints = typing.get_type_hints(build, include_extras=True)
+        wanted = inspect.signature(build).parameters
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        own = [inspect.Parameter(n, keyword, default=p.default, annotation=hints[n]) for n, p in wanted.items()]
+        own = [p for p in own if p.name not in shared]
+
+        def command(**params: object) -> None:
+            job = {name: params.pop(name) for name in shared}
+            with clear_errors() as resources:
+                recipe_, settings = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
+                compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, **job)
+
+        command.__signature__ = inspect.Signature(
+            own + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
+        )
+        command.__name__, command.__doc__ = build.__name__, build.__doc__
+        app.command()(command)
+        return build
+
+    return register
+
+
+@compile_command("srh_heads", shardable=True, checkpoint_every=8)
 def heads(
-    model: ModelOption = "default",
     corpus: CorpusOption = None,
     lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
     depths: Annotated[
@@ -241,27 +288,20 @@ def heads(
     ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
     prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
     seed: SeedOption = 0,
-    out: _artifact_out("srh_heads") = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 8,
-) -> None:
+) -> tuple:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.compresskv import HeadsRecipe
-        from kvcompile.recipes.compresskv.heads import HeadsSettings
+    from kvcompile.recipes.compresskv.heads import HeadsRecipe, HeadsSettings
 
-        if prompt_format not in ("chat", "raw"):
-            raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
-        settings = HeadsSettings(_numbers(lengths, int), _numbers(depths, float), seed, chat=prompt_format == "chat")
-        compile_artifact(
-            HeadsRecipe(corpus), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo
-        )
+    if prompt_format not in ("chat", "raw"):
+        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
+    return HeadsRecipe(corpus), HeadsSettings(
+        _numbers(lengths, int), _numbers(depths, float), seed, prompt_format == "chat"
+    )
 
 
-@app.command()
+@compile_command("layer_budgets", shardable=True)
 def budgets(
-    model: ModelOption = "default",
+    model: str,
     heads_artifact: Annotated[
         Path | None,
         typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors)."),
@@ -271,24 +311,16 @@ def budgets(
     prompt_tokens: PromptTokensOption = 1024,
     new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
     seed: SeedOption = 0,
-    out: _artifact_out("layer_budgets") = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 4,
-) -> None:
+) -> tuple:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.compresskv import BudgetsRecipe
-        from kvcompile.recipes.compresskv.budgets import BudgetsSettings
+    from kvcompile.recipes.compresskv.budgets import BudgetsRecipe, BudgetsSettings
 
-        settings = BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
-        budgets_recipe = BudgetsRecipe(corpus, heads_artifact or default_artifact(model, "srh_heads"))
-        compile_artifact(budgets_recipe, settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+    heads = heads_artifact or default_artifact(model, "srh_heads")
+    return BudgetsRecipe(corpus, heads), BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
 
 
-@app.command()
+@compile_command("compilerkv_tables")
 def tables(
-    model: ModelOption = "default",
     budgets: Annotated[
         str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")
     ] = "128,256,512,1024",
@@ -298,33 +330,22 @@ def tables(
     context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
     continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
     seed: SeedOption = 0,
-    out: _artifact_out("compilerkv_tables") = None,
-    resume: ResumeOption = False,
     from_experience: Annotated[
         Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
     ] = None,
-) -> None:
+) -> tuple:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.compilerkv import TablesRecipe
-        from kvcompile.recipes.compilerkv.tables import TablesSettings
+    from kvcompile.recipes.compilerkv.tables import TablesRecipe, TablesSettings
 
-        settings = TablesSettings(
-            budgets=_numbers(budgets, int),
-            prompts=prompts,
-            context=context,
-            continuation=continuation,
-            rounds=rounds,
-            seed=seed,
-        )
-        compile_artifact(
-            TablesRecipe(corpus, from_experience), settings, model, out, resources, resume, echo=typer.echo
-        )
+    settings = TablesSettings(
+        budgets=_numbers(budgets, int), prompts=prompts, context=context, continuation=continuation, rounds=rounds,
+        seed=seed,
+    )  # fmt: skip
+    return TablesRecipe(corpus, from_experience), settings
 
 
-@app.command()
+@compile_command("kvcompose_stats", shardable=True)
 def stats(
-    model: ModelOption = "default",
     corpus: CorpusOption = None,
     task_set: Annotated[
         Path | None,
@@ -339,27 +360,16 @@ def stats(
     prompts: PromptsOption = 24,
     prompt_tokens: PromptTokensOption = 2048,
     seed: SeedOption = 0,
-    out: _artifact_out("kvcompose_stats") = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 4,
-) -> None:
+) -> tuple:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.kvcompose import StatsRecipe
-        from kvcompile.recipes.kvcompose.attention_stats import StatsSettings
+    from kvcompile.recipes.kvcompose.attention_stats import StatsRecipe, StatsSettings
 
-        settings = StatsSettings(
-            ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed
-        )
-        compile_artifact(
-            StatsRecipe(corpus, task_set), settings, model, out, resources, resume, checkpoint_every, shard, typer.echo
-        )
+    settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
+    return StatsRecipe(corpus, task_set), settings
 
 
-@app.command()
+@compile_command("distilled_scorer", shardable=True)
 def distill(
-    model: ModelOption = "default",
     corpus: CorpusOption = None,
     oracle: Annotated[
         str,
@@ -372,19 +382,12 @@ def distill(
     ] = 32,
     prompt_tokens: PromptTokensOption = 2048,
     seed: SeedOption = 0,
-    out: _artifact_out("distilled_scorer") = None,
-    resume: ResumeOption = False,
-    shard: ShardOption = None,
-    checkpoint_every: CheckpointOption = 4,
-) -> None:
+) -> tuple:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.distilled import DistillRecipe
-        from kvcompile.recipes.distilled.distill import DistillSettings
+    from kvcompile.recipes.distilled.distill import DistillRecipe, DistillSettings
 
-        settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
-        recipe_ = DistillRecipe(corpus)
-        compile_artifact(recipe_, settings, model, out, resources, resume, checkpoint_every, shard, typer.echo)
+    settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
+    return DistillRecipe(corpus), settings
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -493,9 +496,10 @@ def eval_(
         typer.echo(summary)
 
 
-@app.command()
+@compile_command("tuned_defaults")
 def tune(
-    model: ModelOption = "default",
+    model: str,
+    out: Path | None,
     tolerance: Annotated[
         float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")
     ] = 0.02,
@@ -512,22 +516,17 @@ def tune(
     question_aware: QuestionAwareOption = False,
     prompt_format: PromptFormatOption = "auto",
     artifacts: ArtifactsOption = None,
-    out: _artifact_out("tuned_defaults") = None,
-    resume: ResumeOption = False,
-) -> None:
+) -> tuple:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
-    with clear_errors() as resources:
-        from kvcompile.recipes.tuned_defaults import TuneRecipe
-        from kvcompile.recipes.tuned_defaults.tuning import TuneSettings
+    from kvcompile.recipes.tuned_defaults.tuning import TuneRecipe, TuneSettings
 
-        suite = _suite_settings(
-            tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
-        )
-        target = out or default_artifact(model, "tuned_defaults")
-        records = target.with_name(target.stem + ".runs")
-        tune_recipe = TuneRecipe(methods, artifacts or target.parent, records, model)
-        compile_artifact(tune_recipe, TuneSettings(suite, tolerance), model, target, resources, resume, echo=typer.echo)
+    suite = _suite_settings(
+        tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
+    )
+    target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
+    records = target.with_name(target.stem + ".runs")
+    return TuneRecipe(methods, artifacts or target.parent, records, model), TuneSettings(suite, tolerance)
 
 
 @app.command()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, 
     from kvcompile.calibration.job import CompileJob
 
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def artifact_folder(model: str) -> Path:
@@ -46,6 +49,7 @@ class Recipe(abc.ABC):
     # Whether the work items can be split into shares (--shard i/n, torchrun ranks) whose partial statistics
     # `kvcompile merge` adds up; such a recipe implements `finish`.
     shardable: ClassVar[bool] = False
+    devices: ClassVar[tuple[str, ...]] = DEVICE_KINDS  # where its model may run (the sums stay on the CPU)
 
     def check(self, settings: Any) -> None:
         """Refuse bad settings before anything is loaded (default: `settings.check()`)."""
@@ -79,6 +83,33 @@ class Recipe(abc.ABC):
         """Called once the artifact is safely written: drop what only served the run (default: nothing)."""
 
 
+class CorpusRecipe(Recipe):
+    """A recipe whose work items are calibration prompts or probes from a corpus, split into shares: it names its
+    compile function `(job, corpus, settings)`, its finisher `(sums, run)` and its picture `(artifact, path)`."""
+
+    shardable = True
+    compile: ClassVar[Callable[..., Any]]
+    finisher: ClassVar[Callable[..., Any]]
+    plotter: ClassVar[Callable[..., str]]
+
+    def __init__(self, corpus: str | None = None) -> None:
+        self.corpus = corpus  # --corpus (None: the shipped Austen novels)
+
+    def prepare(self, settings: Any) -> Any:
+        from kvcompile.calibration.corpus import load_corpus
+
+        return load_corpus(self.corpus)
+
+    def run(self, job: CompileJob, settings: Any, corpus: Any) -> Any:
+        return self.compile(job, corpus, settings)
+
+    def finish(self, sums: dict, run: Any) -> Any:
+        return self.finisher(sums, run)
+
+    def plot(self, artifact: Any, path: Path) -> str:
+        return self.plotter(artifact, path)
+
+
 def check_checkpoint_every(items: int) -> None:
     if items < 1:
         raise KVRuntimeError(f"--checkpoint-every {items}: give a number of items of at least 1")
@@ -104,14 +135,48 @@ def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
     return default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
 
 
-def load_model(model: str) -> tuple:
-    """The model and tokenizer (`kvruntime.load_model`), without transformers' progress bars."""
+def resolve_device(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> str:
+    """--device as torch names it; `cuda` under torchrun is this rank's GPU (`cuda:LOCAL_RANK`). A device this
+    machine lacks, or the command does not support, is refused."""
+    import os
+
+    import torch
+
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_KINDS or (index and not index.isdigit()) or (index and kind != "cuda"):
+        raise KVRuntimeError(f"--device {text!r}: use cpu, cuda, cuda:N or mps")
+    if kind not in supported:
+        raise KVRuntimeError(f"--device {text!r}: this command runs on {', '.join(supported)} only")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise KVRuntimeError(f"--device {text!r}: this machine has no CUDA device")
+        if not index and "LOCAL_RANK" in os.environ:  # torchrun: one GPU per rank
+            text = f"cuda:{os.environ['LOCAL_RANK']}"
+        if int(text.partition(":")[2] or 0) >= torch.cuda.device_count():
+            raise KVRuntimeError(f"--device {text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise KVRuntimeError(f"--device {text!r}: this machine has no MPS device")
+    return text
+
+
+def resolve_dtype(text: str) -> Any:
+    """--dtype as a torch dtype (float32, bfloat16, float16): the model's weights and activations."""
+    import torch
+
+    if text not in DTYPES:
+        raise KVRuntimeError(f"--dtype {text!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, text)
+
+
+def load_model(model: str, device: str = "cpu", dtype: str = "float32") -> tuple:
+    """The model and tokenizer (`kvruntime.load_model`) on `device` in `dtype`, without transformers' progress bars."""
     import transformers
 
     import kvruntime
 
     transformers.utils.logging.disable_progress_bar()
-    return kvruntime.load_model(model)
+    loaded, tokenizer = kvruntime.load_model(model, dtype=resolve_dtype(dtype))
+    return loaded.to(device), tokenizer
 
 
 def compile_artifact(
@@ -124,6 +189,8 @@ def compile_artifact(
     checkpoint_every: int = 4,
     shard: str | None = None,
     echo: Any = print,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> Any:
     """Run a compile command end to end: refuse bad input before the model loads, claim the output, run the recipe
     on the model, then write the artifact (`write_result`)."""
@@ -132,13 +199,15 @@ def compile_artifact(
 
     started = time.perf_counter()
     recipe.check(settings)
+    device = resolve_device(device, recipe.devices)
+    resolve_dtype(dtype)
     check_checkpoint_every(checkpoint_every)
     if shard is not None and not recipe.shardable:
         raise KVRuntimeError(f"{recipe.kind} is compiled in one run: --shard does not apply")
     share = parse_shard(shard) if recipe.shardable else Shard()
     target = claim_output(resources, compile_target(out, model, recipe.kind, share), lock=share.writes_results)
     inputs = recipe.prepare(settings)
-    loaded, tokenizer = load_model(model)
+    loaded, tokenizer = load_model(model, device=device, dtype=dtype)
     recipe.check_model(settings, loaded)
     job = CompileJob(loaded, tokenizer, target, resume, checkpoint_every, share)
     artifact = recipe.run(job, settings, inputs)

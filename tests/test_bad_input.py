@@ -128,7 +128,7 @@ ALL_PROBLEMS = {**FILE_PROBLEMS, **MODEL_PROBLEMS}
 def workdir(tmp_path, monkeypatch) -> Path:
     """The working directory of a command: a prompt and a corpus, and a tiny Llama for any model name."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (LLAMA, TensorTokenizer()))
     (tmp_path / "prompt.txt").write_text(PROMPT)
     (tmp_path / "corpus.txt").write_text("Some calibration text. " * 200)
     return tmp_path
@@ -193,7 +193,7 @@ def test_generate_refuses_a_budget_out_of_range(workdir, budget, message):
 
 def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supported_ones(workdir, monkeypatch):
     config = GPT2Config(vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=2)
-    monkeypatch.setattr(recipe, "load_model", lambda model: (GPT2LMHeadModel(config).eval(), TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (GPT2LMHeadModel(config).eval(), TensorTokenizer()))
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     assert supported == "llama, mistral, qwen2, qwen3"
     message = f"model type 'gpt2' is not supported (supported: {supported})"
@@ -218,7 +218,7 @@ def test_generate_refuses_a_model_of_an_unsupported_architecture_naming_the_supp
 )
 def test_compile_commands_refuse_bad_corpora_in_one_line_and_write_nothing(tmp_path, monkeypatch, make, message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, CharTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (LLAMA, CharTokenizer()))
     corpus = make(tmp_path).name
     before = sorted(tmp_path.iterdir())
     result = runner.invoke(

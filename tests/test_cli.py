@@ -93,7 +93,7 @@ def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
     from kvcompile import recipe
 
     monkeypatch.setattr(
-        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked")
+        recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the settings were checked")
     )
     result = runner.invoke(app, ["tables", "--budgets", "32,256"])
     assert result.exit_code == 2
@@ -126,7 +126,7 @@ def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothi
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(
-        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the settings were checked")
+        recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the settings were checked")
     )
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output

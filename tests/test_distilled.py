@@ -163,8 +163,40 @@ def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tm
 def test_bad_distill_input_is_refused_in_one_line_and_nothing_is_written(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "short.txt").write_text("a few words only. " * 50)
-    monkeypatch.setattr(recipe, "load_model", lambda model: (tiny_model("llama"), CharTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (tiny_model("llama"), CharTokenizer()))
     result = runner.invoke(app, ["distill", "--out", "d.safetensors", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and result.output.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["distill", "--device", "tpu"], "--device 'tpu': use cpu, cuda, cuda:N or mps"),
+        (["distill", "--dtype", "float64"], "--dtype 'float64': use one of float32, bfloat16, float16"),
+        (["tables", "--device", "cuda"], "--device 'cuda': this command runs on cpu only"),
+        *(
+            [(["stats", "--device", "cuda:0"], "this machine has no CUDA device")]
+            if not torch.cuda.is_available()
+            else []
+        ),
+    ],
+)
+def test_devices_and_dtypes_a_command_cannot_use_are_refused_before_the_model_loads(
+    args, message, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded"))
+    result = runner.invoke(app, [*args, "--out", "x.safetensors"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and result.output.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bfloat16_model_distils_to_finite_weights_close_to_the_float32_ones(scorer, tmp_path):
+    model = tiny_model("llama").to(torch.bfloat16)
+    artifact = compile_distilled_scorer(CompileJob(model, CharTokenizer(), tmp_path / "bf16"), CORPUS, DISTILL)
+    weights, reference = artifact.tensors["weights"], kvruntime.read_artifact(scorer).tensors["weights"]
+    assert bool(torch.isfinite(weights).all()) and weights.dtype == torch.float32
+    assert float(torch.nn.functional.cosine_similarity(weights.flatten(), reference.flatten(), dim=0)) > 0.9

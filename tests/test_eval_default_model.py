@@ -24,7 +24,7 @@ def rows(path) -> list[dict]:
 
 
 def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_model, monkeypatch):
-    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model: default_model)
+    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
     out = tmp_path / "eval"
     args = ["eval", "--methods", "snapkv,kvcompose:mode=dynamic", *SMALL, "--out", str(out)]
     result = runner.invoke(app, args)
@@ -63,7 +63,7 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
 
 
 def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_model, monkeypatch):
-    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model: default_model)
+    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
     target = tmp_path / "tuned_defaults.safetensors"
     result = runner.invoke(
         app,

@@ -118,7 +118,7 @@ def test_stats_refuses_bad_input_in_one_line_before_loading_the_model(tmp_path, 
     monkeypatch.chdir(tmp_path)
     Path("empty.txt").write_text("")
     monkeypatch.setattr(
-        recipe, "load_model", lambda model: pytest.fail("the model was loaded before the input was checked")
+        recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the input was checked")
     )
     before = sorted(tmp_path.iterdir())
     result = runner.invoke(app, ["stats", "--out", "stats.safetensors", *args])

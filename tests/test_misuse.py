@@ -29,7 +29,7 @@ runner = CliRunner()
 def workdir(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path.parent / f"{tmp_path.name}-cache"))  # locks, outside the folder
-    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, TensorTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (LLAMA, TensorTokenizer()))
     (tmp_path / "prompt.txt").write_text(PROMPT)
     (tmp_path / "corpus.txt").write_text("Some calibration text. " * 200)
     return tmp_path
@@ -129,7 +129,7 @@ def _partial(folder: Path, index: int) -> Path:
 @pytest.fixture
 def statsdir(workdir, monkeypatch) -> Path:
     """`workdir` where the compile commands get a tokenizer that gives token lists (as calibration reads them)."""
-    monkeypatch.setattr(recipe, "load_model", lambda model: (LLAMA, CharTokenizer()))
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (LLAMA, CharTokenizer()))
     return workdir
 
 
@@ -137,7 +137,7 @@ STATS = ["stats", "--corpus", "corpus.txt", "--prompts", "2", "--prompt-tokens",
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_the_model_loads(workdir, monkeypatch):
-    def no_model(model):
+    def no_model(model, **_):
         raise AssertionError("the model was loaded before the output was checked")
 
     monkeypatch.setattr(recipe, "load_model", no_model)

@@ -15,7 +15,11 @@ from kvruntime.artifact import read_artifact
 
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "README.md"
-SMALLER = {"heads": ["--lengths", "320", "--depths", "0.2,0.8"], "stats": ["--prompts", "4", "--prompt-tokens", "384"]}
+SMALLER = {
+    "heads": ["--lengths", "320", "--depths", "0.2,0.8"],
+    "stats": ["--prompts", "4", "--prompt-tokens", "384"],
+    "distill": ["--prompts", "4", "--prompt-tokens", "256"],
+}
 
 
 def readme_torchrun_commands() -> list[list[str]]:
@@ -29,7 +33,7 @@ def run(args: list[str], folder: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("command", ["heads", "stats"])
+@pytest.mark.parametrize("command", ["heads", "stats", "distill"])
 def test_the_readme_torchrun_command_writes_the_artifact_of_one_process(tmp_path, command):
     torchrun = next(c for c in readme_torchrun_commands() if command in c)
     assert torchrun[:5] == ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python"]

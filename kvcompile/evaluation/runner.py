@@ -115,7 +115,7 @@ def answer(
     return Answer(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         tokens=tokens,
-        first_logits=output.logits[0][0].float(),
+        first_logits=output.logits[0][0].float().cpu(),
         prefill_seconds=context.seconds,
         peak_mib=context.peak_mib,
         cache_bytes=context.cache_bytes,

@@ -106,7 +106,9 @@ def run_prompt(
     bar: tqdm | None = None,
 ) -> list[tuple[Answer, dict]]:
     """Each job's answer and record, scored against the `reference` answer (None: the job is the reference)."""
-    context_ids, question_ids = split_prompt(tokenizer, prompt, settings.question_aware)
+    context_ids, question_ids = (
+        ids.to(model.device) for ids in split_prompt(tokenizer, prompt, settings.question_aware)
+    )
     results = []
     for contestant, ratio in jobs:
         result = answer(

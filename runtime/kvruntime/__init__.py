@@ -24,6 +24,7 @@ _EXPORTS = {
             "Distilled",
             "KVCompose",
             "KVCompress",
+            "LayerPrefill",
             "Method",
             "Prefill",
             "ScoringMethod",

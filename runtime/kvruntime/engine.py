@@ -27,7 +27,7 @@ from .artifact import Artifact, load_artifact
 from .attention import KEEP_MASK_KEYWORD, per_layer_attention
 from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
 from .errors import KVRuntimeError, UnsupportedModelError
-from .methods import Method, Prefill, get_method
+from .methods import LayerPrefill, Method, Prefill, get_method
 from .report import CompressionReport
 from .request import DEFAULT_METHOD, Request
 from .second_pass import task_attention_maxima
@@ -170,14 +170,11 @@ class CompressionSession:
         started = time.perf_counter()
         with torch.no_grad():
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
-            state.statistics[module.layer_idx] = self.method.layer_statistics(
-                queries,
-                cache_layer.keys,
-                cache_layer.values,
-                module.scaling,
-                module.layer_idx,
-                hidden_states=kwargs.get("hidden_states", args[0] if args else None),
+            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+            layer = LayerPrefill(
+                module.layer_idx, queries, cache_layer.keys, cache_layer.values, module.scaling, hidden_states
             )
+            state.statistics[module.layer_idx] = self.method.layer_statistics(layer)
         state.scoring_seconds += time.perf_counter() - started
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:

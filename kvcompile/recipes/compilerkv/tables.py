@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
-from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
 from kvcompile.calibration.distributed import (
     Shard,
     agree_on_settings,
@@ -27,6 +28,7 @@ from kvcompile.calibration.distributed import (
 )
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipe import Recipe
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
     GATE_COLUMNS,
@@ -51,7 +53,18 @@ from kvcompile.recipes.compilerkv.offline_cql import (
     gate_state_features,
     head_state_features,
 )
-from kvruntime import Artifact, KVRuntimeError, ModelFingerprint, model_fingerprint, quantile_edges, risk_bin
+from kvcompile.recipes.compilerkv.plots import plot_compilerkv_tables
+from kvruntime import (
+    Artifact,
+    KVRuntimeError,
+    ModelFingerprint,
+    load_artifact,
+    model_fingerprint,
+    quantile_edges,
+    read_artifact,
+    risk_bin,
+    save_artifact,
+)
 
 PHASES = ("head", "gate")
 
@@ -448,3 +461,37 @@ def describe_tables(artifact: Artifact) -> str:
             + (", ".join(f"({h:.2f}, {g:.2f})" for h, g in changes) or "relearned from experience"),
         ]
     )
+
+
+class TablesRecipe(Recipe):
+    kind = "compilerkv_tables"
+    devices = ("cpu",)  # the rollouts and d3rlpy's CQL run on the CPU
+
+    def __init__(self, corpus: str | None = None, from_experience: Path | None = None) -> None:
+        self.corpus = corpus
+        self.from_experience = from_experience  # relearn from a stored compilerkv_experience artifact, no rollouts
+
+    def check(self, settings: TablesSettings) -> None:
+        if self.from_experience is None:  # else the settings are the experience's own
+            settings.check()
+
+    def prepare(self, settings: TablesSettings) -> Corpus | None:
+        if self.from_experience is not None:
+            read_artifact(self.from_experience)
+            return None
+        return load_corpus(self.corpus)
+
+    def run(self, job: CompileJob, settings: TablesSettings, corpus: Corpus | None) -> Artifact:
+        if self.from_experience is not None:
+            return relearn_tables(load_artifact(self.from_experience, model=job.model, kind="compilerkv_experience"))
+        tables, experience = compile_tables(job, corpus, settings)
+        experience_path = job.out.with_name("compilerkv_experience.safetensors")
+        save_artifact(experience, experience_path)
+        print(f"wrote {experience_path}")
+        return tables
+
+    def plot(self, artifact: Artifact, path: Path) -> str:
+        return plot_compilerkv_tables(artifact, path)
+
+    def describe(self, artifact: Artifact) -> str:
+        return describe_tables(artifact)

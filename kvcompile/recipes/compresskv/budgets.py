@@ -9,6 +9,7 @@ on the full cache, so errors do not cascade between layers.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -17,13 +18,17 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipe import CorpusRecipe
 from kvcompile.recipes.compresskv.attention_capture import attention_output
+from kvcompile.recipes.compresskv.plots import plot_layer_budgets
 from kvruntime import (
     Artifact,
     KVRuntimeError,
     SemanticRetrievalHeads,
+    load_artifact,
     model_fingerprint,
     query_hooks,
+    read_artifact,
     tensors_checksum,
     top_indices,
 )
@@ -49,7 +54,7 @@ def layer_errors_of_prompt(
     """Summed relative output error per layer over the decoding steps of one prompt: [layers]."""
     length = prompt_ids.shape[1]
     kept: dict[int, torch.Tensor] = {}
-    errors = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)
+    errors = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)  # on the CPU, with the sums
 
     def measure(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> None:
         layer = module.layer_idx
@@ -57,14 +62,16 @@ def layer_errors_of_prompt(
             scores = selection.window_scores(queries, keys, module.scaling, layer)
             kept[layer] = top_indices(scores, min(PROBE_BUDGET, length))
             return
-        generated = torch.arange(length, keys.shape[2]).expand(*kept[layer].shape[:2], -1)
+        generated = torch.arange(length, keys.shape[2], device=keys.device).expand(*kept[layer].shape[:2], -1)
         index = torch.cat([kept[layer], generated], dim=-1).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
         full = attention_output(module, queries, keys, values)
         compressed = attention_output(module, queries, keys.gather(2, index), values.gather(2, index))
         errors[layer] += relative_error(full, compressed)
 
     with query_hooks(model, measure, window=selection.window), torch.no_grad():
-        model.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        model.generate(
+            prompt_ids.to(model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
     return errors
 
 
@@ -134,3 +141,24 @@ def finish_layer_budgets(sums: dict[str, torch.Tensor], run: StatisticsRun) -> A
             "allocation": {"rule": "CompressKV Algorithm 1", "minimum": 32, "maximum_factor": 3},
         },
     )
+
+
+class BudgetsRecipe(CorpusRecipe):
+    """The layer errors of the selection of an srh_heads artifact (`heads`, checked against the model)."""
+
+    kind = "layer_budgets"
+    finisher = staticmethod(finish_layer_budgets)
+    plotter = staticmethod(plot_layer_budgets)
+
+    def __init__(self, corpus: str | None = None, heads: Path | None = None) -> None:
+        super().__init__(corpus)
+        self.heads = heads
+
+    def prepare(self, settings: BudgetsSettings) -> Corpus:
+        if self.heads is not None:
+            read_artifact(self.heads)  # a missing or broken file is refused before the model loads
+        return super().prepare(settings)
+
+    def run(self, job: CompileJob, settings: BudgetsSettings, corpus: Corpus) -> Artifact:
+        heads = load_artifact(self.heads, model=job.model, kind="srh_heads")
+        return compile_layer_errors(job, corpus, heads, settings)

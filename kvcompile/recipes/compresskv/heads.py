@@ -11,8 +11,11 @@ from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipe import CorpusRecipe
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
+from kvcompile.recipes.compresskv.head_comparison import describe_head_comparison
 from kvcompile.recipes.compresskv.head_scores import copy_retrieval_score, rouge1_recall, semantic_retrieval_score
+from kvcompile.recipes.compresskv.plots import plot_head_scores
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, probe_grid
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 
@@ -77,8 +80,9 @@ def compile_head_scores(job: CompileJob, corpus: Corpus, settings: HeadsSettings
         # Small models often restate the whole needle sentence before (or as) the answer: leave room for it.
         sentence_tokens = len(tokenizer(CALIBRATION_NEEDLES[probe.needle].sentence, add_special_tokens=False).input_ids)
         rows, generated = generate_with_attention_rows(
-            model, torch.tensor([prompt_ids]), sentence_tokens + 8, tokenizer.eos_token_id
+            model, torch.tensor([prompt_ids], device=model.device), sentence_tokens + 8, tokenizer.eos_token_id
         )
+        rows = rows.cpu()  # the sums live on the CPU, whatever the model's device
         sums["recalls"][index] = recall = rouge1_recall(
             probe.answer, tokenizer.decode(generated, skip_special_tokens=True)
         )
@@ -115,3 +119,16 @@ def finish_head_scores(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Art
             "prompt_format": "chat" if run.settings["chat"] else "raw",
         },
     )
+
+
+class HeadsRecipe(CorpusRecipe):
+    kind = "srh_heads"
+    compile = staticmethod(compile_head_scores)
+    finisher = staticmethod(finish_head_scores)
+    plotter = staticmethod(plot_head_scores)
+
+    def check_model(self, settings: HeadsSettings, model: nn.Module) -> None:
+        settings.check_model(model)
+
+    def describe(self, artifact: Artifact) -> str:
+        return describe_head_comparison(artifact)

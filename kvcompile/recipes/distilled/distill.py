@@ -22,6 +22,8 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipe import CorpusRecipe
+from kvcompile.recipes.distilled.plots import plot_distilled_scorer
 from kvruntime import (
     Artifact,
     KVRuntimeError,
@@ -59,12 +61,13 @@ def prompt_features_and_targets(
     model: nn.Module, context_ids: torch.Tensor, task_ids: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each layer's token features [N, F] (float64) from the prefill, and the oracle's log-scores [L, Hkv, N] from
-    the second pass (`task_ids` fed after the context)."""
+    the second pass (`task_ids` fed after the context); on the CPU, whatever the model's device."""
+    context_ids, task_ids = context_ids.to(model.device), task_ids.to(model.device)
     length = context_ids.shape[1]
     inputs: dict[int, torch.Tensor] = {}
 
     def keep_input(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        inputs[module.layer_idx] = token_features(kwargs.get("hidden_states", args[0] if args else None))[0]
+        inputs[module.layer_idx] = token_features(kwargs.get("hidden_states", args[0] if args else None))[0].cpu()
 
     handles = [m.register_forward_hook(keep_input, with_kwargs=True) for m in attention_modules(model)]
     cache = DynamicCache(config=model.config)
@@ -77,7 +80,7 @@ def prompt_features_and_targets(
     maxima = task_attention_maxima(model, cache, task_ids, length)
     num_kv_heads = cache.layers[0].keys.shape[1]
     scores = torch.stack([kv_head_scores(task_max, num_kv_heads)[0] for task_max in maxima])
-    return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores)
+    return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
 
 
 def oracle_task(tokenizer: object, context_ids: torch.Tensor, oracle: str) -> torch.Tensor:
@@ -178,3 +181,15 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "target": "log of the oracle's score (clamped at 1e-6)",
         },
     )
+
+
+class DistillRecipe(CorpusRecipe):
+    kind = "distilled_scorer"
+    compile = staticmethod(compile_distilled_scorer)
+    finisher = staticmethod(finish_distilled_scorer)
+    plotter = staticmethod(plot_distilled_scorer)
+
+    def describe(self, artifact: Artifact) -> str:
+        r2 = artifact.tensors["held_out_r2"].max(dim=1).values
+        median, low, high = float(r2.median()), float(r2.min()), float(r2.max())
+        return f"held-out R^2 of the log-scores per layer: median {median:.3f}, range {low:.3f}-{high:.3f}"

@@ -22,6 +22,8 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipe import CorpusRecipe
+from kvcompile.recipes.kvcompose.plots import plot_kvcompose_stats
 from kvruntime import (
     Artifact,
     KVCompose,
@@ -119,7 +121,10 @@ def compile_attention_stats(
     calibration = calibration_prompts(corpus, tokenizer, settings.prompts, settings.prompt_tokens, settings.seed)
     tasks = None
     if task_set is not None:
-        tasks = [torch.tensor([tokenizer(p, add_special_tokens=False).input_ids]) for p in task_set.prompts]
+        tasks = [
+            torch.tensor([tokenizer(p, add_special_tokens=False).input_ids], device=model.device)
+            for p in task_set.prompts
+        ]
     run = StatisticsRun(
         kind="kvcompose_stats",
         model=model_fingerprint(model),
@@ -143,7 +148,7 @@ def compile_attention_stats(
     }
 
     def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
-        scores = prompt_scores(model, calibration[index][1], tasks).double()
+        scores = prompt_scores(model, calibration[index][1].to(model.device), tasks).double().cpu()
         layer_shares, head_shares = prompt_allocations(scores, settings.ratios)
         sums["layer_fractions"] += layer_shares
         sums["layer_fraction_squares"] += layer_shares.square()
@@ -185,3 +190,23 @@ def finish_attention_stats(sums: dict[str, torch.Tensor], run: StatisticsRun) ->
             "fractions": "mean over prompts of tokens kept / prompt tokens",
         },
     )
+
+
+class StatsRecipe(CorpusRecipe):
+    """Task-agnostic, or task-aware with a task set (a text file of downstream prompts, one per line)."""
+
+    kind = "kvcompose_stats"
+    finisher = staticmethod(finish_attention_stats)
+    plotter = staticmethod(plot_kvcompose_stats)
+
+    def __init__(self, corpus: str | None = None, task_set: Path | None = None) -> None:
+        super().__init__(corpus)
+        self.task_set = task_set
+
+    def prepare(self, settings: StatsSettings) -> tuple[Corpus, TaskSet | None]:
+        tasks = load_task_set(self.task_set) if self.task_set is not None else None
+        return super().prepare(settings), tasks
+
+    def run(self, job: CompileJob, settings: StatsSettings, inputs: tuple[Corpus, TaskSet | None]) -> Artifact:
+        corpus, tasks = inputs
+        return compile_attention_stats(job, corpus, settings, tasks)

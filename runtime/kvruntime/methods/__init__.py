@@ -14,7 +14,7 @@ from ..artifact import Artifact, applied_form
 from ..artifact_kinds import ARTIFACT_KINDS
 from ..errors import KVRuntimeError
 from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_name, required_artifact_kinds
-from .base import Method, Prefill, ScoringMethod, Selection
+from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .distilled import Distilled
@@ -68,6 +68,7 @@ __all__ = [
     "Selection",
     "KVCompose",
     "KVCompress",
+    "LayerPrefill",
     "Method",
     "SemanticRetrievalHeads",
     "SnapKV",

@@ -46,6 +46,18 @@ class Prefill:
         return logits.log_softmax(dim=-1).gather(-1, self.input_ids[:, -last:, None]).squeeze(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerPrefill:
+    """What the engine hands a method from one attention layer at the end of prefill."""
+
+    index: int  # the layer's index
+    queries: torch.Tensor  # the window's queries [B, Hq, w, D], post-RoPE
+    keys: torch.Tensor  # the layer's cached keys [B, Hkv, N, D], post-RoPE
+    values: torch.Tensor  # the layer's cached values [B, Hkv, N, D]
+    scaling: float  # the attention's logit scale
+    hidden_states: torch.Tensor  # the attention's input [B, N, hidden], after the layer's input norm
+
+
 @dataclasses.dataclass
 class Selection:
     """Scores [B, Hkv, N] per layer (higher is kept first) and entries kept per (layer, KV head) [L, Hkv];
@@ -72,18 +84,8 @@ class Method(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def layer_statistics(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scaling: float,
-        layer: int,
-        hidden_states: torch.Tensor,
-    ) -> Any:
-        """What the method keeps from one layer at the end of prefill: window queries [B, Hq, w, D] (post-RoPE),
-        the layer's cached keys and values [B, Hkv, N, D], and the attention's input [B, N, hidden] (after the
-        layer's input norm)."""
+    def layer_statistics(self, layer: LayerPrefill) -> Any:
+        """What the method keeps from one layer at the end of prefill."""
 
     @abc.abstractmethod
     def select(self, statistics: list[Any], request: Request, prefill: Prefill) -> Selection:
@@ -105,16 +107,8 @@ class ScoringMethod(Method):
         """Token scores [B, Hkv, N] from the window's queries [B, Hq, w, D]; the window itself always stays."""
         return protect_window(self.token_scores(window_attention(queries, keys, scaling), layer), queries.shape[2])
 
-    def layer_statistics(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scaling: float,
-        layer: int,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.window_scores(queries, keys, scaling, layer)
+    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
+        return self.window_scores(layer.queries, layer.keys, layer.scaling, layer.index)
 
     def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
         return Selection(statistics, self.head_counts(statistics, request.kept_per_head(prefill.length, self.window)))

@@ -16,7 +16,7 @@ import torch
 
 from ...errors import KVRuntimeError
 from ...request import Request
-from ..base import Method, Prefill, Selection
+from ..base import LayerPrefill, Method, Prefill, Selection
 from .risk_gate import gated_count, risk_bin
 from .signals import WINDOW, layer_scores, layer_signals, prompt_signals
 from .tables import CompilerKVTables
@@ -43,16 +43,8 @@ class CompilerKV(Method):
                 "(--budget), or allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
             )
 
-    def layer_statistics(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scaling: float,
-        layer: int,
-        hidden_states: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer_signals(queries, keys, values, scaling)
+    def layer_statistics(self, layer: LayerPrefill) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer_signals(layer.queries, layer.keys, layer.values, layer.scaling)
 
     def select(
         self, statistics: list[tuple[torch.Tensor, torch.Tensor]], request: Request, prefill: Prefill

@@ -17,7 +17,7 @@ import torch
 from ...errors import KVRuntimeError
 from ...request import Request
 from ...selection import protect_window
-from ..base import Method, Prefill, Selection
+from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
 from .features import predicted_scores, token_features
 from .scorer import DistilledScorer
@@ -40,17 +40,9 @@ class Distilled(Method):
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
 
-    def layer_statistics(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scaling: float,
-        layer: int,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor:
-        weights = self.scorer.weights[layer].to(hidden_states.device)
-        scores = predicted_scores(token_features(hidden_states), weights.double()).float()
+    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
+        weights = self.scorer.weights[layer.index].to(layer.hidden_states.device)
+        scores = predicted_scores(token_features(layer.hidden_states), weights.double()).float()
         return protect_window(scores, min(self.window, scores.shape[-1]))
 
     def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:

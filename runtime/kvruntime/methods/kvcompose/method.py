@@ -24,7 +24,7 @@ import torch
 from ...allocation import apportion
 from ...errors import KVRuntimeError
 from ...request import Request
-from ..base import Prefill, ScoringMethod, Selection
+from ..base import LayerPrefill, Prefill, ScoringMethod, Selection
 from .composite_tokens import kv_head_scores, prompt_allocation
 from .stats import KVComposeStats
 
@@ -54,21 +54,9 @@ class KVCompose(ScoringMethod):
         if self.mode == "compiled" and request.ratio:
             self.stats.check_ratio(request.ratio)
 
-    def layer_statistics(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scaling: float,
-        layer: int,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor | None:
+    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
         # The dynamic mode scores in its second pass (`select`): nothing to gather from the window.
-        return (
-            None
-            if self.mode == "dynamic"
-            else super().layer_statistics(queries, keys, values, scaling, layer, hidden_states)
-        )
+        return None if self.mode == "dynamic" else super().layer_statistics(layer)
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         """Eq. 14-16 with the window's queries as the task: max over them, per query head, then per KV head."""
