@@ -146,10 +146,10 @@ def generate(
                     )
         request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
         if method is not None:
-            from kvruntime import get_method, read_artifact
+            from kvruntime import check_method_serves
 
             # A request the method cannot serve is refused here, not after the model has loaded and run.
-            get_method(method, [read_artifact(path) for path in paths], options).check_request(request)
+            check_method_serves(method, paths, options, [request])
         import torch
 
         import kvruntime

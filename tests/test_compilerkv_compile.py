@@ -1,6 +1,7 @@
 """`kvcompile tables` on tiny models: the CQL learner against an exact tabular reference, the rollout plumbing
 against plain forwards, the whole compile (relearning, resume) and its refusals."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CharTokenizer, tiny_model
+from distributed_worker import TABLES
 from tabular_cql import tabular_cql
 from transformers import DynamicCache
 
@@ -17,9 +19,8 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv import tables as tables_module
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
-from kvcompile.recipes.compilerkv.experience_collection import ExperienceDesign
 from kvcompile.recipes.compilerkv.offline_cql import CQLSettings, fit_greedy_table, one_hot
-from kvcompile.recipes.compilerkv.tables import TablesSettings, compile_tables, relearn_tables
+from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
 from kvruntime.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention
 from kvruntime.errors import ArtifactError, KVRuntimeError
@@ -88,17 +89,7 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
 
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(2)))
-SMALL = TablesSettings(
-    budgets=(80, 120),
-    prompts=3,
-    context=160,
-    continuation=12,
-    rounds=2,
-    entropy_bins=3,
-    perplexity_bins=2,
-    design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5),
-    cql=CQLSettings(steps=60),
-)
+SMALL = dataclasses.replace(TABLES, cql=CQLSettings(steps=60))  # the distributed tests' tables, fitted longer
 
 
 @pytest.fixture(scope="module")

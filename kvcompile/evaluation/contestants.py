@@ -120,12 +120,9 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
 def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
     """Build each kvcompile method from its artifacts and let it refuse a ratio it cannot serve, before the model
     loads (the artifacts are checked against the model when they are applied)."""
-    from kvruntime import Request, get_method, read_artifact
+    from kvruntime import Request, check_method_serves
 
+    requests = [Request(ratio=ratio) for ratio in ratios]
     for contestant in contestants:
         if contestant.kind == "kvcompile":
-            method = get_method(
-                contestant.method, [read_artifact(p) for p in paths[contestant.label]], contestant.options
-            )
-            for ratio in ratios:
-                method.check_request(Request(ratio=ratio))
+            check_method_serves(contestant.method, paths[contestant.label], contestant.options, requests)

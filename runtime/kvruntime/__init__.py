@@ -32,6 +32,7 @@ _EXPORTS = {
             "Selection",
             "SnapKV",
             "WithLayerBudgets",
+            "check_method_serves",
             "get_method",
         ),
         "methods",

@@ -8,12 +8,20 @@ and `kvcompose` (options `mode` = compiled, which needs a `kvcompose_stats` arti
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
-from ..artifact import Artifact, applied_form
+from ..artifact import Artifact, applied_form, read_artifact
 from ..artifact_kinds import ARTIFACT_KINDS
 from ..errors import KVRuntimeError
-from ..request import METHOD_NAMES, NEEDS, check_method_options, parse_method_name, required_artifact_kinds
+from ..request import (
+    METHOD_NAMES,
+    NEEDS,
+    Request,
+    check_method_options,
+    parse_method_name,
+    required_artifact_kinds,
+)
 from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
@@ -59,6 +67,16 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
     return method
 
 
+def check_method_serves(
+    name: str, artifact_paths: Sequence[str | os.PathLike], options: Mapping[str, object], requests: Sequence[Request]
+) -> None:
+    """Build the method from its artifact files (read and checked, not yet against a model) and let it refuse any
+    of `requests` it cannot serve: what the command line asks before it loads the model."""
+    method = get_method(name, [read_artifact(path) for path in artifact_paths], options)
+    for request in requests:
+        method.check_request(request)
+
+
 __all__ = [
     "METHOD_NAMES",
     "CompilerKV",
@@ -73,6 +91,7 @@ __all__ = [
     "SemanticRetrievalHeads",
     "SnapKV",
     "WithLayerBudgets",
+    "check_method_serves",
     "get_method",
     "parse_method_name",
     "required_artifact_kinds",
