@@ -139,6 +139,22 @@ def test_each_head_keeps_its_own_best_tokens_in_shared_slots_and_the_ratio_holds
         assert len(set(report.slots_per_layer)) == 1
 
 
+def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, tmp_path):
+    scorer = scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0)
+    scorer.tensors["weights"][1, tiny.config.hidden_size] = 5.0  # a bias: layer 1's tokens outscore the others'
+    path = save_artifact(scorer, tmp_path / "s.safetensors")
+    slots = {}
+    for floor in (0.0, 0.5):
+        with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"floor": floor}) as s:
+            s.prefill(tokens)
+        slots[floor] = s.report.slots_per_layer
+    keep = kvruntime.kept_per_head(tokens.shape[1], 8, ratio=0.75)
+    assert sum(slots[0.5]) == sum(slots[0.0]) == keep * len(slots[0.0])
+    assert min(slots[0.5]) >= keep // 2 > min(slots[0.0])
+    with pytest.raises(kvruntime.KVRuntimeError, match="floor"):
+        kvruntime.Distilled(scorer=kvruntime.DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5)
+
+
 def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
     with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path]) as session:

@@ -267,3 +267,48 @@ def test_tuned_defaults_without_a_recommendation_are_refused_with_the_reason(tmp
         with kvruntime.compress(other, artifacts=[path]):
             pass
     assert json.loads(json.dumps(kvruntime.read_artifact(path).params))["recommended"] is None
+
+
+def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its_densest_head(tokens):
+    """kvpress's KVzip hides entries through `masked_key_indices` on the attention modules: hiding them must answer
+    as removing them does, the scoring pass's extra entries must be freed, and the bytes held are each layer's
+    largest per-head count."""
+    from transformers import DynamicCache
+
+    from kvcompile.evaluation.runner import held_bytes, keep_mask_hooks, press_keep_masks
+    from kvruntime.cache_ops import cache_bytes, keep_entries
+
+    model = tiny_model("llama")
+    context_ids, question_ids = tokens[:, :70], tokens[:, 70:]
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=context_ids, past_key_values=cache, use_cache=True)
+        model(input_ids=question_ids, past_key_values=caches[0], use_cache=True)  # a scoring pass left behind
+    hidden = torch.arange(10, 40)
+    heads = caches[0].layers[0].keys.shape[1]
+    for module in kvruntime.attention_modules(model):
+        module.masked_key_indices = (
+            torch.zeros(heads * 30, dtype=torch.long),
+            torch.arange(heads).repeat_interleave(30),
+            hidden.repeat(heads),
+        )
+    masks = press_keep_masks(model, caches[0], 70)
+    assert all(not hasattr(m, "masked_key_indices") for m in kvruntime.attention_modules(model))
+    full_bytes = cache_bytes(caches[1])
+    assert cache_bytes(caches[0]) == full_bytes  # the scoring pass's entries are freed
+    assert held_bytes(caches[0], masks) == pytest.approx(full_bytes * 40 / 70, rel=1e-3)
+    one_head_hides_more = {index: mask.clone() for index, mask in masks.items()}
+    one_head_hides_more[0][0, 0, :5] = False  # the layer's densest head still holds 40
+    assert held_bytes(caches[0], one_head_hides_more) == held_bytes(caches[0], masks)
+    kept = torch.tensor([p for p in range(70) if p not in hidden.tolist()])
+    for layer in caches[1].layers:
+        keep_entries(layer, kept.expand(1, heads, -1))
+    logits = []
+    for cache, layer_masks in zip(caches, (masks, {})):
+        with kvruntime.per_layer_attention(model), keep_mask_hooks(model, layer_masks):
+            out = kvruntime.generate_after_context(
+                model, cache, 70, question_ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True
+            )
+        logits.append(out.logits[0][0])
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)

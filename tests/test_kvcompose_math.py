@@ -60,6 +60,25 @@ def test_allocations_count_the_global_top_of_the_composite_and_the_per_head_scor
     assert per_head.tolist() == (ranked >= threshold).sum(dim=-1).tolist()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 12), st.floats(0.05, 0.95), st.integers(0, 10), st.integers(0, 10**6))
+def test_a_floor_gives_every_layer_its_best_composite_tokens_and_the_rest_goes_to_the_global_top(
+    layers, length, ratio, floor, seed
+):
+    curves = torch.rand(layers, length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    curves = curves.sort(dim=-1, descending=True).values
+    total = max(1, int((1 - ratio) * layers * length))
+    counts = layer_allocation(curves, total, floor)
+    guaranteed = min(floor, total // layers)
+    assert int(counts.sum()) == total and bool((counts >= guaranteed).all())
+    # Beyond the floors, the kept composite tokens are the best of any layer (layer 0 lifted): none dropped is better.
+    lifted = curves.clone()
+    lifted[0] = curves.max(dim=0).values
+    kept = [float(lifted[layer, r]) for layer in range(layers) for r in range(guaranteed, int(counts[layer]))]
+    dropped = [float(lifted[layer, r]) for layer in range(layers) for r in range(int(counts[layer]), length)]
+    assert not kept or not dropped or min(kept) >= max(dropped)
+
+
 def test_rank_quantiles_read_the_best_a_middle_rank_and_the_last():
     ranked = torch.arange(10.0, 0.0, -1.0)
     assert rank_quantile_values(ranked, torch.tensor([0.0, 4 / 9, 1.0])).tolist() == [10.0, 6.0, 1.0]

@@ -21,7 +21,7 @@ import kvruntime
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.measure import PeakMemory
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvruntime import cache_bytes, generate_after_context, per_layer_attention
+from kvruntime import KEEP_MASK_KEYWORD, attention_modules, cache_bytes, generate_after_context, per_layer_attention
 
 
 @dataclasses.dataclass
@@ -83,12 +83,67 @@ def prefilled(
         ):
             model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - started
+    masks = press_keep_masks(model, cache, context_ids.shape[1])
 
     def generate(question_ids: torch.Tensor, **kwargs) -> object:
-        with per_layer_attention(model):  # presses may leave layers of different lengths
+        # Presses may leave layers of different lengths (per-layer attention) or hide entries (keep masks).
+        with per_layer_attention(model), keep_mask_hooks(model, masks):
             return generate_after_context(model, cache, context_ids.shape[1], question_ids, **kwargs)
 
-    yield Prefill(seconds, peak.mib, cache_bytes(cache), generate)
+    yield Prefill(seconds, peak.mib, held_bytes(cache, masks), generate)
+
+
+def press_keep_masks(model: nn.Module, cache: DynamicCache, context_length: int) -> dict[int, torch.Tensor]:
+    """The entries a masking press hides, as keep masks [1, Hkv, N] per layer. kvpress's KVzip (and AdaKV-style
+    presses) do not remove entries: they leave `masked_key_indices` (batch, head, position) on each attention module
+    for kvpress's attention patch, which the per-layer attention here does not go through. The indices are taken
+    off the modules (so that no later run sees them), and what a scoring pass left beyond the context is freed."""
+    for layer in cache.layers:
+        # KVzip's reconstruction pass appends the copy, then cuts it off with a view that holds on to its storage.
+        if layer.keys.shape[-2] > context_length or layer.keys.untyped_storage().nbytes() > layer.keys.nbytes:
+            layer.keys = layer.keys[..., :context_length, :].clone()
+            layer.values = layer.values[..., :context_length, :].clone()
+    masks = {}
+    for module in attention_modules(model):
+        indices = getattr(module, "masked_key_indices", None)
+        if indices is None:
+            continue
+        del module.masked_key_indices
+        layer = cache.layers[module.layer_idx]
+        mask = torch.ones(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
+        mask[indices] = False
+        masks[module.layer_idx] = mask
+    return masks
+
+
+@contextlib.contextmanager
+def keep_mask_hooks(model: nn.Module, masks: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Pass each layer's keep mask to the per-layer attention while the block runs."""
+
+    def inject(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, KEEP_MASK_KEYWORD: masks[module.layer_idx]}
+
+    handles = [
+        module.register_forward_pre_hook(inject, with_kwargs=True)
+        for module in attention_modules(model)
+        if module.layer_idx in masks
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def held_bytes(cache: DynamicCache, masks: dict[int, torch.Tensor]) -> int:
+    """KV bytes held, counting a masked layer as a dense store of its heads' largest kept count (what the engine's
+    `padded` memory holds for per-head counts): hidden entries are not counted as freed beyond that."""
+    hidden = 0
+    for index, mask in masks.items():
+        layer, length = cache.layers[index], mask.shape[-1]
+        unused_slots = length - int(mask.sum(dim=-1).max())
+        hidden += (layer.keys.nbytes + layer.values.nbytes) * unused_slots // length
+    return cache_bytes(cache) - hidden
 
 
 def answer(

@@ -18,7 +18,7 @@ METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvco
 OPTIONS: dict[str, dict[str, object]] = {
     "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float},
     "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
-    "distilled": {"allocation": ("dynamic", "uniform")},
+    "distilled": {"allocation": ("dynamic", "uniform"), "floor": float},
 }
 ALIASES = {"compresskv": "srh+budgets"}
 # Which artifact kind each name part needs (`artifact_kinds` says what compiles it).

@@ -28,14 +28,17 @@ def composite_curve(scores: torch.Tensor) -> torch.Tensor:
     return sorted_head_scores(scores).mean(dim=-2)
 
 
-def layer_allocation(curves: torch.Tensor, total: int) -> torch.Tensor:
+def layer_allocation(curves: torch.Tensor, total: int, floor: int = 0) -> torch.Tensor:
     """Eq. 20-22: tokens kept per layer, the layers' shares of the global top-`total` composite tokens.
 
     curves [L, N]. As in the reference implementation, layer 0's curve is first lifted to the largest curve of
-    any layer, so the first layer keeps at least as much as any other. Returns [L] counts summing to `total`.
+    any layer, so the first layer keeps at least as much as any other. `floor` composite tokens of every layer are
+    kept whatever their scores (at most total / L): the rest goes to the global ranking. Returns [L] counts summing
+    to `total`.
     """
     lifted = curves.clone()
     lifted[0] = curves.max(dim=0).values
+    lifted[:, : min(floor, total // curves.shape[0])] = float("inf")
     return _counts_of_top(lifted.reshape(-1), total, curves.shape[1], curves.shape[0])
 
 
@@ -47,13 +50,14 @@ def head_allocation(sorted_scores: torch.Tensor, total: int) -> torch.Tensor:
     return counts.view(num_layers, num_kv_heads)
 
 
-def prompt_allocation(scores: torch.Tensor, keep: int, per_head: bool) -> torch.Tensor:
+def prompt_allocation(scores: torch.Tensor, keep: int, per_head: bool, floor: int = 0) -> torch.Tensor:
     """The allocation of one prompt from its scores [L, Hkv, N], for `keep` entries per (layer, KV head) on
-    average: tokens per layer [L] (composite tokens), or per (layer, KV head) [L, Hkv] (the unstructured variant)."""
+    average: tokens per layer [L] (composite tokens, each layer at least `floor`), or per (layer, KV head) [L, Hkv]
+    (the unstructured variant)."""
     num_layers, num_kv_heads, _ = scores.shape
     if per_head:
         return head_allocation(sorted_head_scores(scores), keep * num_layers * num_kv_heads)
-    return layer_allocation(composite_curve(scores), keep * num_layers)
+    return layer_allocation(composite_curve(scores), keep * num_layers, floor)
 
 
 def _counts_of_top(pool: torch.Tensor, total: int, length: int, groups: int) -> torch.Tensor:
