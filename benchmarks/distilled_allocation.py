@@ -58,15 +58,12 @@ def main() -> None:
         return tokenizer.decode(output[0, question_ids.shape[1] :], skip_special_tokens=True), session.report
 
     correct: dict[tuple[str, float], list[int]] = {}
-    kept: dict[str, list[list[int]]] = {}
+    kept: dict[str, list[list[float]]] = {}
     answerable = []
     for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
         context_ids, question_ids = split_prompt(tokenizer, prompt, question_aware=False)
-        with kvruntime.compress(model, "distilled", ratio=0.0, artifacts=[SCORER]) as session:
-            output = session.prefill(context_ids).generate(
-                question_ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.eos_token_id
-            )
-        if not prompt.score(tokenizer.decode(output[0, question_ids.shape[1] :], skip_special_tokens=True)):
+        full_text, _ = answer(0.0, {}, context_ids, question_ids)  # ratio 0: the whole cache
+        if not prompt.score(full_text):
             continue
         answerable.append(prompt)
         for ratio in ratios:

@@ -60,10 +60,12 @@ class Distilled(Method):
             # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
             scores = torch.stack([s[0] for s in statistics]).exp()
             counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
+            how = f"dynamic allocation (floor {self.floor:g})"
         else:
             counts = torch.full((num_layers,), keep, dtype=torch.long)
+            how = "uniform allocation"
         note = (
-            f"distilled           {self.allocation} allocation (floor {self.floor:g}) over scores distilled from {self.scorer.oracle}; "
+            f"distilled           {how} over scores distilled from {self.scorer.oracle}; "
             f"tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
         )
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
