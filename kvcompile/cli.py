@@ -187,7 +187,10 @@ def generate(
 
 CorpusOption = Annotated[
     str | None,
-    typer.Option(help="Calibration text: 'austen' (shipped, default), a .txt/.txt.gz file or folder, a jsonl/parquet."),
+    typer.Option(
+        help="Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), "
+        "a .txt/.txt.gz file or folder, a jsonl/parquet."
+    ),
 ]
 ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
 ShardOption = Annotated[
@@ -384,10 +387,11 @@ def distill(
     seed: SeedOption = 0,
 ) -> tuple:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
+    from kvcompile.calibration.corpus import REPEATING_CORPUS
     from kvcompile.recipes.distilled.distill import DistillRecipe, DistillSettings
 
     settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
-    return DistillRecipe(corpus), settings
+    return DistillRecipe(corpus or REPEATING_CORPUS), settings
 
 
 def _command_line(ctx: typer.Context) -> str:

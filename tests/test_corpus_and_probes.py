@@ -2,11 +2,12 @@
 
 import gzip
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
 
-from kvcompile.calibration.corpus import load_corpus
+from kvcompile.calibration.corpus import load_corpus, repeating_documents
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, needle_probe
 from kvruntime.errors import KVRuntimeError
 from kvruntime.model_loading import DEFAULT_MODEL, load_model
@@ -28,6 +29,31 @@ def test_text_folder_gzip_and_tables_load(tmp_path):
     lines = tmp_path / "c.jsonl"
     lines.write_text("\n".join(json.dumps({"text": t}) for t in ["one", "two", ""]))
     assert list(load_corpus(lines).documents) == ["one", "two"]
+
+
+def test_repeating_documents_say_book_sentences_again_between_paragraphs_deterministically():
+    paragraph = " ".join(f"Line {i} goes on." for i in range(30))  # sentences too short to repeat
+    book = "\n\n".join(
+        [
+            f"Short one. The {w} sentence is of a fine middling length, as they go. {paragraph}"
+            for w in ("first", "second", "third")
+        ]
+    )
+    made = repeating_documents([book], documents=2, characters=5000, seed=3)
+    assert made == repeating_documents([book], documents=2, characters=5000, seed=3) and made[0] != made[1]
+    for document in made:
+        assert len(document) >= 5000
+        blocks = document.split("\n\n")
+        for said, paragraph_after in zip(blocks[::2], blocks[1::2]):
+            sentence = re.match(r"The \w+ sentence .*? go\.", said).group(0)
+            assert 10 <= said.count(sentence) <= 60 and said == " ".join([sentence] * said.count(sentence))
+            assert len(paragraph_after) > 300 and paragraph_after in " ".join(book.split())
+
+
+def test_the_repeating_corpus_is_the_austen_novels_and_two_repeating_documents():
+    books, repeating = load_corpus("austen"), load_corpus("austen-repeats")
+    assert list(repeating.documents[: len(books.documents)]) == list(books.documents)
+    assert len(repeating.documents) == len(books.documents) + 2 and repeating.sha256 != books.sha256
 
 
 @pytest.mark.parametrize(

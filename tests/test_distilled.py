@@ -25,6 +25,8 @@ from kvcompile.recipes.distilled.distill import (
     ridge,
 )
 from kvruntime import Artifact, DistilledScorer, KVRuntimeError, model_fingerprint, save_artifact, token_features
+from kvruntime.allocation import error_aware_budgets
+from kvruntime.methods.distilled import likeness_to_earlier
 
 runner = CliRunner()
 
@@ -66,14 +68,65 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
     assert bool((artifact.tensors["held_out_r2"][:, 0] > 0.999).all())
 
 
-def test_token_features_are_the_input_its_position_and_the_first_token():
+def test_token_features_are_the_input_its_position_the_first_token_and_its_likeness_to_earlier_tokens():
     hidden = torch.randn(1, 5, 4)
     features = token_features(hidden)
-    assert features.shape == (1, 5, 7) and features.dtype == torch.float64
-    torch.testing.assert_close(features[0, :, :4], hidden[0].double())
+    assert features.shape == (1, 5, kvruntime.feature_count(4)) == (1, 5, 8) and features.dtype == torch.float32
+    torch.testing.assert_close(features[0, :, :4], hidden[0])
     assert features[0, :, 4].tolist() == [1.0] * 5
-    torch.testing.assert_close(features[0, :, 5], torch.arange(5, dtype=torch.float64).log1p())
+    torch.testing.assert_close(features[0, :, 5], torch.arange(5, dtype=torch.float32).log1p())
     assert features[0, :, 6].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(features[0, :, 7], likeness_to_earlier(hidden)[0])
+
+
+def test_likeness_to_earlier_is_the_cosine_to_the_mean_of_the_earlier_tokens_but_the_first():
+    hidden = torch.randn(2, 7, 5, dtype=torch.float64)
+    expected = torch.zeros(2, 7)
+    for b in range(2):
+        for i in range(2, 7):
+            mean = hidden[b, 1:i].mean(dim=0)
+            expected[b, i] = float(hidden[b, i] @ mean / (hidden[b, i].norm() * mean.norm()))
+    torch.testing.assert_close(likeness_to_earlier(hidden), expected)
+    repeated = torch.cat([torch.randn(1, 1, 5), torch.randn(1, 1, 5).expand(1, 6, 5)], dim=1)
+    assert bool((likeness_to_earlier(repeated)[0, 2:] > 0.9999).all())  # a state said again is like its copies
+    changed = hidden.clone()
+    changed[:, 4:] = torch.randn(2, 3, 5, dtype=torch.float64)
+    # causal: what comes later never changes a token's value
+    torch.testing.assert_close(likeness_to_earlier(changed)[:, :4], likeness_to_earlier(hidden)[:, :4])
+
+
+def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_layer_budgets(tiny, tokens, tmp_path):
+    hidden, fingerprint = tiny.config.hidden_size, model_fingerprint(tiny)
+    layer_error = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    budgets = Artifact("layer_budgets", {"layer_error": layer_error}, fingerprint, {}, {})
+    paths = [
+        save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors"),
+        save_artifact(budgets, tmp_path / "layer_budgets.safetensors"),
+    ]
+    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths) as session:
+        session.prefill(tokens)
+    length, window = tokens.shape[1], 8
+    expected = error_aware_budgets(layer_error.tolist(), 24, length=length)
+    assert session.report.method == "distilled+budgets" and session.report.slots_per_layer == expected
+    for positions, slots in zip(session.kept_positions, expected):
+        assert all(
+            p.tolist() == sorted({*range(slots - window), *range(length - window, length)}) for p in positions[0]
+        )
+    with pytest.raises(KVRuntimeError, match="drop allocation"):
+        with kvruntime.compress(
+            tiny, "distilled+budgets", budget=24, artifacts=paths, options={"allocation": "uniform"}
+        ) as s:
+            s.prefill(tokens)
+
+
+def test_a_scorer_of_another_feature_layout_is_refused_in_one_line(tiny, tokens, tmp_path):
+    fingerprint = model_fingerprint(tiny)
+    weights = torch.zeros(fingerprint.num_layers, tiny.config.hidden_size + 3, fingerprint.num_kv_heads)
+    old = Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
+    path = save_artifact(old, tmp_path / "old.safetensors")
+    with pytest.raises(KVRuntimeError, match="reads 67 features per token, this runtime makes 68: recompile"):
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path]) as session:
+            session.prefill(tokens)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +140,7 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
     scorer, tmp_path, monkeypatch
 ):
     whole = kvruntime.read_artifact(scorer)
-    assert whole.kind == "distilled_scorer" and whole.tensors["weights"].shape == (4, 64 + 3, 2)
+    assert whole.kind == "distilled_scorer" and whole.tensors["weights"].shape == (4, kvruntime.feature_count(64), 2)
     assert DISTILL.prompts // HELD_OUT_EVERY == 1 and whole.tensors["held_out_r2"].shape == (4, len(distill.ALPHAS))
     model = tiny_model("llama")
     parts = [
@@ -117,7 +170,9 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
 def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> Artifact:
     """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
     fingerprint = model_fingerprint(model)
-    weights = torch.zeros(fingerprint.num_layers, model.config.hidden_size + 3, fingerprint.num_kv_heads)
+    weights = torch.zeros(
+        fingerprint.num_layers, kvruntime.feature_count(model.config.hidden_size), fingerprint.num_kv_heads
+    )
     weights[:, feature] = sign
     return Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
 

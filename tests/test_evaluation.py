@@ -3,6 +3,7 @@ answer path on tiny models, the tuning choice and the runtime's tuned defaults."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from kvcompile.evaluation.metrics import accuracy_auc, greedy_agreement, largest
 from kvcompile.evaluation.report import results_table, summary_table
 from kvcompile.evaluation.runner import answer
 from kvcompile.evaluation.store import RunStore
-from kvcompile.evaluation.suite_run import SuiteSettings
+from kvcompile.evaluation.suite_run import SuiteSettings, run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
@@ -182,6 +183,16 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
 SETTINGS = SuiteSettings(
     ratios=(0.5, 0.75, 0.9), tasks=("passkey",), lengths=(1024,), samples=2, seed=1, question_aware=False, new_tokens=48
 )
+
+
+def test_a_run_goes_sample_by_sample_so_that_a_run_stopped_early_covers_every_task_and_length():
+    settings = dataclasses.replace(SETTINGS, tasks=("passkey", "needle", "qa"), lengths=(1024, 2048), samples=3)
+    # the suite's prompt order (suite_prompts): task by task, length by length, sample by sample
+    cells = [(t, n, s) for t in settings.tasks for n in settings.lengths for s in range(settings.samples)]
+    order = [cells[i] for i in run_order(list(range(len(cells))), settings)]
+    assert order[:6] == [(t, n, 0) for n in (1024, 2048) for t in ("passkey", "needle", "qa")]
+    assert sorted(order) == sorted(cells) and [s for _, _, s in order] == sorted(s for _, _, s in cells)
+    assert [cells[i] for i in run_order([17, 0, 5, 8], settings)] == [cells[0], cells[8], cells[5], cells[17]]
 
 
 def tuning_records(accuracies: dict[str, list[float]], full: float = 1.0) -> list[dict]:

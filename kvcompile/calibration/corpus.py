@@ -12,6 +12,7 @@ import functools
 import gzip
 import hashlib
 import random
+import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
+REPEATING_CORPUS = "austen-repeats"  # the novels and two documents of repeated Austen sentences (`kvcompile distill`)
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
 _TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -78,9 +80,13 @@ class Corpus:
 
 
 def load_corpus(source: str | Path | None = None) -> Corpus:
-    """Load a corpus; `None` or 'austen' is the shipped default, 'moby-dick' the shipped held-out book."""
-    if source is None or str(source) == DEFAULT_CORPUS:
-        return _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
+    """Load a corpus; `None` or 'austen' is the shipped default, 'austen-repeats' the same with repeating documents
+    (`repeating_documents`), 'moby-dick' the shipped held-out book."""
+    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS):
+        books = _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
+        if str(source) != REPEATING_CORPUS:
+            return books
+        return Corpus(REPEATING_CORPUS, (*books.documents, *repeating_documents(books.documents)))
     if str(source) == "moby-dick":
         return _text_files(
             "moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz"))
@@ -98,6 +104,28 @@ def load_corpus(source: str | Path | None = None) -> Corpus:
     if path.suffix in _TABLE_SUFFIXES:
         return _table(path)
     raise KVRuntimeError(f"corpus {path}: unknown format (use .txt, .txt.gz, a folder, .jsonl, .parquet or .csv)")
+
+
+def repeating_documents(
+    books: Sequence[str], documents: int = 2, characters: int = 600_000, seed: int = 0
+) -> list[str]:
+    """Documents in which text repeats, built from `books`: blocks of one sentence (40-160 characters) said 10-60
+    times, each followed by a paragraph of over 300 characters. Long contexts repeat (filler, boilerplate, logs) and a
+    second pass spreads its attention over the copies, so a scorer distilled from it must see repetition in its
+    calibration text; novels almost never repeat a sentence."""
+    rng = random.Random(seed)
+    sentences, paragraphs = [], []
+    for book in books:
+        sentences += [s for s in re.split(r"(?<=[.!?])\s+", " ".join(book.split())) if 40 <= len(s) <= 160]
+        paragraphs += [" ".join(p.split()) for p in re.split(r"\n\s*\n", book) if len(p) > 300]
+    made = []
+    for _ in range(documents):
+        blocks, size = [], 0
+        while size < characters:
+            blocks += [" ".join([rng.choice(sentences)] * rng.randint(10, 60)), rng.choice(paragraphs)]
+            size += len(blocks[-2]) + len(blocks[-1]) + 4
+        made.append("\n\n".join(blocks))
+    return made
 
 
 def passage_ids(tokenizer: PreTrainedTokenizerBase, document: str, start: int, tokens: int) -> list[int]:

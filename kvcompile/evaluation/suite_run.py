@@ -64,7 +64,7 @@ def evaluate(
     jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
     # Per prompt, the runs not recorded yet (all of them, or those of methods added to a resumed run).
     left = {i: [(c, r) for c, r in jobs if not store.done(i, c.label, r)] for i in range(len(prompts))}
-    todo = [i for i in left if left[i] or not store.done(i, full.label, 0.0)]
+    todo = run_order([i for i in left if left[i] or not store.done(i, full.label, 0.0)], settings)
     if todo:  # untimed: the first prefill of a process pays for allocations
         reference_answer(model, tokenizer, todo[0], prompts[todo[0]], full, settings)
     done = len(prompts) * (1 + len(jobs)) - sum(1 + len(left[i]) for i in todo)
@@ -79,6 +79,13 @@ def evaluate(
         store.add([*fresh, *(r for _, r in results)])
     bar.close()
     return store.records
+
+
+def run_order(indices: list[int], settings: SuiteSettings) -> list[int]:
+    """The prompts to run, sample by sample and length by length (each task in turn): a long run stopped early has
+    every task and length equally far along, and can be summarised before it is resumed."""
+    samples, lengths = settings.samples, len(settings.lengths)
+    return sorted(indices, key=lambda i: (i % samples, i // samples % lengths, i // (samples * lengths)))
 
 
 def reference_answer(

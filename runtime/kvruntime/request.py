@@ -12,6 +12,7 @@ from .errors import KVRuntimeError
 
 MEMORY_MODES = ("padded", "masked")
 ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
+BUDGETABLE_NAMES = (*ARTIFACT_FREE_NAMES, "srh", "distilled")  # those that take `+budgets` (error-aware layer shares)
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")
 # The options each method takes: a type (bool, float) or the tuple of its allowed words.
@@ -34,11 +35,11 @@ NEEDS = {
 def parse_method_name(name: str) -> list[str]:
     """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
     parts = ALIASES.get(name, name).split("+")
-    budgetable = parts[0] in (*ARTIFACT_FREE_NAMES, "srh") and parts[1:] in ([], ["budgets"])
-    if not budgetable and parts not in (["compilerkv"], ["kvcompose"], ["distilled"]):
+    budgetable = parts[0] in BUDGETABLE_NAMES and parts[1:] in ([], ["budgets"])
+    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
         raise KVRuntimeError(
             f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
-            f"{', '.join((*ARTIFACT_FREE_NAMES, 'srh'))})"
+            f"{', '.join(BUDGETABLE_NAMES)})"
         )
     return parts
 

@@ -4,8 +4,8 @@ Oracle (offline, per calibration prompt): the prompt is prefilled, then fed agai
 KVCompose's task-agnostic pass; `repeat` puts "repeat the text" before the copy), and each context token's score
 per (layer, KV head) is the largest attention any token of the copy gives it (mean over the KV head's query heads,
 plus the mean over the layer's KV heads: `kv_head_scores`, what `kvcompose:mode=dynamic` ranks by).
-Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position)
-to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y summed over tokens), which add up
+Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position,
+its likeness to the tokens before it) to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y summed over tokens), which add up
 exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
 layer's ridge strength (validation error computed from the sums alone), then the weights are fitted on all prompts.
 """
@@ -28,6 +28,7 @@ from kvruntime import (
     Artifact,
     KVRuntimeError,
     attention_modules,
+    feature_count,
     kv_head_scores,
     model_fingerprint,
     oracle_targets,
@@ -67,7 +68,8 @@ def prompt_features_and_targets(
     inputs: dict[int, torch.Tensor] = {}
 
     def keep_input(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        inputs[module.layer_idx] = token_features(kwargs.get("hidden_states", args[0] if args else None))[0].cpu()
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        inputs[module.layer_idx] = token_features(hidden_states)[0].cpu().double()
 
     handles = [m.register_forward_hook(keep_input, with_kwargs=True) for m in attention_modules(model)]
     cache = DynamicCache(config=model.config)
@@ -105,7 +107,7 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
         provenance=provenance(corpus, settings.seed),
     )
     layers, heads = fingerprint.num_layers, fingerprint.num_kv_heads
-    features = model.config.hidden_size + 3
+    features = feature_count(model.config.hidden_size)
     sums = {}
     for part in ("fit", "held_out"):
         sums[f"xtx_{part}"] = torch.zeros(layers, features, features, dtype=torch.float64)
@@ -177,7 +179,8 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "prompt_tokens": run.settings["prompt_tokens"],
             "held_out_every": HELD_OUT_EVERY,
             "alphas": list(ALPHAS),
-            "features": "attention input (after the input norm), bias, log1p(position), first token",
+            "features": "attention input (after the input norm), bias, log1p(position), first token, likeness to the "
+            "earlier tokens",
             "target": "log of the oracle's score (clamped at 1e-6)",
         },
     )

@@ -1,7 +1,7 @@
 """Compression methods by name, built with the compiled artifacts they need.
 
 Names: `snapkv`, `kvcompress`, `srh` (needs an `srh_heads` artifact), `compresskv` (= `srh+budgets`),
-`<name>+budgets` for any of these with the error-aware layer budgets of a `layer_budgets` artifact,
+`<name>+budgets` for any of these (and `distilled`) with the error-aware layer budgets of a `layer_budgets` artifact,
 `compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`)
 and `kvcompose` (options `mode` = compiled, which needs a `kvcompose_stats` artifact, or dynamic; `unstructured`).
 """
@@ -57,7 +57,8 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
         compiled = options.get("mode", "compiled") == "compiled"
         return KVCompose(stats=applied("kvcompose") if compiled else None, **options)
     if base == "distilled":
-        return Distilled(scorer=applied("distilled"), **options)
+        layer_error = applied("budgets").tensors["layer_error"] if suffixes else None
+        return Distilled(scorer=applied("distilled"), layer_error=layer_error, **options)
     if base == "srh":
         method: ScoringMethod = SemanticRetrievalHeads(head_scores=applied("srh").tensors["srh_score"])
     else:

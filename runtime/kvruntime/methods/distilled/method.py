@@ -4,11 +4,12 @@
 Each KV head keeps its own best tokens in its layer's shared slots (composite tokens: every removed byte is freed).
 How many each layer keeps: `allocation="dynamic"` (default) ranks the layers' composite tokens by their predicted
 scores in one global pool, as KVCompose's dynamic mode does with its second pass's, after giving every layer
-`floor` times the average count; `"uniform"` gives every layer the same count. The pool alone starves layers: at
+`floor` times the average count; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
+error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts (`benchmarks/distilled_allocation.md`). The last
-`window` tokens always stay. A token's score depends only on its own inputs, not on the
-tokens after it: nothing in the scoring needs the end of the prompt.
+`window` tokens always stay. A token's score depends only on its own inputs and the
+tokens before it, never on the tokens after it: nothing in the scoring needs the end of the prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 
 import torch
 
+from ...allocation import error_aware_budgets
 from ...errors import KVRuntimeError
 from ...request import Request
 from ...selection import protect_window
@@ -30,11 +32,15 @@ ALLOCATIONS = ("dynamic", "uniform")
 
 @dataclasses.dataclass
 class Distilled(Method):
-    name = "distilled"
     window: int = 8
     scorer: DistilledScorer | None = None
     allocation: str = "dynamic"
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
+    layer_error: torch.Tensor | None = None  # [L] from a layer_budgets artifact: error-aware layer budgets instead
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "distilled" if self.layer_error is None else "distilled+budgets"
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -43,12 +49,22 @@ class Distilled(Method):
             )
         if not 0.0 <= self.floor <= 1.0:
             raise KVRuntimeError(f"distilled floor {self.floor}: give a share of the average in [0, 1]")
+        if self.layer_error is not None and self.allocation != "dynamic":
+            raise KVRuntimeError(
+                "distilled+budgets takes its layer shares from the layer_budgets artifact: drop allocation"
+            )
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
 
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
         weights = self.scorer.weights[layer.index].to(layer.hidden_states.device)
-        scores = predicted_scores(token_features(layer.hidden_states), weights.double()).float()
+        features = token_features(layer.hidden_states)
+        if weights.shape[0] != features.shape[-1]:
+            raise KVRuntimeError(
+                f"the distilled_scorer reads {weights.shape[0]} features per token, this runtime makes "
+                f"{features.shape[-1]}: recompile it with `kvcompile distill`"
+            )
+        scores = predicted_scores(features, weights)
         return protect_window(scores, min(self.window, scores.shape[-1]))
 
     def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
@@ -56,7 +72,10 @@ class Distilled(Method):
         if batch != 1:
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
         keep = request.kept_per_head(length, self.window)
-        if self.allocation == "dynamic":
+        if self.layer_error is not None:
+            counts = torch.tensor(error_aware_budgets(self.layer_error.tolist(), keep, length=length))
+            how = "error-aware budgets (layer_budgets)"
+        elif self.allocation == "dynamic":
             # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
             scores = torch.stack([s[0] for s in statistics]).exp()
             counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
