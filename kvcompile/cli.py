@@ -494,7 +494,8 @@ def eval_(
                 "",
             ]
         )
-        written, summary = write_report(records, out, header)
+        subject = contestants[1].label if len(contestants) > 1 else None  # the first method after the full cache
+        written, summary = write_report(records, out, header, subject)
         for path in written:
             typer.echo(f"wrote {path}")
         typer.echo(summary)

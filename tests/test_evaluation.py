@@ -14,8 +14,14 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.evaluation import contestants as contestants_module
 from kvcompile.evaluation.contestants import Contestant, artifact_paths, parse_methods
-from kvcompile.evaluation.metrics import accuracy_auc, greedy_agreement, largest_ratio_within, next_token_kl
-from kvcompile.evaluation.report import results_table, summary_table
+from kvcompile.evaluation.metrics import (
+    accuracy_auc,
+    bootstrap_interval,
+    greedy_agreement,
+    largest_ratio_within,
+    next_token_kl,
+)
+from kvcompile.evaluation.report import paired_auc_table, results_table, summary_table
 from kvcompile.evaluation.runner import answer
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import SuiteSettings, run_order
@@ -183,6 +189,40 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
 SETTINGS = SuiteSettings(
     ratios=(0.5, 0.75, 0.9), tasks=("passkey",), lengths=(1024,), samples=2, seed=1, question_aware=False, new_tokens=48
 )
+
+
+def test_the_bootstrap_interval_of_a_mean_matches_the_normal_approximation_and_is_exact_without_spread():
+    assert bootstrap_interval([0.25] * 30) == (0.25, 0.25)
+    low, high = bootstrap_interval([0.0, 1.0] * 200)
+    half_width = 1.96 * (0.25 / 400) ** 0.5  # the mean of 400 coin flips: sd sqrt(p(1-p)/n)
+    assert low == pytest.approx(0.5 - half_width, abs=0.01) and high == pytest.approx(0.5 + half_width, abs=0.01)
+    assert bootstrap_interval([0.0, 1.0, 0.5]) == bootstrap_interval([0.0, 1.0, 0.5])  # seeded
+
+
+def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_who_is_ahead():
+    ratios = (0.5, 0.75, 0.9)
+    correct = {  # per method, per prompt, the answers at each ratio
+        "distilled": [(1, 1, 0), (1, 0, 0), (1, 1, 1)],
+        "tova": [(1, 1, 1), (0, 0, 0), (1, 1, 1)],
+    }
+    records = [dict(prompt=p, method="full", ratio=0.0, correct=1, kl=0.0) for p in range(3)]
+    for method, prompts in correct.items():
+        records += [
+            dict(prompt=p, method=method, ratio=r, correct=c, kl=0.0)
+            for p, answers in enumerate(prompts)
+            for r, c in zip(ratios, answers)
+        ]
+    # by hand, the trapezoid through 1 at ratio 0, over 0.9: prompt 0 areas 0.825 vs 0.9 (tova keeps 0.9's answer),
+    # prompt 1 areas 0.5 + 0.125 vs 0.25, prompt 2 the same answers
+    expected = [-0.075 / 0.9, (0.625 - 0.25) / 0.9, 0.0]
+    (row,) = paired_auc_table(records, "distilled")
+    assert row["method"] == "tova" and row["prompts"] == 3
+    assert row["distilled_minus_method"] == pytest.approx(sum(expected) / 3, abs=1e-4)
+    filler = dict(agreement=1.0, prefill_vs_full=1.0, peak_mib=None, cache_kept=1.0)
+    auc = {r["method"]: r["auc"] for r in summary_table([{**r, **filler} for r in records])}
+    assert row["distilled_minus_method"] == pytest.approx(auc["distilled"] - auc["tova"], abs=2e-4)
+    assert (row["distilled_ahead"], row["method_ahead"]) == (1, 1)
+    assert row["low_95"] <= row["distilled_minus_method"] <= row["high_95"]
 
 
 def test_a_run_goes_sample_by_sample_so_that_a_run_stopped_early_covers_every_task_and_length():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 AGREEMENT_TOKENS = 32
@@ -57,3 +58,14 @@ def largest_ratio_within(full_accuracy: float, curve: dict[float, float], tolera
             break
         chosen = ratio
     return chosen
+
+
+def bootstrap_interval(
+    values: Sequence[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile interval of the mean of `values` over resamples with replacement (seeded: the same values give
+    the same interval). For paired differences per prompt: does a difference stand out of the prompts' spread?"""
+    array = np.asarray(values, dtype=float)
+    means = array[np.random.default_rng(seed).integers(0, len(array), size=(resamples, len(array)))].mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)

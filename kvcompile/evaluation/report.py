@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvcompile.evaluation.contestants import FULL
-from kvcompile.evaluation.metrics import accuracy_auc
+from kvcompile.evaluation.metrics import accuracy_auc, bootstrap_interval
 from kvcompile.evaluation.store import write_text_atomically
 
 GROUP_COLUMNS = ("method", "ratio", "task", "length")
@@ -87,6 +87,43 @@ def summary_table(records: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["ratio"], -r["accuracy"], r["method"]))
 
 
+def prompt_aucs(records: list[dict]) -> dict[str, dict[int, float]]:
+    """Each method's AUC on each prompt (through the full cache's answer to it); over the same prompts their mean is
+    the suite's AUC, since the trapezoid is linear in the accuracies."""
+    full = {r["prompt"]: r["correct"] for r in records if r["method"] == FULL}
+    curves: dict[tuple[str, int], dict[float, float]] = defaultdict(dict)
+    for r in records:
+        if r["method"] != FULL and r["prompt"] in full:
+            curves[(r["method"], r["prompt"])][r["ratio"]] = r["correct"]
+    aucs: dict[str, dict[int, float]] = defaultdict(dict)
+    for (method, prompt), curve in curves.items():
+        aucs[method][prompt] = accuracy_auc(full[prompt], curve)
+    return dict(aucs)
+
+
+def paired_auc_table(records: list[dict], subject: str) -> list[dict]:
+    """`subject`'s AUC minus each other method's, paired over the prompts both answered, with a 95% bootstrap
+    interval over prompts and the prompts on which either is ahead: what a claim that one beats another needs."""
+    aucs = prompt_aucs(records)
+    rows = []
+    for other in (m for m in aucs if m != subject):
+        prompts = sorted(set(aucs[subject]) & set(aucs[other]))
+        differences = [aucs[subject][p] - aucs[other][p] for p in prompts]
+        low, high = bootstrap_interval(differences)
+        rows.append(
+            {
+                "method": other,
+                f"{subject}_minus_method": round(statistics.mean(differences), 4),
+                "low_95": round(low, 4),
+                "high_95": round(high, 4),
+                "prompts": len(prompts),
+                f"{subject}_ahead": sum(d > 0 for d in differences),
+                "method_ahead": sum(d < 0 for d in differences),
+            }
+        )
+    return rows
+
+
 def to_csv(rows: list[dict]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
@@ -107,9 +144,24 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(records: list[dict], folder: Path, header: str) -> tuple[list[Path], str]:
+def _paired_section(records: list[dict], subject: str | None) -> list[str]:
+    paired = paired_auc_table(records, subject) if subject else []
+    if not paired:
+        return []
+    return [
+        f"## {subject}'s AUC against each method's, paired over prompts",
+        "",
+        "The difference of the AUCs per prompt, averaged (the difference of the suite's AUCs), with a 95% bootstrap "
+        "interval over prompts (10,000 resamples); ahead: prompts on which one method's AUC is the larger.",
+        "",
+        to_markdown(paired),
+    ]
+
+
+def write_report(records: list[dict], folder: Path, header: str, subject: str | None = None) -> tuple[list[Path], str]:
     """results.csv (method x ratio x task x length), summary.csv, results.md and the plots; returns the paths and
-    the Markdown summary (results.md up to the per-method tables), for the terminal."""
+    the Markdown summary (results.md up to the per-method tables), for the terminal. `subject`: the method whose
+    AUC is compared with every other's, paired over prompts (the first method of the run)."""
     records = with_peak_ratios(records)
     table, summary = results_table(records), summary_table(records)
     write_text_atomically(folder / "results.csv", to_csv(table))
@@ -127,6 +179,7 @@ def write_report(records: list[dict], folder: Path, header: str) -> tuple[list[P
             "0 to the largest (trapezoid through the full cache's accuracy at 0).",
             "",
             to_markdown(summary),
+            *_paired_section(records, subject),
         ]
     )
     markdown = "\n".join(
