@@ -227,7 +227,10 @@ MethodsOption = Annotated[
 ]
 TasksOption = Annotated[
     str,
-    typer.Option(help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated)."),
+    typer.Option(
+        help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated); "
+        "task:N gives a task N prompts per length instead of --samples (common_words:2)."
+    ),
 ]
 LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
 QuestionAwareOption = Annotated[
@@ -406,6 +409,12 @@ def _command_line(ctx: typer.Context) -> str:
     return " ".join(parts)
 
 
+def _samples_text(settings: object) -> str:
+    """'4 per task and length' (with the tasks given their own count: '4 per task and length, common_words 2')."""
+    own = ", ".join(f"{task} {count}" for task, count in settings.task_samples.items())
+    return f"{settings.samples} per task and length" + (f", {own}" if own else "")
+
+
 def _suite_settings(
     ratios: tuple[float, ...],
     tasks: str,
@@ -418,11 +427,13 @@ def _suite_settings(
 ) -> object:
     """The suite settings of eval and tune, from their options."""
     from kvcompile.evaluation.suite_run import SuiteSettings
-    from kvcompile.tasks.suite import parse_lengths
+    from kvcompile.tasks.suite import parse_lengths, parse_tasks
 
+    task_names, task_samples = parse_tasks(tasks)
     return SuiteSettings(
         ratios=ratios,
-        tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()),
+        tasks=task_names,
+        task_samples=task_samples,
         lengths=tuple(parse_lengths(lengths)),
         samples=samples,
         seed=seed,
@@ -476,6 +487,8 @@ def eval_(
         paths = artifact_paths(contestants, artifacts or artifact_folder(model))
         check_contestants(contestants, paths, settings.ratios)
         record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
+        if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
+            del record["task_samples"]
         claim_output(resources, out, folder=True)
         store = RunStore(out, record, resume, extendable=("methods",))
         loaded, tokenizer = recipe.load_model(model)
@@ -488,7 +501,7 @@ def eval_(
                 f"Machine: {machine()}  ",
                 f"Finished: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
                 f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
-                f"{', '.join(map(str, settings.lengths))}; {samples} per task and length; seed {seed}), "
+                f"{', '.join(map(str, settings.lengths))}; {_samples_text(settings)}; seed {seed}), "
                 f"{'question-aware' if question_aware else 'question-agnostic (the context is compressed before the question is seen)'}, "
                 f"greedy, {new_tokens} new tokens.",
                 "",

@@ -143,6 +143,17 @@ def test_prompts_are_reproducible_and_seeds_change_them(tokenizer):
     assert all(a.expected != b.expected for a, b in zip(again, other))
 
 
+def test_a_task_with_its_own_count_spreads_its_own_depths(tokenizer):
+    book = load_corpus("moby-dick")
+    prompts = suite_prompts(book, tokenizer, ["passkey", "needle"], [1024], {"passkey": 3, "needle": 1}, seed=0)
+    assert [(p.task, p.depth) for p in prompts] == [
+        ("passkey", 0.1),
+        ("passkey", 0.5),
+        ("passkey", 0.9),
+        ("needle", 0.5),
+    ]
+
+
 def test_lengths_and_tasks_are_checked():
     assert parse_lengths("2k, 4k,1500") == [2048, 4096, 1500]
     with pytest.raises(KVRuntimeError, match="'2x' is not a length"):

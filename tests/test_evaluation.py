@@ -26,6 +26,7 @@ from kvcompile.evaluation.runner import answer
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import SuiteSettings, run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
+from kvcompile.tasks.suite import parse_tasks, suite_cells
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
@@ -226,13 +227,36 @@ def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_wh
 
 
 def test_a_run_goes_sample_by_sample_so_that_a_run_stopped_early_covers_every_task_and_length():
-    settings = dataclasses.replace(SETTINGS, tasks=("passkey", "needle", "qa"), lengths=(1024, 2048), samples=3)
+    settings = dataclasses.replace(
+        SETTINGS, tasks=("passkey", "needle", "qa"), lengths=(1024, 2048), samples=3, task_samples={"needle": 1}
+    )
     # the suite's prompt order (suite_prompts): task by task, length by length, sample by sample
-    cells = [(t, n, s) for t in settings.tasks for n in settings.lengths for s in range(settings.samples)]
+    counts = {"passkey": 3, "needle": 1, "qa": 3}
+    cells = [(t, n, s) for t in settings.tasks for n in settings.lengths for s in range(counts[t])]
+    assert suite_cells(settings.tasks, settings.lengths, settings.samples_per_task) == [
+        (*c, counts[c[0]]) for c in cells
+    ]
     order = [cells[i] for i in run_order(list(range(len(cells))), settings)]
     assert order[:6] == [(t, n, 0) for n in (1024, 2048) for t in ("passkey", "needle", "qa")]
     assert sorted(order) == sorted(cells) and [s for _, _, s in order] == sorted(s for _, _, s in cells)
-    assert [cells[i] for i in run_order([17, 0, 5, 8], settings)] == [cells[0], cells[8], cells[5], cells[17]]
+    assert order[6:] == [(t, n, s) for s in (1, 2) for n in (1024, 2048) for t in ("passkey", "qa")]
+
+
+@pytest.mark.parametrize(
+    "text, tasks, counts",
+    [
+        ("passkey, qa:2 ,common_words:3", ("passkey", "qa", "common_words"), {"qa": 2, "common_words": 3}),
+        ("needle", ("needle",), {}),
+    ],
+)
+def test_tasks_may_carry_their_own_prompt_counts(text, tasks, counts):
+    assert parse_tasks(text) == (tasks, counts)
+
+
+@pytest.mark.parametrize("text", ["qa:0", "qa:two", "ruler:2", ""])
+def test_bad_task_counts_are_refused_in_one_line(text):
+    with pytest.raises(KVRuntimeError, match="--tasks|unknown tasks"):
+        parse_tasks(text)
 
 
 def tuning_records(accuracies: dict[str, list[float]], full: float = 1.0) -> list[dict]:

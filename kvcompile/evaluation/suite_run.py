@@ -17,7 +17,7 @@ from kvcompile.evaluation.runner import Answer, answer, split_prompt
 from kvcompile.evaluation.store import RunStore
 from kvcompile.prompt_format import check_prompt_format
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvcompile.tasks.suite import check_tasks, suite_prompts
+from kvcompile.tasks.suite import check_tasks, suite_cells, suite_prompts
 from kvruntime import KVRuntimeError
 
 HELD_OUT_BOOK = "moby-dick"  # calibration reads Austen
@@ -33,6 +33,11 @@ class SuiteSettings:
     question_aware: bool
     new_tokens: int
     prompt_format: str = "auto"
+    task_samples: dict[str, int] = dataclasses.field(default_factory=dict)  # tasks given a count of their own
+
+    @property
+    def samples_per_task(self) -> dict[str, int]:
+        return {task: self.task_samples.get(task, self.samples) for task in self.tasks}
 
     def check(self) -> None:
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
@@ -56,7 +61,7 @@ def evaluate(
         tokenizer,
         settings.tasks,
         settings.lengths,
-        settings.samples,
+        settings.samples_per_task,
         settings.seed,
         settings.prompt_format,
     )
@@ -84,8 +89,10 @@ def evaluate(
 def run_order(indices: list[int], settings: SuiteSettings) -> list[int]:
     """The prompts to run, sample by sample and length by length (each task in turn): a long run stopped early has
     every task and length equally far along, and can be summarised before it is resumed."""
-    samples, lengths = settings.samples, len(settings.lengths)
-    return sorted(indices, key=lambda i: (i % samples, i // samples % lengths, i // (samples * lengths)))
+    cells = suite_cells(settings.tasks, settings.lengths, settings.samples_per_task)
+    return sorted(
+        indices, key=lambda i: (cells[i][2], settings.lengths.index(cells[i][1]), settings.tasks.index(cells[i][0]))
+    )
 
 
 def reference_answer(

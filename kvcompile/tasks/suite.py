@@ -6,7 +6,7 @@ the needles, keys and questions are the evaluation ones. Sample i of a task with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -56,24 +56,48 @@ def sample_depth(sample: int, samples: int) -> float:
     return 0.5 if samples == 1 else round(0.1 + 0.8 * sample / (samples - 1), 3)
 
 
+def parse_tasks(text: str) -> tuple[tuple[str, ...], dict[str, int]]:
+    """'passkey,qa,common_words:2' -> the tasks, and the prompts per length of those given a count of their own."""
+    tasks, counts = [], {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        task, _, count = part.partition(":")
+        tasks.append(task)
+        if count:
+            if not count.isdigit() or int(count) < 1:
+                raise KVRuntimeError(f"--tasks: {part!r} needs a count of at least 1 after the colon (common_words:2)")
+            counts[task] = int(count)
+    check_tasks(tasks)
+    return tuple(tasks), counts
+
+
+def suite_cells(
+    tasks: Sequence[str], lengths: Sequence[int], samples: int | Mapping[str, int]
+) -> list[tuple[str, int, int, int]]:
+    """(task, length, sample, samples of that task) of each prompt of a run, in the order of its prompts: task by
+    task, length by length. `samples`: prompts per task and length, or per task (a mapping)."""
+    counts = {task: samples[task] if isinstance(samples, Mapping) else samples for task in tasks}
+    if min(counts.values(), default=1) < 1:
+        raise KVRuntimeError("--samples must be at least 1")
+    return [
+        (task, length, sample, counts[task]) for task in tasks for length in lengths for sample in range(counts[task])
+    ]
+
+
 def suite_prompts(
     corpus: Corpus,
     tokenizer: PreTrainedTokenizerBase,
     tasks: Sequence[str],
     lengths: Sequence[int],
-    samples: int,
+    samples: int | Mapping[str, int],
     seed: int,
     prompt_format: str = "auto",
 ) -> list[TaskPrompt]:
-    """The prompts of a run, task by task, length by length. `prompt_format`: `chat` (the model's chat template),
-    `raw` (plain text ending in an answer cue, for base models) or `auto` (chat when the tokenizer has a template)."""
+    """The prompts of a run (`suite_cells`). `prompt_format`: `chat` (the model's chat template), `raw` (plain text
+    ending in an answer cue, for base models) or `auto` (chat when the tokenizer has a template)."""
     check_tasks(tasks)
-    if samples < 1:
-        raise KVRuntimeError("--samples must be at least 1")
+    cells = suite_cells(tasks, lengths, samples)
     chat = uses_chat(tokenizer, prompt_format)
     return [
-        SUITE[task](corpus, tokenizer, length, sample_depth(sample, samples), seed * 1000 + sample, chat)
-        for task in tasks
-        for length in lengths
-        for sample in range(samples)
+        SUITE[task](corpus, tokenizer, length, sample_depth(sample, count), seed * 1000 + sample, chat)
+        for task, length, sample, count in cells
     ]

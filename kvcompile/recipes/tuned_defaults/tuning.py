@@ -59,7 +59,13 @@ def tune(
     """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
     corpus = load_corpus(HELD_OUT_BOOK)
     prompts = suite_prompts(
-        corpus, tokenizer, settings.tasks, settings.lengths, settings.samples, settings.seed, settings.prompt_format
+        corpus,
+        tokenizer,
+        settings.tasks,
+        settings.lengths,
+        settings.samples_per_task,
+        settings.seed,
+        settings.prompt_format,
     )
     full, methods = contestants[0], contestants[1:]
     references = {}
