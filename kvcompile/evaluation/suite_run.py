@@ -10,7 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from kvcompile.calibration.corpus import load_corpus
+from kvcompile.calibration.corpus import Corpus, load_corpus
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.metrics import greedy_agreement, next_token_kl
 from kvcompile.evaluation.runner import Answer, answer, split_prompt
@@ -39,6 +39,12 @@ class SuiteSettings:
     def samples_per_task(self) -> dict[str, int]:
         return {task: self.task_samples.get(task, self.samples) for task in self.tasks}
 
+    def prompts(self, corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> list[TaskPrompt]:
+        """The run's prompts, in the suite's order (`suite_prompts`)."""
+        return suite_prompts(
+            corpus, tokenizer, self.tasks, self.lengths, self.samples_per_task, self.seed, self.prompt_format
+        )
+
     def check(self) -> None:
         if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
             raise KVRuntimeError(f"--ratios {list(self.ratios)}: give compression ratios in (0, 1)")
@@ -56,15 +62,7 @@ def evaluate(
     settings: SuiteSettings,
     store: RunStore,
 ) -> list[dict]:
-    prompts = suite_prompts(
-        load_corpus(HELD_OUT_BOOK),
-        tokenizer,
-        settings.tasks,
-        settings.lengths,
-        settings.samples_per_task,
-        settings.seed,
-        settings.prompt_format,
-    )
+    prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer)
     full = contestants[0]
     jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
     # Per prompt, the runs not recorded yet (all of them, or those of methods added to a resumed run).

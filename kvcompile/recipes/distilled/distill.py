@@ -5,8 +5,8 @@ KVCompose's task-agnostic pass; `repeat` puts "repeat the text" before the copy)
 per (layer, KV head) is the largest attention any token of the copy gives it (mean over the KV head's query heads,
 plus the mean over the layer's KV heads: `kv_head_scores`, what `kvcompose:mode=dynamic` ranks by).
 Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position,
-its likeness to the tokens before it) to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y summed over tokens), which add up
-exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
+its likeness to the tokens before it) to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y
+summed over tokens), which add up exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
 layer's ridge strength (validation error computed from the sums alone), then the weights are fitted on all prompts.
 """
 

@@ -29,7 +29,6 @@ from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, SuiteSettings, reference_answer, run_prompt
 from kvcompile.recipe import Recipe
 from kvcompile.recipes.tuned_defaults.plots import plot_tuned_defaults
-from kvcompile.tasks.suite import suite_prompts
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 
 UNMEASURED = -1.0  # accuracy/kl of a ratio not tried (the method had stopped before it)
@@ -58,15 +57,7 @@ def tune(
 ) -> Artifact:
     """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
     corpus = load_corpus(HELD_OUT_BOOK)
-    prompts = suite_prompts(
-        corpus,
-        tokenizer,
-        settings.tasks,
-        settings.lengths,
-        settings.samples_per_task,
-        settings.seed,
-        settings.prompt_format,
-    )
+    prompts = settings.prompts(corpus, tokenizer)
     full, methods = contestants[0], contestants[1:]
     references = {}
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(settings.ratios)), desc="kvcompile tune", unit="run")
