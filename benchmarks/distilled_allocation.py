@@ -26,7 +26,7 @@ from kvcompile.plotting import plt, save_figure
 from kvcompile.tasks.suite import parse_lengths, suite_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reporting import machine, write_results  # noqa: E402
+from reporting import machine, markdown_table, write_results  # noqa: E402
 
 TASKS = ("passkey", "needle", "multikey", "multivalue", "variable_tracking")
 SCORER = "artifacts/smollm2-135m-instruct/distilled_scorer.safetensors"
@@ -85,7 +85,6 @@ def main() -> None:
                 "losses_vs_pool": sum(h < b for h, b in zip(hits, base)),
             }
         )
-    columns = list(rows[0])
     tasks = sorted({p.task for p in answerable})
     markdown = "\n".join(
         [
@@ -100,9 +99,7 @@ def main() -> None:
             "at least f times the average tokens per layer, the rest by the global pool of predicted scores; "
             "wins/losses: prompts answered / missed where floor 0 (the pool alone) did the opposite.",
             "",
-            "| " + " | ".join(columns) + " |",
-            "|---" * len(columns) + "|",
-            *("| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows),
+            *markdown_table(rows),
             "",
             f"![tokens kept per layer]({Path(args.out).with_suffix('.png').name})",
             "",

@@ -33,7 +33,7 @@ from kvcompile.recipes.distilled.distill import ALPHAS, oracle_task, prompt_feat
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distilled_fit import KEPT, spearman, top_overlap  # noqa: E402
-from reporting import machine, write_results  # noqa: E402
+from reporting import machine, markdown_table, write_results  # noqa: E402
 
 
 def training_sample(model, tokenizer, prompts: int, per_prompt: int, oracle: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +143,6 @@ def main() -> None:
             | {f"top{int(share * 100)}_overlap": m for share, m in zip(KEPT, means[1:])}
             | {"worst_layer_spearman": round(min(v[0] for v in layers), 3)}
         )
-    columns = list(rows[0])
     markdown = "\n".join(
         [
             "# Distilled scorer: a small MLP against the linear student",
@@ -156,9 +155,7 @@ def main() -> None:
             "2,048 tokens); scored on 8 Moby-Dick passages and 4 of Moby-Dick's sentences repeated (2,048 tokens), "
             "mean over layers, KV heads and prompts.",
             "",
-            "| " + " | ".join(columns) + " |",
-            "|---" * len(columns) + "|",
-            *("| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows),
+            *markdown_table(rows),
             "",
         ]
     )

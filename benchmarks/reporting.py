@@ -18,3 +18,13 @@ def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = Fals
     out.write_text(markdown)
     if not quiet:
         print(markdown)
+
+
+def markdown_table(rows: list[dict]) -> list[str]:
+    """The rows as the lines of a Markdown table (a header from the first row's keys)."""
+    columns = list(rows[0])
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+        *("| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows),
+    ]
