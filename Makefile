@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 # kept): the project only asks for torch>=2.5, which an installed build satisfies without pulling another.
 TORCH ?= torch==2.13.0
 comma := ,
+empty :=
+space := $(empty) $(empty)
 
 # The peer library kvpress (the `bench` extra) pins transformers < 5.3: it gets a venv of its own.
 BENCH_VENV ?= .venv-bench
@@ -14,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-distributed corpus-memory
+.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -83,6 +85,18 @@ corpus-memory: setup
 # The same against kvpress's presses as well, in the bench venv.
 bench-overhead: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python benchmarks/prefill_overhead.py
+
+# Peak memory and time with the cache cut inside the prefill (per layer, streamed in chunks) at 2k/4k/8k tokens,
+# beside kvpress's per-layer presses (about 25 minutes on 2 CPU cores).
+bench-memory: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python benchmarks/prefill_memory.py
+
+# What streaming the prefill in chunks of 256 tokens costs in answers: each streamable method one-shot and chunked,
+# on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/eval_streaming/.
+STREAMED = distilled+budgets snapkv compresskv kvcompose
+bench-streaming: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/kvcompile eval --methods full,$(subst $(space),$(comma),$(foreach m,$(STREAMED),$(m),$(m):prefill_chunk_size=256)) \
+		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/eval_streaming $(if $(RESUME),--resume)
 
 # CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
 compresskv: setup

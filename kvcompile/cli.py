@@ -104,6 +104,13 @@ def generate(
     model: ModelOption = "default",
     prompt_format: PromptFormatOption = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    prefill_chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache "
+            "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
+        ),
+    ] = None,
 ) -> None:
     """Generate from a prompt file with a compressed KV cache, then print the compression report. The prompt file
     is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
@@ -115,6 +122,8 @@ def generate(
         check_prompt_format(prompt_format)
         if max_new_tokens < 1:
             raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
         if question is not None and not all(text.strip() for text in question):
             raise KVRuntimeError("--question is empty: give the text of each question")
         options = parse_option_pairs(option or [])
@@ -149,7 +158,7 @@ def generate(
             from kvruntime import check_method_serves
 
             # A request the method cannot serve is refused here, not after the model has loaded and run.
-            check_method_serves(method, paths, options, [request])
+            check_method_serves(method, paths, options, [request], prefill_chunk_size)
         import torch
 
         import kvruntime
@@ -164,7 +173,15 @@ def generate(
 
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
         with kvruntime.compress(
-            loaded, method, ratio=ratio, budget=budget, memory=memory, artifacts=paths, force=force, options=options
+            loaded,
+            method,
+            ratio=ratio,
+            budget=budget,
+            memory=memory,
+            artifacts=paths,
+            force=force,
+            options=options,
+            prefill_chunk_size=prefill_chunk_size,
         ) as session:
             # Chat: the file is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
             context = prompt.strip() if chat else prompt

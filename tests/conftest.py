@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import kvruntime
+
 TINY = dict(
     vocab_size=96,
     hidden_size=64,
@@ -50,18 +52,46 @@ def tokens() -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def default_model():
-    import kvruntime
-
     return kvruntime.load_model()
 
 
 def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.Tensor]], ratio: float) -> torch.Tensor:
     """kvcompose's dynamic allocation on each prompt, as shares of the prompt, averaged over the prompts: [L]."""
-    import kvruntime
-
     shares = []
     for _, ids in prompts:
         with kvruntime.compress(model, "kvcompose", ratio=ratio, options={"mode": "dynamic"}) as session:
             session.prefill(ids)
         shares.append(torch.tensor(session.report.slots_per_layer, dtype=torch.float64) / ids.shape[1])
     return torch.stack(shares).mean(dim=0)
+
+
+def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> kvruntime.Artifact:
+    """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
+    fingerprint = kvruntime.model_fingerprint(model)
+    weights = torch.zeros(
+        fingerprint.num_layers, kvruntime.feature_count(model.config.hidden_size), fingerprint.num_kv_heads
+    )
+    weights[:, feature] = sign
+    return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
+
+
+class LargestCache:
+    """The test's own count of the largest KV cache held after any attention layer of a prefill ran (passes of more
+    than one token: decoding then adds a token per step to whatever the prefill kept)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.largest = 0
+        self.handles = [
+            m.register_forward_hook(self.seen, with_kwargs=True) for m in model.modules() if hasattr(m, "q_proj")
+        ]
+
+    def seen(self, module, args, kwargs, output) -> None:
+        if kwargs["hidden_states"].shape[1] == 1:
+            return
+        cache = kwargs["past_key_values"]
+        held = sum(layer.keys.untyped_storage().nbytes() * 2 for layer in cache.layers if layer.is_initialized)
+        self.largest = max(self.largest, held)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

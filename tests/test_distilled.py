@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 from distributed_worker import CORPUS, DISTILL
 from typer.testing import CliRunner
 
@@ -165,16 +165,6 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
     monkeypatch.setattr(distill, "prompt_features_and_targets", real)
     resumed = compile_distilled_scorer(CompileJob(model, CharTokenizer(), out, resume=True), CORPUS, DISTILL)
     assert torch.equal(resumed.tensors["weights"], whole.tensors["weights"])
-
-
-def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> Artifact:
-    """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
-    fingerprint = model_fingerprint(model)
-    weights = torch.zeros(
-        fingerprint.num_layers, kvruntime.feature_count(model.config.hidden_size), fingerprint.num_kv_heads
-    )
-    weights[:, feature] = sign
-    return Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
 
 
 @pytest.mark.parametrize("allocation", ["dynamic", "uniform"])

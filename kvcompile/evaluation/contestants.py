@@ -2,8 +2,9 @@
 `bench` extra), and the full cache every answer is measured against.
 
 `--methods` takes comma-separated entries: `full`; a runtime method name (`compresskv`, `kvcompose`, `snapkv`,
-`kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`); `kvpress-<press>`
-for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them."""
+`kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
+`:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`);
+`kvpress-<press>` for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "kvzip": ("KVzipPress", {}),  # context reconstruction, two extra passes (FastKVzip needs gates from the hub)
 }
 KVCOMPILE_METHODS = ("compresskv", "compilerkv", "kvcompose", "kvcompress", "snapkv", "distilled")
+CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
 # A ratio maps to a budget that is rarely one of compilerkv's compiled budgets: take the nearest compiled tables.
 DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"compilerkv": {"nearest_budget": True}}
 
@@ -44,6 +46,7 @@ class Contestant:
     kind: str  # "full", "kvcompile" or "kvpress"
     method: str = ""  # runtime method name, or press name
     options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    prefill_chunk_size: int | None = None  # stream the context in chunks of this many tokens
 
     def artifact_kinds(self) -> list[str]:
         return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
@@ -79,9 +82,12 @@ def parse_methods(text: str) -> list[Contestant]:
             continue
         name, *pairs = entry.split(":")
         parse_method_name(name)  # refuses an unknown method with the list of known ones
-        given = check_method_options(name, parse_option_pairs(pairs, f"--methods {entry!r}: option"))
-        options = {**DEFAULT_OPTIONS.get(name, {}), **given}
-        contestants.append(Contestant(entry, "kvcompile", name, options))
+        given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
+        chunk = given.pop(CHUNK_OPTION, None)
+        if chunk is not None and (not isinstance(chunk, float) or not chunk.is_integer() or chunk < 1):
+            raise KVRuntimeError(f"--methods {entry!r}: {CHUNK_OPTION} must be a positive number of tokens")
+        options = {**DEFAULT_OPTIONS.get(name, {}), **check_method_options(name, given)}
+        contestants.append(Contestant(entry, "kvcompile", name, options, None if chunk is None else int(chunk)))
     labels = [c.label for c in contestants]
     if len(set(labels)) != len(labels):
         raise KVRuntimeError(f"--methods names a method twice: {text!r}")
@@ -125,4 +131,6 @@ def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]
     requests = [Request(ratio=ratio) for ratio in ratios]
     for contestant in contestants:
         if contestant.kind == "kvcompile":
-            check_method_serves(contestant.method, paths[contestant.label], contestant.options, requests)
+            check_method_serves(
+                contestant.method, paths[contestant.label], contestant.options, requests, contestant.prefill_chunk_size
+            )

@@ -66,7 +66,13 @@ def prefilled(
     if contestant.kind == "kvcompile":
         memory = "masked" if contestant.options.get("unstructured") else "padded"
         with kvruntime.compress(
-            model, contestant.method, ratio=ratio, memory=memory, artifacts=artifacts, options=contestant.options
+            model,
+            contestant.method,
+            ratio=ratio,
+            memory=memory,
+            artifacts=artifacts,
+            options=contestant.options,
+            prefill_chunk_size=contestant.prefill_chunk_size,
         ) as session:
             with PeakMemory() as peak:
                 started = time.perf_counter()

@@ -25,11 +25,15 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def check_full_attention_cache(cache: Cache) -> None:
     for index, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
-            raise UnsupportedModelError(
-                f"cache layer {index} is a {type(layer).__name__}; only full-attention DynamicLayer caches are "
-                "compressed (no sliding-window, static or quantized caches)"
-            )
+        check_full_attention_layer(layer, index)
+
+
+def check_full_attention_layer(layer: object, index: int) -> None:
+    if type(layer) is not DynamicLayer:
+        raise UnsupportedModelError(
+            f"cache layer {index} is a {type(layer).__name__}; only full-attention DynamicLayer caches are "
+            "compressed (no sliding-window, static or quantized caches)"
+        )
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -38,7 +42,19 @@ def storage_bytes(tensor: torch.Tensor) -> int:
 
 
 def cache_bytes(cache: Cache) -> int:
-    return sum(storage_bytes(layer.keys) + storage_bytes(layer.values) for layer in cache.layers)
+    """Bytes the cache's tensors hold (layers a prefill has not reached yet hold none)."""
+    return sum(
+        storage_bytes(layer.keys) + storage_bytes(layer.values) for layer in cache.layers if layer.is_initialized
+    )
+
+
+def uncompressed_bytes(cache: Cache, length: int) -> int:
+    """Bytes the cache's layers hold with `length` entries per KV head (what the full cache of the prompt holds)."""
+    return length * sum(
+        (layer.keys[..., :1, :].numel() * layer.keys.element_size())
+        + (layer.values[..., :1, :].numel() * layer.values.element_size())
+        for layer in cache.layers
+    )
 
 
 def keep_entries(layer: DynamicLayer, indices: torch.Tensor) -> None:

@@ -1,10 +1,13 @@
-"""The compression engine: hooks that compress the KV cache once, at the end of prefill.
+"""The compression engine: hooks that compress the KV cache during or at the end of prefill.
 
 `compress(model, method, ratio=...)` is a context manager. Inside it, every forward pass that starts on an empty
 cache with more than one token is a prefill: each attention layer's hook rebuilds the last `window` queries and hands
 them, with the layer's keys and values, to the method, which keeps its statistics (for most methods, token scores
 from window attention); when the whole model has run, the method selects what each (layer, KV head) keeps and the
-cache is cut to it. Decoding then runs unchanged on the smaller cache. Generated
+cache is cut to it. A method whose layer budgets are known in advance has each layer cut right after its attention
+instead (one layer at a time holds its full cache), and with `prefill_chunk_size` the prompt goes in chunks, every
+layer cut after each (the cache held never exceeds the budgets plus one chunk in one layer). Decoding then runs
+unchanged on the smaller cache. Generated
 tokens keep their original positions because transformers derives them from the attention mask, not from the
 (compressed) cache length; the question mode passes them explicitly.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import time
 import weakref
@@ -25,9 +29,16 @@ from transformers import Cache, DynamicCache
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
 from .attention import KEEP_MASK_KEYWORD, per_layer_attention
-from .cache_ops import attention_modules, cache_bytes, check_full_attention_cache, keep_entries
+from .cache_ops import (
+    attention_modules,
+    cache_bytes,
+    check_full_attention_cache,
+    check_full_attention_layer,
+    keep_entries,
+    uncompressed_bytes,
+)
 from .errors import KVRuntimeError, UnsupportedModelError
-from .methods import LayerPrefill, Method, Prefill, get_method
+from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .report import CompressionReport
 from .request import DEFAULT_METHOD, Request
 from .second_pass import task_attention_maxima
@@ -40,14 +51,39 @@ _ACTIVE_SESSION = "_kvruntime_session"
 
 
 @dataclasses.dataclass
+class _HeldEntries:
+    """What a layer cut inside the prefill holds: its entries' original positions and scores [B, Hkv, held], and
+    what the method carries to the layer's next chunk."""
+
+    positions: torch.Tensor
+    scores: torch.Tensor
+    carry: object = None
+
+
+@dataclasses.dataclass
 class _Prefill:
-    """Running state of one prefill: the prompt, each layer's statistics gathered so far, and timings."""
+    """Running state of one prefill: the prompt, each layer's statistics gathered so far (or, when layers are cut
+    inside the prefill, their budgets and what they hold), the chunk going in, the largest cache held, timings."""
 
     length: int
     started: float
     input_ids: torch.Tensor | None
     statistics: dict[int, object] = dataclasses.field(default_factory=dict)
     scoring_seconds: float = 0.0
+    budgets: list[int] | None = None  # tokens each layer keeps, when every layer is cut right after its attention
+    held: dict[int, _HeldEntries] = dataclasses.field(default_factory=dict)
+    chunks: int = 1  # the prompt went in this many chunks
+    chunk_start: int = 0  # position of the first token of the chunk going in
+    final_chunk: bool = True
+    peak_bytes: int = 0  # the largest KV cache held at the end of an attention layer
+
+    def path(self) -> str:
+        """Where the cache was cut, for the report."""
+        if self.budgets is None:
+            return "after the prefill (the method's layer budgets need every layer's scores)"
+        if self.chunks == 1:
+            return "per layer, right after its attention"
+        return f"per layer, after each of {self.chunks} chunks of the prompt"
 
 
 class CompressionSession:
@@ -61,9 +97,11 @@ class CompressionSession:
         budget: int | None,
         memory: str,
         artifacts: Sequence[Artifact] = (),
+        prefill_chunk_size: int | None = None,
     ) -> None:
         self.request = Request(ratio, budget, memory)
         method.check_request(self.request)
+        check_prefill_chunk_size(method, prefill_chunk_size)
         if method.required_memory() not in (None, memory):
             raise KVRuntimeError(
                 f"{method.name} with these options keeps different numbers of entries per head: use "
@@ -76,7 +114,9 @@ class CompressionSession:
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
         self.kept_positions: list[torch.Tensor] = []
         self._attention = attention_modules(model)
+        self.prefill_chunk_size = prefill_chunk_size
         self._prefill: _Prefill | None = None
+        self._feeding_chunks = False  # the earlier chunks of a streamed prompt are going in (the hooks let them be)
         # Per compressed cache, the masks of its layers whose heads keep fewer entries than their slots (`masked`
         # memory): they belong to that cache's entries, and go when it goes.
         self._keep_masks: weakref.WeakKeyDictionary[Cache, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -144,24 +184,64 @@ class CompressionSession:
             self._handles = []
             delattr(self.model, _ACTIVE_SESSION)
 
-    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs["inputs_embeds"]
+    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._feeding_chunks:
+            return None
+        self._prefill = None  # an earlier prefill that raised left its state: it does not apply to this pass
+        if args:  # the input ids given by position: pass them on by name, as the chunks are
+            kwargs, args = {**kwargs, "input_ids": args[0]}, args[1:]
+        tokens_key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        tokens = kwargs[tokens_key]
         cache = kwargs.get("past_key_values")
         batch, length = tokens.shape[:2]
         starts_empty = cache is None or cache.get_seq_length() == 0
         if starts_empty and cache is not None:  # a new sequence: an earlier prompt's keep masks do not apply to it
             self._keep_masks.pop(cache, None)
         if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
-            return
+            return None
         if batch != 1:
             raise UnsupportedModelError(f"kvruntime compresses batch size 1 only (got a batch of {batch})")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
             raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
-        self._prefill = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
+        state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
+        if self.method.budgets_known_in_advance:
+            state.budgets = self.method.layer_budgets(len(self._attention), self.request, length)
+        self._prefill = state
+        chunk = self.prefill_chunk_size
+        if chunk is None or length <= chunk or cache is None:
+            return args, kwargs
+        return args, self._feed_earlier_chunks(module, kwargs, tokens_key, chunk_bounds(length, chunk), state)
+
+    def _feed_earlier_chunks(
+        self, module: nn.Module, kwargs: dict, tokens_key: str, bounds: list[tuple[int, int]], state: _Prefill
+    ) -> dict:
+        """Run every chunk but the last through the model (each layer is cut after each chunk), and return the
+        arguments of the last chunk: the forward that called the hook runs it, and its output is the prefill's.
+        Positions are given explicitly: the cache, cut, no longer says how far the prompt has gone."""
+        tokens = kwargs[tokens_key]
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        takes_cache_position = "cache_position" in inspect.signature(module.forward).parameters
+
+        def chunk_arguments(start: int, end: int) -> dict:
+            sliced = {tokens_key: tokens[:, start:end], "position_ids": positions[:, start:end], "attention_mask": None}
+            if takes_cache_position:  # transformers < 5.3 (kvpress's range) would derive it from the cut cache
+                sliced["cache_position"] = torch.arange(start, end, device=tokens.device)
+            return {**kwargs, **sliced}
+
+        state.chunks = len(bounds)
+        self._feeding_chunks = True
+        try:
+            for start, end in bounds[:-1]:
+                state.chunk_start, state.final_chunk = start, False
+                module(**chunk_arguments(start, end))
+        finally:
+            self._feeding_chunks = False
+        state.chunk_start, state.final_chunk = bounds[-1][0], True
+        return chunk_arguments(*bounds[-1])
 
     def _after_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         state = self._prefill
@@ -172,12 +252,49 @@ class CompressionSession:
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
             hidden_states = kwargs.get("hidden_states", args[0] if args else None)
             layer = LayerPrefill(
-                module.layer_idx, queries, cache_layer.keys, cache_layer.values, module.scaling, hidden_states
+                module.layer_idx,
+                queries,
+                cache_layer.keys,
+                cache_layer.values,
+                module.scaling,
+                hidden_states,
+                start=state.chunk_start,
+                final=state.final_chunk,
             )
-            state.statistics[module.layer_idx] = self.method.layer_statistics(layer)
+            state.peak_bytes = max(state.peak_bytes, cache_bytes(kwargs["past_key_values"]))
+            if state.budgets is None:
+                state.statistics[module.layer_idx] = self.method.layer_statistics(layer)
+            else:
+                self._cut_layer(cache_layer, layer, state)
         state.scoring_seconds += time.perf_counter() - started
 
+    def _cut_layer(self, cache_layer: object, layer: LayerPrefill, state: _Prefill) -> None:
+        """Keep the layer's best entries under its budget, right after its attention (one chunk of the prompt went
+        in: the whole prompt when it is not streamed)."""
+        check_full_attention_layer(cache_layer, layer.index)
+        earlier = state.held.get(layer.index)
+        if earlier is None:
+            scores, carry = self.method.stream_scores(layer, None, None)
+        else:
+            scores, carry = self.method.stream_scores(layer, earlier.scores, earlier.carry)
+        fresh = torch.arange(layer.start, layer.start + layer.hidden_states.shape[1], device=scores.device)
+        positions = fresh.expand(*scores.shape[:2], -1)
+        if earlier is not None:
+            positions = torch.cat([earlier.positions, positions], dim=-1)
+        if scores.shape[-1] != positions.shape[-1]:
+            raise KVRuntimeError(
+                f"{self.method.name} scored {scores.shape[-1]} entries, the layer holds {positions.shape[-1]}"
+            )
+        budget = min(state.budgets[layer.index], scores.shape[-1])
+        if budget < scores.shape[-1]:
+            indices = top_indices(scores, budget)
+            keep_entries(cache_layer, indices)
+            scores, positions = scores.gather(-1, indices), positions.gather(-1, indices)
+        state.held[layer.index] = _HeldEntries(positions, scores, carry)
+
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self._feeding_chunks:
+            return
         state, self._prefill = self._prefill, None
         if state is None:
             return
@@ -185,7 +302,7 @@ class CompressionSession:
         if cache is None:
             return
         started = time.perf_counter()
-        before = cache_bytes(cache)
+        peak = max(cache_bytes(cache), state.peak_bytes)
         prefill = Prefill(
             length=state.length,
             num_kv_heads=cache.layers[0].keys.shape[1],
@@ -206,10 +323,12 @@ class CompressionSession:
                 num_kv_heads=cache.layers[0].keys.shape[1],
                 slots_per_layer=slots,
                 entries_per_layer=entries,
-                bytes_before=before,
+                bytes_before=uncompressed_bytes(cache, state.length),
                 bytes_after=cache_bytes(cache),
+                peak_bytes=peak,
                 prefill_seconds=started - state.started - state.scoring_seconds,
                 compress_seconds=state.scoring_seconds + ended - started,
+                cut=state.path(),
                 notes=notes,
             )
         )
@@ -244,6 +363,8 @@ class CompressionSession:
             else []
         )
         self.kept_positions = []
+        if state.budgets is not None:
+            return self._layers_cut(cache, state, notes)
         if keep >= state.length:
             full = [state.length] * len(cache.layers)
             return full, [state.length * layer.keys.shape[1] for layer in cache.layers], notes
@@ -278,6 +399,18 @@ class CompressionSession:
                 masks[index] = top_mask(scores.gather(-1, indices), head_counts)
         self._keep_masks[cache] = masks
         return slots, entries, notes + selection.notes
+
+    def _layers_cut(self, cache: Cache, state: _Prefill, notes: list[str]) -> tuple[list[int], list[int], list[str]]:
+        """What the layers cut inside the prefill hold: slots and entries per layer (every head the same count)."""
+        if len(state.held) != len(cache.layers):
+            raise UnsupportedModelError(f"cut {len(state.held)} attention layers but the cache has {len(cache.layers)}")
+        self.kept_positions = [state.held[i].positions for i in range(len(cache.layers))]
+        self._keep_masks[cache] = {}
+        slots = [int(positions.shape[-1]) for positions in self.kept_positions]
+        entries = [count * layer.keys.shape[1] for count, layer in zip(slots, cache.layers)]
+        how = self.method.budgets_note(self.request, state.length)
+        note = f"{self.method.name:<19} {f'{how}; ' if how else ''}tokens kept per layer {min(slots)}-{max(slots)} of {state.length}"
+        return slots, entries, [*notes, note]
 
 
 class CompressedContext:
@@ -314,6 +447,13 @@ class CompressedContext:
                 layer.keys, layer.values = keys, values
 
 
+def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of the chunks a prompt of `length` tokens goes in: `size` tokens each but the first, which takes
+    the remainder, so that the last chunk holds the prompt's whole window."""
+    first = length % size or size
+    return [(0, first), *((start, start + size) for start in range(first, length, size))]
+
+
 def generate_after_context(
     model: nn.Module, cache: Cache, context_length: int, question_ids: torch.Tensor, **generate_kwargs
 ) -> object:
@@ -342,6 +482,7 @@ def compress(
     artifacts: Sequence[str | os.PathLike] = (),
     force: bool = False,
     options: Mapping[str, object] = {},
+    prefill_chunk_size: int | None = None,
 ) -> Iterator[CompressionSession]:
     """Compress the KV cache of every prefill run inside the block.
 
@@ -354,6 +495,10 @@ def compress(
     artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`), checked against
     the model first (refused if compiled for another model).
     options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`).
+    prefill_chunk_size: feed a longer prompt in chunks of this many tokens, every layer cut to its budget after each
+    (methods whose layer budgets are known in advance): the cache held never exceeds the budgets plus one chunk in
+    one layer. Later chunks attend to what the earlier ones kept, so the answer may differ from a one-piece prefill.
+    Such methods are cut layer by layer inside the prefill in any case (the same result as cutting at its end).
     """
     loaded = [load_artifact(path, model=model, force=force) for path in artifacts]
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
@@ -367,7 +512,7 @@ def compress(
             load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present
         ]
     session = CompressionSession(
-        model, get_method(method or DEFAULT_METHOD, loaded, options), ratio, budget, memory, loaded
+        model, get_method(method or DEFAULT_METHOD, loaded, options), ratio, budget, memory, loaded, prefill_chunk_size
     )
     with per_layer_attention(model), session.attached():
         yield session

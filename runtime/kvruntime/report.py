@@ -11,7 +11,9 @@ class CompressionReport:
 
     `slots_per_layer`: cache length per KV head after compression (physical). `entries_per_layer`: entries
     attended per layer, summed over KV heads (fewer than slots x heads when the `masked` mode hides some).
-    Bytes are the storage actually held by the cache's tensors before and after.
+    `bytes_before` is what the uncompressed cache of the prompt holds, `bytes_after` the storage the cache's tensors
+    hold after compression, `peak_bytes` the largest cache held during the prefill (measured after every attention
+    layer: the full cache when the cut waits for the end of the prefill). `cut` says where the cache was cut.
     """
 
     method: str
@@ -23,8 +25,10 @@ class CompressionReport:
     entries_per_layer: list[int]
     bytes_before: int
     bytes_after: int
+    peak_bytes: int
     prefill_seconds: float
     compress_seconds: float
+    cut: str
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -58,6 +62,7 @@ class CompressionReport:
             f"{self.num_kv_heads} KV heads x {self.context_length} tokens",
             f"  KV cache bytes      {self.bytes_before / mib:.2f} MiB -> {self.bytes_after / mib:.2f} MiB "
             f"({self.bytes_freed / mib:.2f} MiB freed, {self.bytes_freed_fraction:.1%})",
+            f"  KV cache peak       {self.peak_bytes / mib:.2f} MiB during the prefill; cut {self.cut}",
             f"  time                prefill {self.prefill_seconds * 1e3:.0f} ms, compression "
             f"{self.compress_seconds * 1e3:.0f} ms ({self._overhead():.1%} of prefill)",
             "  kept per layer      layer: slots per head / entries attended (all heads)",

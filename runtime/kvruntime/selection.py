@@ -15,10 +15,6 @@ def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:
     return protected
 
 
-def uniform_head_counts(num_layers: int, num_kv_heads: int, keep: int) -> torch.Tensor:
-    return torch.full((num_layers, num_kv_heads), keep, dtype=torch.long)
-
-
 def global_head_counts(layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
     """One pool over (layer, KV head, token): the keep * L * Hkv highest scores win, wherever they are.
     Batch size 1. Returns how many entries each (layer, KV head) keeps."""

@@ -22,7 +22,7 @@ from ..request import (
     parse_method_name,
     required_artifact_kinds,
 )
-from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection
+from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection, check_prefill_chunk_size
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
 from .distilled import Distilled
@@ -69,13 +69,19 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
 
 
 def check_method_serves(
-    name: str, artifact_paths: Sequence[str | os.PathLike], options: Mapping[str, object], requests: Sequence[Request]
+    name: str,
+    artifact_paths: Sequence[str | os.PathLike],
+    options: Mapping[str, object],
+    requests: Sequence[Request],
+    prefill_chunk_size: int | None = None,
 ) -> None:
     """Build the method from its artifact files (read and checked, not yet against a model) and let it refuse any
-    of `requests` it cannot serve: what the command line asks before it loads the model."""
+    of `requests` it cannot serve, and a chunked prefill it cannot stream: what the command line asks before it
+    loads the model."""
     method = get_method(name, [read_artifact(path) for path in artifact_paths], options)
     for request in requests:
         method.check_request(request)
+    check_prefill_chunk_size(method, prefill_chunk_size)
 
 
 __all__ = [
@@ -93,6 +99,7 @@ __all__ = [
     "SnapKV",
     "WithLayerBudgets",
     "check_method_serves",
+    "check_prefill_chunk_size",
     "get_method",
     "parse_method_name",
     "required_artifact_kinds",

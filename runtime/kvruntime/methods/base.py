@@ -6,6 +6,10 @@ token) in every layer and how many entries each (layer, KV head) keeps. Most met
 attention layer by layer (`ScoringMethod`); a method that needs every layer's statistics at once (CompilerKV's
 global attention mass) does its work in `select`, and a method that scores with a second pass over the prompt
 (KVCompose's dynamic mode) asks the `Prefill` for it there.
+
+A method whose layer budgets are known before any layer has run (`layer_budgets`: uniform, compiled or error-aware
+shares) lets the engine cut each layer right after its attention, inside the prefill, and stream a long prompt in
+chunks (`stream_scores`): the cache held then never exceeds the budgets plus one chunk in one layer.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import KVRuntimeError
 from ..request import Request
-from ..selection import protect_window, uniform_head_counts
+from ..selection import protect_window
 from ..window import window_attention
 
 
@@ -56,6 +61,10 @@ class LayerPrefill:
     values: torch.Tensor  # the layer's cached values [B, Hkv, N, D]
     scaling: float  # the attention's logit scale
     hidden_states: torch.Tensor  # the attention's input [B, N, hidden], after the layer's input norm
+    # Chunked prefill: the position of the first token of `hidden_states` and `queries`' chunk (keys hold the entries
+    # kept from the earlier chunks, then the chunk's own), and whether it is the prompt's last chunk.
+    start: int = 0
+    final: bool = True
 
 
 @dataclasses.dataclass
@@ -79,6 +88,28 @@ class Method(abc.ABC):
     def check_request(self, request: Request) -> None:
         """Refuse a request this method cannot serve, before any model work (default: any ratio or budget)."""
 
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        """Whether `layer_budgets` can say what each layer keeps before any layer's scores are known."""
+        return False
+
+    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
+        """Tokens each layer keeps from a prompt of `length` tokens (every KV head of a layer the same number:
+        composite tokens), from the request and compiled data alone (only when `budgets_known_in_advance`)."""
+        raise KVRuntimeError(f"{self.name}'s layer budgets need every layer's scores: they are not known in advance")
+
+    def budgets_note(self, request: Request, length: int) -> str | None:
+        """How `layer_budgets` decided, for the compression report (None: the counts say it all)."""
+        return None
+
+    def stream_scores(self, layer: LayerPrefill, held: torch.Tensor | None, carry: Any) -> tuple[torch.Tensor, Any]:
+        """Scores [B, Hkv, held + new] of every entry layer `layer` holds once a chunk of the prompt went in (the
+        entries kept from earlier chunks, then the chunk's; the whole prompt is one chunk when it is not streamed).
+        `held`: the scores the kept entries had (None on the first chunk); `carry`: what this method carried from
+        the layer's previous chunk. Returns the scores and the carry for the next chunk. The scores protect the
+        prompt's last `window` tokens on the final chunk. Default: the window's scores over all entries held."""
+        return self.layer_statistics(layer), None
+
     def required_memory(self) -> str | None:
         """The memory mode this method's per-head counts need (None: either)."""
         return None
@@ -96,8 +127,9 @@ class Method(abc.ABC):
 @dataclasses.dataclass
 class ScoringMethod(Method):
     """A method that scores tokens from each layer's window attention on its own. Subclasses implement
-    `token_scores`; override `head_counts` to move budget between layers and heads (default: the same
-    number everywhere)."""
+    `token_scores`; override `layer_budgets` to move budget between layers (default: the same number everywhere),
+    or `head_counts` to decide from every layer's scores (then `budgets_known_in_advance` is False). Streamed in
+    chunks, each chunk's last `window` queries score everything the layer holds (as chunked SnapKV variants do)."""
 
     @abc.abstractmethod
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
@@ -110,9 +142,37 @@ class ScoringMethod(Method):
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
         return self.window_scores(layer.queries, layer.keys, layer.scaling, layer.index)
 
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return True
+
+    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
+        return [request.kept_per_head(length, self.window)] * num_layers
+
     def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
         return Selection(statistics, self.head_counts(statistics, request.kept_per_head(prefill.length, self.window)))
 
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""
-        return uniform_head_counts(len(layer_scores), layer_scores[0].shape[1], keep)
+        num_layers, (_, num_kv_heads, length) = len(layer_scores), layer_scores[0].shape
+        budgets = self.layer_budgets(num_layers, Request(budget=keep), length)
+        return torch.tensor(budgets)[:, None].expand(num_layers, num_kv_heads).clone()
+
+
+def check_prefill_chunk_size(method: Method, size: int | None) -> None:
+    """Refuse a chunk size that is not a positive number of tokens at least the method's window, or a method that
+    cannot stream (its layer budgets need every layer's scores)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise KVRuntimeError(f"prefill_chunk_size {size!r} must be a positive whole number of tokens")
+    if not method.budgets_known_in_advance:
+        raise KVRuntimeError(
+            f"{method.name} cannot stream the prefill in chunks: its layer budgets need every layer's scores "
+            "(drop prefill_chunk_size, or use a method whose budgets are known in advance)"
+        )
+    if size < method.window:
+        raise KVRuntimeError(
+            f"prefill_chunk_size {size} is smaller than {method.name}'s window of {method.window} tokens: the last "
+            "chunk must hold the window"
+        )

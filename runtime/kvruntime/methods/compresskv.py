@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from ..allocation import error_aware_budgets
+from ..request import Request
 from ..scores import pool_tokens
 from .base import ScoringMethod
 
@@ -48,7 +49,8 @@ class WithLayerBudgets(ScoringMethod):
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return self.inner.token_scores(attention, layer)
 
-    def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
-        length = layer_scores[0].shape[-1]
-        budgets = torch.tensor(error_aware_budgets(self.layer_error.tolist(), keep, length=length))
-        return budgets[:, None].expand(len(layer_scores), layer_scores[0].shape[1]).clone()
+    def budgets_note(self, request: Request, length: int) -> str:
+        return "error-aware layer budgets (layer_budgets)"
+
+    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
+        return error_aware_budgets(self.layer_error.tolist(), request.kept_per_head(length, self.window), length=length)

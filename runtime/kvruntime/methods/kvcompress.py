@@ -21,5 +21,9 @@ class KVCompress(ScoringMethod):
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return kvcompress_scores(attention, self.kernel)
 
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return False  # the global pool compares every layer's scores
+
     def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
         return global_head_counts(layer_scores, keep)

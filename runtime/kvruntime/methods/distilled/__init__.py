@@ -1,7 +1,14 @@
 """Distilled at run time: the method (`method.py`), the compiled scorer's reader (`scorer.py`) and the token
 features and predictions it shares with `kvcompile distill` (`features.py`)."""
 
-from .features import feature_count, likeness_to_earlier, oracle_targets, predicted_scores, token_features
+from .features import (
+    feature_count,
+    likeness_to_earlier,
+    oracle_targets,
+    predicted_scores,
+    running_state_sum,
+    token_features,
+)
 from .method import Distilled
 from .scorer import DistilledScorer
 
@@ -12,5 +19,6 @@ __all__ = [
     "likeness_to_earlier",
     "oracle_targets",
     "predicted_scores",
+    "running_state_sum",
     "token_features",
 ]

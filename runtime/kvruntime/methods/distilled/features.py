@@ -14,27 +14,54 @@ def feature_count(hidden_size: int) -> int:
     return hidden_size + EXTRA_FEATURES
 
 
-def likeness_to_earlier(hidden_states: torch.Tensor) -> torch.Tensor:
+def likeness_to_earlier(
+    hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
+) -> torch.Tensor:
     """[B, N, hidden] -> [B, N]: cosine of each token's state to the mean state of the tokens before it, the first
     token left out (a sink, unlike everything); 0 for the first two tokens. Causal: a token's value never depends on
-    the tokens after it. Text that repeats scores near 1, and a second pass spreads its attention over the copies."""
+    the tokens after it. Text that repeats scores near 1, and a second pass spreads its attention over the copies.
+    A prompt streamed in chunks: `start` is the position of the chunk's first token and `earlier_sum` the
+    `running_state_sum` of the chunks before it."""
     states = hidden_states.float()
-    earlier = states[:, 1:-1].cumsum(dim=1)  # the sum of tokens 1..i-1, for tokens i = 2..N-1
-    later = states[:, 2:]
-    cosine = (later * earlier).sum(dim=-1) / (later.norm(dim=-1) * earlier.norm(dim=-1)).clamp(min=1e-6)
-    return torch.cat([cosine.new_zeros(states.shape[0], min(2, states.shape[1])), cosine], dim=1)
+    counted = _counted_states(states, start)
+    # The sum of the counted tokens before each token (a zero in front: the first token's sum is empty).
+    before = torch.cat([counted.new_zeros(counted.shape[0], 1, counted.shape[2]), counted[:, :-1]], dim=1).cumsum(1)
+    if earlier_sum is not None:
+        before = before + earlier_sum[:, None]
+    cosine = (states * before).sum(dim=-1) / (states.norm(dim=-1) * before.norm(dim=-1)).clamp(min=1e-6)
+    positions = torch.arange(start, start + states.shape[1], device=states.device)
+    return torch.where(positions >= 2, cosine, torch.zeros_like(cosine))
 
 
-def token_features(hidden_states: torch.Tensor) -> torch.Tensor:
-    """[B, N, hidden] -> [B, N, feature_count(hidden)] in float32 (the fit's sums cast them to float64)."""
+def running_state_sum(
+    hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, hidden]: the sum `likeness_to_earlier` compares the next chunk's tokens with (every token so far but the
+    prompt's first), from a chunk starting at `start` and the sum before it."""
+    chunk_sum = _counted_states(hidden_states.float(), start).sum(dim=1)
+    return chunk_sum if earlier_sum is None else earlier_sum + chunk_sum
+
+
+def _counted_states(states: torch.Tensor, start: int) -> torch.Tensor:
+    """The states with the prompt's first token (position 0, when in this chunk) zeroed: it is left out."""
+    if start > 0:
+        return states
+    return torch.cat([torch.zeros_like(states[:, :1]), states[:, 1:]], dim=1)
+
+
+def token_features(
+    hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, N, hidden] -> [B, N, feature_count(hidden)] in float32 (the fit's sums cast them to float64). A chunk of
+    a streamed prompt: `start` and `earlier_sum` as in `likeness_to_earlier`."""
     batch, length, _ = hidden_states.shape
-    positions = torch.arange(length, device=hidden_states.device, dtype=torch.float32)
+    positions = torch.arange(start, start + length, device=hidden_states.device, dtype=torch.float32)
     extra = torch.stack([torch.ones_like(positions), positions.log1p(), (positions == 0).float()], dim=-1)
     return torch.cat(
         [
             hidden_states.float(),
             extra.expand(batch, length, EXTRA_FEATURES - 1),
-            likeness_to_earlier(hidden_states)[..., None],
+            likeness_to_earlier(hidden_states, start, earlier_sum)[..., None],
         ],
         dim=-1,
     )

@@ -8,8 +8,9 @@ scores in one global pool, as KVCompose's dynamic mode does with its second pass
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts (`benchmarks/distilled_allocation.md`). The last
-`window` tokens always stay. A token's score depends only on its own inputs and the
-tokens before it, never on the tokens after it: nothing in the scoring needs the end of the prompt.
+`window` tokens always stay. A token's score depends only on its own inputs and the tokens before it, never on the
+tokens after it: with uniform or error-aware budgets each layer is cut inside the prefill, and a long prompt can
+stream in chunks with the same scores it would have had in one piece (given the same hidden states).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ...request import Request
 from ...selection import protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
-from .features import predicted_scores, token_features
+from .features import predicted_scores, running_state_sum, token_features
 from .scorer import DistilledScorer
 
 ALLOCATIONS = ("dynamic", "uniform")
@@ -56,35 +57,53 @@ class Distilled(Method):
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
 
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return self.allocation == "uniform" or self.layer_error is not None
+
+    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
+        keep = request.kept_per_head(length, self.window)
+        if self.layer_error is not None:
+            return error_aware_budgets(self.layer_error.tolist(), keep, length=length)
+        if self.allocation == "uniform":
+            return [keep] * num_layers
+        return super().layer_budgets(num_layers, request, length)
+
+    def budgets_note(self, request: Request, length: int) -> str:
+        how = "error-aware budgets (layer_budgets)" if self.layer_error is not None else "uniform allocation"
+        return f"{how} over scores distilled from {self.scorer.oracle}"
+
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
+        return self.stream_scores(layer, None, None)[0]
+
+    def stream_scores(
+        self, layer: LayerPrefill, held: torch.Tensor | None, carry: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact in chunks: a token's score depends on its own inputs and, through `carry` (the running sum of the
+        earlier states, `running_state_sum`), on the tokens before it; the held entries keep their scores."""
         weights = self.scorer.weights[layer.index].to(layer.hidden_states.device)
-        features = token_features(layer.hidden_states)
+        features = token_features(layer.hidden_states, layer.start, carry)
         if weights.shape[0] != features.shape[-1]:
             raise KVRuntimeError(
                 f"the distilled_scorer reads {weights.shape[0]} features per token, this runtime makes "
                 f"{features.shape[-1]}: recompile it with `kvcompile distill`"
             )
         scores = predicted_scores(features, weights)
-        return protect_window(scores, min(self.window, scores.shape[-1]))
+        if held is not None:
+            scores = torch.cat([held, scores], dim=-1)
+        if layer.final:
+            scores = protect_window(scores, min(self.window, scores.shape[-1]))
+        return scores, running_state_sum(layer.hidden_states, layer.start, carry)
 
     def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
         keep = request.kept_per_head(length, self.window)
-        if self.layer_error is not None:
-            counts = torch.tensor(error_aware_budgets(self.layer_error.tolist(), keep, length=length))
-            how = "error-aware budgets (layer_budgets)"
-        elif self.allocation == "dynamic":
-            # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
-            scores = torch.stack([s[0] for s in statistics]).exp()
-            counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
-            how = f"dynamic allocation (floor {self.floor:g})"
-        else:
-            counts = torch.full((num_layers,), keep, dtype=torch.long)
-            how = "uniform allocation"
-        note = (
-            f"distilled           {how} over scores distilled from {self.scorer.oracle}; "
-            f"tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
-        )
+        # Budgets known in advance are cut inside the prefill (`layer_budgets`); here the dynamic allocation. The
+        # predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
+        scores = torch.stack([s[0] for s in statistics]).exp()
+        counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
+        how = f"dynamic allocation (floor {self.floor:g}) over scores distilled from {self.scorer.oracle}"
+        note = f"distilled           {how}; tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])

@@ -54,6 +54,25 @@ class KVCompose(ScoringMethod):
         if self.mode == "compiled" and request.ratio:
             self.stats.check_ratio(request.ratio)
 
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return self.mode == "compiled" and not self.unstructured
+
+    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
+        return self._compiled_counts(request, length)[0].tolist()
+
+    def budgets_note(self, request: Request, length: int) -> str:
+        return f"{self._compiled_counts(request, length)[1]}; composite tokens"
+
+    def _compiled_counts(self, request: Request, length: int) -> tuple[torch.Tensor, str]:
+        """The compiled shares as counts for this prompt ([L], or [L, Hkv] unstructured) and how they were had."""
+        keep = request.kept_per_head(length, self.window)
+        # A budget is served as the ratio it is of this prompt, within 1/N of a compiled ratio by that ratio.
+        ratio = request.ratio if request.ratio is not None else 1.0 - keep / length
+        shares, how = self.stats.fractions(ratio, self.unstructured, tolerance=1.0 / length)
+        counts = apportion(shares, keep * shares.numel(), low=min(self.window, length), high=length)
+        return counts, f"compiled allocation ({self.stats.task_mode} stats, {how})"
+
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
         # The dynamic mode scores in its second pass (`select`): nothing to gather from the window.
         return None if self.mode == "dynamic" else super().layer_statistics(layer)
@@ -78,12 +97,7 @@ class KVCompose(ScoringMethod):
             counts = prompt_allocation(torch.stack([s[0] for s in statistics]), keep, self.unstructured)
             how = "dynamic allocation (two-pass scores on this prompt)"
         else:
-            # A budget is served as the ratio it is of this prompt, within 1/N of a compiled ratio by that ratio.
-            ratio = request.ratio if request.ratio is not None else 1.0 - keep / length
-            shares, how = self.stats.fractions(ratio, self.unstructured, tolerance=1.0 / length)
-            total = keep * shares.numel()
-            counts = apportion(shares, total, low=min(self.window, length), high=length)
-            how = f"compiled allocation ({self.stats.task_mode} stats, {how})"
+            counts, how = self._compiled_counts(request, length)
         if not self.unstructured:
             counts = counts[:, None].expand(num_layers, num_kv_heads)
         layout = "per-head counts, masked" if self.unstructured else "composite tokens"
