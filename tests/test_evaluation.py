@@ -75,6 +75,9 @@ def test_methods_parse_with_options_and_the_full_cache_first():
     assert parsed[1].options == {"mode": "dynamic", "unstructured": True}
     assert parsed[2].options == {"nearest_budget": True}  # ratios map to the nearest compiled budget
     assert parsed[1].artifact_kinds() == [] and parsed[3].artifact_kinds() == ["layer_budgets"]
+    streamed = parse_methods("snapkv,snapkv:prefill_chunk_size=256,distilled:allocation=uniform:prefill_chunk_size=64")
+    assert [c.prefill_chunk_size for c in streamed] == [None, None, 256, 64]
+    assert streamed[3].options == {"allocation": "uniform"}  # the chunk size goes to the engine, not the method
 
 
 @pytest.mark.parametrize(
@@ -85,6 +88,8 @@ def test_methods_parse_with_options_and_the_full_cache_first():
         ("full", "names no method"),
         ("kvcompose:mode", "write it as key=value"),
         ("kvpress-h2o", "unknown kvpress press 'h2o'"),
+        ("snapkv:prefill_chunk_size=0", "prefill_chunk_size must be a positive number of tokens"),
+        ("snapkv:prefill_chunk_size=12.5", "prefill_chunk_size must be a positive number of tokens"),
     ],
 )
 def test_bad_methods_are_refused(methods, message):
