@@ -62,7 +62,9 @@ def continuation_run(model, context, continuation, method, budget, options, tabl
         start = context.shape[1]
         positions = torch.arange(start, start + continuation.shape[1] - 1)[None]
         with torch.no_grad():
-            logits = model(input_ids=continuation[:, :-1], past_key_values=cache, position_ids=positions).logits
+            logits = model(
+                input_ids=continuation[:, :-1], **kvruntime.cache_argument(model, cache), position_ids=positions
+            ).logits
     return float(F.cross_entropy(logits[0].float(), continuation[0, 1:])), session.report, ""
 
 

@@ -29,7 +29,7 @@ import kvruntime
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods
 from kvcompile.evaluation.runner import prefilled
 from kvcompile.tasks.passkey import passkey_prompt
-from kvruntime.cache_ops import cache_bytes
+from kvruntime import cache_bytes, hooked_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine, markdown_table, write_results  # noqa: E402
@@ -61,7 +61,7 @@ class LargestCache:
     @contextlib.contextmanager
     def watching(self) -> Iterator[LargestCache]:
         def seen(module, args, kwargs, output) -> None:
-            cache = kwargs["past_key_values"]
+            cache = hooked_cache(kwargs)
             self.largest = max(self.largest, cache_bytes(cache))
 
         self.largest = 0

@@ -88,7 +88,7 @@ class LargestCache:
     def seen(self, module, args, kwargs, output) -> None:
         if kwargs["hidden_states"].shape[1] == 1:
             return
-        cache = kwargs["past_key_values"]
+        cache = kvruntime.hooked_cache(kwargs)
         held = sum(layer.keys.untyped_storage().nbytes() * 2 for layer in cache.layers if layer.is_initialized)
         self.largest = max(self.largest, held)
 

@@ -80,13 +80,13 @@ def test_multi_token_question_on_layers_of_different_lengths_matches_reference(t
         kept.append(mask)
     cache = DynamicCache(config=tiny.config)
     with torch.no_grad():
-        tiny(tokens, past_key_values=cache)  # full, uncompressed context
+        tiny(tokens, **kvruntime.cache_argument(tiny, cache))  # full, uncompressed context
     AttentionInterface.register("kvruntime_test_reference", _reference_attention(kept, length))
     tiny.set_attn_implementation("kvruntime_test_reference")
     try:
         with torch.no_grad():
             positions = torch.arange(length, length + question.shape[1])[None]
-            reference = tiny(question, past_key_values=cache, position_ids=positions).logits[:, -1]
+            reference = tiny(question, **kvruntime.cache_argument(tiny, cache), position_ids=positions).logits[:, -1]
     finally:
         tiny.set_attn_implementation("sdpa")
     torch.testing.assert_close(got.logits[0], reference, atol=1e-4, rtol=1e-4)

@@ -1,5 +1,6 @@
 import torch
 
+import kvruntime
 from kvruntime.window import window_attention, window_queries
 
 
@@ -20,7 +21,7 @@ def test_window_attention_equals_eager_rows(tiny, tokens):
     window = 8
     for index, layer in enumerate(layers):
         queries = window_queries(layer.self_attn, *captured[index], window)
-        keys = output.past_key_values.layers[index].keys
+        keys = kvruntime.output_cache(output).layers[index].keys
         got = window_attention(queries, keys, layer.self_attn.scaling)
         expected = output.attentions[index][:, :, -window:, :]
         batch, kv_heads, groups, _, length = got.shape

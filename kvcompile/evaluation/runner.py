@@ -87,7 +87,7 @@ def prefilled(
             torch.no_grad(),
             contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext(),
         ):
-            model(input_ids=context_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=context_ids, **kvruntime.cache_argument(model, cache), use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - started
     masks = press_keep_masks(model, cache, context_ids.shape[1])
 

@@ -80,7 +80,10 @@ _EXPORTS = {
         ("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"
     ),
     # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
-    **dict.fromkeys(("attention_modules", "cache_bytes"), "cache_ops"),
+    # cache_argument, hooked_cache, output_cache: the cache under either name transformers gives it.
+    **dict.fromkeys(
+        ("attention_modules", "cache_argument", "cache_bytes", "hooked_cache", "output_cache"), "cache_ops"
+    ),
     **dict.fromkeys(("error_aware_budgets",), "allocation"),
     **dict.fromkeys(("top_indices",), "selection"),
     **dict.fromkeys(("query_hooks", "window_attention"), "window"),

@@ -1,6 +1,9 @@
-"""Model and cache plumbing: find the attention modules, check the cache layout, keep entries, count bytes."""
+"""Model and cache plumbing: find the attention modules, hand over and find the cache, check its layout, keep
+entries, count bytes."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -21,6 +24,25 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
         )
     modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
     return sorted(modules, key=lambda m: m.layer_idx)
+
+
+def cache_argument(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
+    """The keyword argument that hands `cache` to the model's forward or `generate`: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name is deprecated, then removed)."""
+    parameters = inspect.signature(model.base_model.forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": cache}
+
+
+def hooked_cache(kwargs: dict) -> Cache | None:
+    """The cache a hooked forward was called with, under either name (`cache_argument`)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def output_cache(output: object) -> Cache | None:
+    """The cache a forward returned, under either name (`cache_argument`)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def check_full_attention_cache(cache: Cache) -> None:

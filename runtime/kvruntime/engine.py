@@ -31,10 +31,13 @@ from .artifact import Artifact, load_artifact
 from .attention import KEEP_MASK_KEYWORD, per_layer_attention
 from .cache_ops import (
     attention_modules,
+    cache_argument,
     cache_bytes,
     check_full_attention_cache,
     check_full_attention_layer,
+    hooked_cache,
     keep_entries,
+    output_cache,
     uncompressed_bytes,
 )
 from .errors import KVRuntimeError, UnsupportedModelError
@@ -159,7 +162,7 @@ class CompressionSession:
             )
         cache = DynamicCache(config=self.model.config)
         with torch.no_grad():
-            self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=input_ids, **cache_argument(self.model, cache), use_cache=True, logits_to_keep=1)
         return CompressedContext(self, cache, input_ids.shape[1], self.report)
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ class CompressionSession:
             kwargs, args = {**kwargs, "input_ids": args[0]}, args[1:]
         tokens_key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         tokens = kwargs[tokens_key]
-        cache = kwargs.get("past_key_values")
+        cache = hooked_cache(kwargs)
         batch, length = tokens.shape[:2]
         starts_empty = cache is None or cache.get_seq_length() == 0
         if starts_empty and cache is not None:  # a new sequence: an earlier prompt's keep masks do not apply to it
@@ -261,7 +264,7 @@ class CompressionSession:
                 start=state.chunk_start,
                 final=state.final_chunk,
             )
-            state.peak_bytes = max(state.peak_bytes, cache_bytes(kwargs["past_key_values"]))
+            state.peak_bytes = max(state.peak_bytes, cache_bytes(hooked_cache(kwargs)))
             if state.budgets is None:
                 state.statistics[module.layer_idx] = self.method.layer_statistics(layer)
             else:
@@ -298,7 +301,7 @@ class CompressionSession:
         state, self._prefill = self._prefill, None
         if state is None:
             return
-        cache = getattr(output, "past_key_values", None)
+        cache = output_cache(output)
         if cache is None:
             return
         started = time.perf_counter()
@@ -334,7 +337,7 @@ class CompressionSession:
         )
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        cache = kwargs.get("past_key_values")
+        cache = hooked_cache(kwargs)
         mask = self._keep_masks.get(cache, {}).get(module.layer_idx) if cache is not None else None
         if mask is None or self._prefill is not None:
             return None
@@ -468,7 +471,11 @@ def generate_after_context(
         # transformers < 5.3 (kvpress's range) derives cache positions from the compressed cache length.
         explicit["cache_position"] = positions
     return model.generate(
-        input_ids=question_ids, attention_mask=attention_mask, past_key_values=cache, **explicit, **generate_kwargs
+        input_ids=question_ids,
+        attention_mask=attention_mask,
+        **cache_argument(model, cache),
+        **explicit,
+        **generate_kwargs,
     )
 
 

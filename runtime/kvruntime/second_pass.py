@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from .cache_ops import truncate
+from .cache_ops import cache_argument, truncate
 from .window import query_hooks
 
 QUERY_CHUNK = 256  # task queries whose attention rows are held at once: memory linear in the context, not quadratic
@@ -68,7 +68,9 @@ def task_attention_maxima(
     try:
         with query_hooks(model, keep_maxima, window=chunk), torch.no_grad():
             for start in range(0, task_ids.shape[1], chunk):
-                model.base_model(input_ids=task_ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+                model.base_model(
+                    input_ids=task_ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True
+                )
     finally:
         truncate(cache, context_length)
     return [maxima[layer] for layer in sorted(maxima)]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .cache_ops import attention_modules
+from .cache_ops import attention_modules, hooked_cache
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def hooked_window_queries(
     """From a forward hook's call of an attention module: the post-RoPE queries of the last `window` positions
     (at most the query length), the layer's cache layer (keys and values already updated), and the query length."""
     hidden_states = kwargs.get("hidden_states", args[0] if args else None)
-    cache_layer = kwargs["past_key_values"].layers[attention.layer_idx]
+    cache_layer = hooked_cache(kwargs).layers[attention.layer_idx]
     query_length = hidden_states.shape[1]
     queries = window_queries(attention, hidden_states, kwargs["position_embeddings"], min(window, query_length))
     return queries, cache_layer, query_length

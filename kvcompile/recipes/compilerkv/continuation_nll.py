@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvruntime import per_layer_attention
+from kvruntime import cache_argument, per_layer_attention
 
 
 class KeptEntriesCache:
@@ -93,7 +93,7 @@ class ContinuationScorer:
                 hidden,
                 attention_mask=None,
                 position_ids=self.position_ids,
-                past_key_values=cache,
+                **cache_argument(self.model, cache),
                 use_cache=True,
                 position_embeddings=self.position_embeddings,
                 **(extra if index == start else {}),

@@ -23,6 +23,7 @@ from kvruntime import (
     CompilerKV,
     KVRuntimeError,
     PromptSignals,
+    cache_argument,
     candidate_count,
     gated_count,
     layer_scores,
@@ -66,7 +67,7 @@ def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int
 
     cache = DynamicCache(config=model.config)
     with query_hooks(model, gather, window=WINDOW):
-        logits = model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=WINDOW).logits
+        logits = model(ids[:, :context], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW).logits
     logprobs = logits[0].float().log_softmax(dim=-1)
     window_logprobs = logprobs[:-1].gather(-1, ids[0, context - WINDOW + 1 : context, None]).T  # [1, w - 1]
     continuation = ids[:, context:]

@@ -28,6 +28,7 @@ from kvruntime import (
     Artifact,
     KVRuntimeError,
     attention_modules,
+    cache_argument,
     feature_count,
     kv_head_scores,
     model_fingerprint,
@@ -75,7 +76,7 @@ def prompt_features_and_targets(
     cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
-            model.base_model(input_ids=context_ids, past_key_values=cache, use_cache=True)
+            model.base_model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True)
     finally:
         for handle in handles:
             handle.remove()

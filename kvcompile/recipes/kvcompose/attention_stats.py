@@ -28,6 +28,7 @@ from kvruntime import (
     Artifact,
     KVCompose,
     KVRuntimeError,
+    cache_argument,
     composite_curve,
     kept_per_head,
     kv_head_scores,
@@ -91,7 +92,7 @@ def prompt_scores(model: nn.Module, context_ids: torch.Tensor, tasks: list[torch
     length = context_ids.shape[1]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.base_model(input_ids=context_ids, past_key_values=cache, use_cache=True)
+        model.base_model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True)
     maxima = None
     for task_ids in tasks or [context_ids]:
         layers = task_attention_maxima(model, cache, task_ids, length)
