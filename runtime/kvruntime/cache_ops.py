@@ -3,6 +3,7 @@ entries, count bytes."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -29,8 +30,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 def cache_argument(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
     """The keyword argument that hands `cache` to the model's forward or `generate`: transformers 5.24 renamed
     `past_key_values` to `cache` (the old name is deprecated, then removed)."""
-    parameters = inspect.signature(model.base_model.forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
+    return {_cache_keyword(type(model.base_model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # Once per model class: compilerkv's rollouts hand a cache to every layer of every variant.
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def hooked_cache(kwargs: dict) -> Cache | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 import time
 import weakref
@@ -227,13 +226,10 @@ class CompressionSession:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-        takes_cache_position = "cache_position" in inspect.signature(module.forward).parameters
 
         def chunk_arguments(start: int, end: int) -> dict:
-            sliced = {tokens_key: tokens[:, start:end], "position_ids": positions[:, start:end], "attention_mask": None}
-            if takes_cache_position:  # transformers < 5.3 (kvpress's range) would derive it from the cut cache
-                sliced["cache_position"] = torch.arange(start, end, device=tokens.device)
-            return {**kwargs, **sliced}
+            sliced = {tokens_key: tokens[:, start:end], "attention_mask": None}
+            return {**kwargs, **sliced, **explicit_positions(self.model, positions[0, start:end])}
 
         state.chunks = len(bounds)
         self._feeding_chunks = True
@@ -466,17 +462,23 @@ def generate_after_context(
     question_length = question_ids.shape[1]
     positions = torch.arange(context_length, context_length + question_length, device=question_ids.device)
     attention_mask = torch.ones(1, context_length + question_length, dtype=torch.long, device=question_ids.device)
-    explicit = {"position_ids": positions[None]}
-    if hasattr(model, "_get_initial_cache_position"):
-        # transformers < 5.3 (kvpress's range) derives cache positions from the compressed cache length.
-        explicit["cache_position"] = positions
     return model.generate(
         input_ids=question_ids,
         attention_mask=attention_mask,
         **cache_argument(model, cache),
-        **explicit,
+        **explicit_positions(model, positions),
         **generate_kwargs,
     )
+
+
+def explicit_positions(model: nn.Module, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The arguments that give tokens their original positions [n] after a cut cache, whose length no longer says
+    how far the sequence has gone: position ids, and cache positions for transformers < 5.3 (kvpress's range),
+    which derives them from the cache length."""
+    explicit = {"position_ids": positions[None]}
+    if hasattr(model, "_get_initial_cache_position"):
+        explicit["cache_position"] = positions
+    return explicit
 
 
 @contextlib.contextmanager
