@@ -112,11 +112,10 @@ def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_laye
         assert all(
             p.tolist() == sorted({*range(slots - window), *range(length - window, length)}) for p in positions[0]
         )
-    with pytest.raises(KVRuntimeError, match="drop allocation"):
-        with kvruntime.compress(
-            tiny, "distilled+budgets", budget=24, artifacts=paths, options={"allocation": "uniform"}
-        ) as s:
-            s.prefill(tokens)
+    for options in ({"allocation": "uniform"}, {"floor": 0.1}):  # refused, never silently ignored
+        with pytest.raises(KVRuntimeError, match=r"from the layer_budgets artifact: options \['(allocation|floor)'\]"):
+            with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options=options) as s:
+                s.prefill(tokens)
 
 
 def test_a_scorer_of_another_feature_layout_is_refused_in_one_line(tiny, tokens, tmp_path):

@@ -101,8 +101,12 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
 
 def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
     """Refuse options the method does not take, and values of the wrong type; returns them as a dict."""
-    base = parse_method_name(name)[0]
+    base, *suffixes = parse_method_name(name)
     known = OPTIONS.get(base, {})
+    if base == "distilled" and suffixes and options:
+        raise KVRuntimeError(
+            f"{name} takes its layer shares from the layer_budgets artifact: options {sorted(options)} do not apply"
+        )
     if options and not known:
         raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
     unknown = sorted(set(options) - set(known))
