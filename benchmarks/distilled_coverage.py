@@ -1,0 +1,139 @@
+"""Where `distilled` loses answers its teacher keeps: the share of the answer's tokens each keeps, with two hybrids
+that put the loss on the token scores or on the layer shares.
+
+    python benchmarks/distilled_coverage.py [--depths 0.1,0.5,0.9] [--ratios 0.5,0.75,0.9]
+
+Methods: `distilled` (the student's scores, its dynamic allocation with the floor), `distilled:allocation=uniform`,
+the teacher `kvcompose:mode=dynamic` (two-pass scores, their own global pool), the teacher's scores with the
+student's allocation rule, and the student's scores with the teacher's layer shares on the same prompt. Held-out
+prompts (Moby-Dick haystack and RULER-like filler for the pass key, 2,048 tokens), question-agnostic: the context
+alone is compressed. Coverage = kept answer tokens / answer tokens, averaged over layers and KV heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import kvruntime
+from kvcompile.calibration.corpus import load_corpus
+from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvruntime import Distilled, DistilledScorer, KVCompose, kv_head_scores, prompt_allocation
+from kvruntime.selection import protect_window
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compilerkv_coverage import answer_positions, coverage  # noqa: E402
+from reporting import machine, markdown_table, write_results  # noqa: E402
+
+SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+TEACHER_SCORES, TEACHER_SHARES = "teacher's scores, student's allocation", "student's scores, teacher's shares"
+
+
+def teacher_scores(prefill) -> list[torch.Tensor]:
+    """The second pass's scores [1, Hkv, N] per layer: what `kvcompose:mode=dynamic` ranks by."""
+    return [kv_head_scores(task_max, prefill.num_kv_heads) for task_max in prefill.second_pass_attention()]
+
+
+@dataclasses.dataclass
+class TeacherScoresStudentAllocation(Distilled):
+    def select(self, statistics, request, prefill):
+        window = min(self.window, statistics[0].shape[-1])
+        logs = [protect_window(s.clamp_min(1e-30).log(), window) for s in teacher_scores(prefill)]
+        return super().select(logs, request, prefill)
+
+
+@dataclasses.dataclass
+class StudentScoresTeacherShares(Distilled):
+    def select(self, statistics, request, prefill):
+        keep = request.kept_per_head(prefill.length, self.window)
+        counts = prompt_allocation(torch.stack([s[0] for s in teacher_scores(prefill)]), keep, per_head=False)
+        num_kv_heads = statistics[0].shape[1]
+        return kvruntime.Selection(statistics, counts[:, None].expand(-1, num_kv_heads).clone(), [])
+
+
+def methods(scorer: DistilledScorer) -> dict[str, kvruntime.Method]:
+    return {
+        "distilled": Distilled(scorer=scorer),
+        "distilled:allocation=uniform": Distilled(scorer=scorer, allocation="uniform"),
+        "kvcompose:mode=dynamic (teacher)": KVCompose(mode="dynamic"),
+        TEACHER_SCORES: TeacherScoresStudentAllocation(scorer=scorer),
+        TEACHER_SHARES: StudentScoresTeacherShares(scorer=scorer),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--out", default="benchmarks/distilled_coverage.md")
+    args = parser.parse_args()
+    ratios = [float(x) for x in args.ratios.split(",")]
+    model, tokenizer = kvruntime.load_model()
+    scorer = DistilledScorer.from_artifact(kvruntime.load_artifact(SCORER, model=model))
+    haystack = load_corpus("moby-dick")
+    prompts = [
+        retrieval_prompt(task, haystack, tokenizer, args.length, float(depth), seed=index)
+        for index, depth in enumerate(args.depths.split(","))
+        for task in TASKS
+    ]
+    rows = []
+    for prompt in tqdm(prompts, desc="coverage", unit="prompt"):
+        context = prompt.prompt[: prompt.question_start]
+        ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
+        span = answer_positions(tokenizer, context, prompt.expected[0])
+        for ratio in ratios:
+            for label, method in methods(scorer).items():
+                with kvruntime.compress(model, method, ratio=ratio) as session:
+                    session.prefill(ids)
+                rows.append(
+                    dict(
+                        task=prompt.task,
+                        depth=prompt.depth,
+                        ratio=ratio,
+                        method=label,
+                        coverage=round(coverage(session.kept_positions, span), 4),
+                        entries_removed=round(session.report.entries_removed_fraction, 4),
+                    )
+                )
+    write_results(rows, Path(args.out), render(rows, ratios))
+
+
+def render(rows: list[dict], ratios: list[float]) -> str:
+    cells: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        cells[(r["ratio"], r["method"])].append(r)
+    table = [
+        {
+            "ratio": ratio,
+            "method": label,
+            **{
+                f"coverage, {t}": f"{statistics.mean(r['coverage'] for r in cell if r['task'] == t):.2f}" for t in TASKS
+            },
+            "entries removed": f"{statistics.mean(r['entries_removed'] for r in cell):.3f}",
+        }
+        for (ratio, label), cell in cells.items()
+    ]
+    lines = [
+        "# Distilled against its teacher: answer-token coverage (default model)",
+        "",
+        f"Command: `python {' '.join(sys.argv)}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Coverage: mean over the "
+        f"{len({r['depth'] for r in rows})} prompts (depths) of each task, question-agnostic.",
+        "",
+        *markdown_table(table),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
