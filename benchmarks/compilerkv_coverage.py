@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from kvcompile.calibration.corpus import load_corpus
-from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvcompile.tasks.retrieval import TASKS, TaskPrompt, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compilerkv_ablation import TABLES, compressed  # noqa: E402
@@ -32,6 +32,20 @@ def answer_positions(tokenizer, text: str, answer: str) -> list[int]:
     start = text.lower().index(answer.lower())
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [i for i, (a, b) in enumerate(encoded.offset_mapping) if a < start + len(answer) and b > start]
+
+
+def question_agnostic_prompts(tokenizer, depths: str, length: int) -> list[tuple[TaskPrompt, torch.Tensor, list[int]]]:
+    """The held-out retrieval prompts of the coverage studies (Moby-Dick haystack; each task at each depth): the
+    prompt, its context's token ids without the question, and the answer's token positions in it."""
+    haystack = load_corpus("moby-dick")
+    found = []
+    for index, depth in enumerate(depths.split(",")):
+        for task in TASKS:
+            prompt = retrieval_prompt(task, haystack, tokenizer, length, float(depth), seed=index)
+            context = prompt.prompt[: prompt.question_start]
+            ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
+            found.append((prompt, ids, answer_positions(tokenizer, context, prompt.expected[0])))
+    return found
 
 
 def coverage(kept_positions: list[torch.Tensor], span: list[int]) -> float:

@@ -24,13 +24,12 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.calibration.corpus import load_corpus
-from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvcompile.tasks.retrieval import TASKS
 from kvruntime import Distilled, DistilledScorer, KVCompose, kv_head_scores, prompt_allocation
 from kvruntime.selection import protect_window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compilerkv_coverage import answer_positions, coverage  # noqa: E402
+from compilerkv_coverage import coverage, question_agnostic_prompts  # noqa: E402
 from reporting import machine, markdown_table, write_results  # noqa: E402
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
@@ -79,17 +78,9 @@ def main() -> None:
     ratios = [float(x) for x in args.ratios.split(",")]
     model, tokenizer = kvruntime.load_model()
     scorer = DistilledScorer.from_artifact(kvruntime.load_artifact(SCORER, model=model))
-    haystack = load_corpus("moby-dick")
-    prompts = [
-        retrieval_prompt(task, haystack, tokenizer, args.length, float(depth), seed=index)
-        for index, depth in enumerate(args.depths.split(","))
-        for task in TASKS
-    ]
     rows = []
-    for prompt in tqdm(prompts, desc="coverage", unit="prompt"):
-        context = prompt.prompt[: prompt.question_start]
-        ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
-        span = answer_positions(tokenizer, context, prompt.expected[0])
+    prompts = question_agnostic_prompts(tokenizer, args.depths, args.length)
+    for prompt, ids, span in tqdm(prompts, desc="coverage", unit="prompt"):
         for ratio in ratios:
             for label, method in methods(scorer).items():
                 with kvruntime.compress(model, method, ratio=ratio) as session:

@@ -23,12 +23,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import kvruntime
-from kvcompile.calibration.corpus import load_corpus
-from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvcompile.tasks.retrieval import TASKS
 from kvruntime import KVCompose, KVComposeStats, kv_head_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compilerkv_coverage import answer_positions, coverage  # noqa: E402
+from compilerkv_coverage import coverage, question_agnostic_prompts  # noqa: E402
 from reporting import machine, write_results  # noqa: E402
 
 STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
@@ -39,6 +38,10 @@ MODES = ("compiled", "dynamic", HYBRID)
 @dataclasses.dataclass
 class TwoPassScoresCompiledAllocation(KVCompose):
     """The dynamic mode's token scores with the compiled mode's layer allocation: separates the two causes."""
+
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return False  # the two-pass scores exist only after the prefill: no per-layer cut inside it
 
     def select(self, statistics, request, prefill):
         scores = [kv_head_scores(task_max, prefill.num_kv_heads) for task_max in prefill.second_pass_attention()]
@@ -61,17 +64,9 @@ def main() -> None:
     ratios = [float(x) for x in args.ratios.split(",")]
     model, tokenizer = kvruntime.load_model()
     stats = KVComposeStats.from_artifact(kvruntime.load_artifact(STATS, model=model))
-    haystack = load_corpus("moby-dick")
-    prompts = [
-        retrieval_prompt(task, haystack, tokenizer, args.length, float(depth), seed=index)
-        for index, depth in enumerate(args.depths.split(","))
-        for task in TASKS
-    ]
     rows = []
-    for prompt in tqdm(prompts, desc="coverage", unit="prompt"):
-        context = prompt.prompt[: prompt.question_start]
-        ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
-        span = answer_positions(tokenizer, context, prompt.expected[0])
+    prompts = question_agnostic_prompts(tokenizer, args.depths, args.length)
+    for prompt, ids, span in tqdm(prompts, desc="coverage", unit="prompt"):
         for ratio in ratios:
             slots = {}
             for mode in MODES:
