@@ -47,9 +47,12 @@ def plot_accuracy_vs_ratio(records: list[dict], path: Path) -> None:
     for axis in axes[:, 0]:
         axis.set_ylabel("accuracy")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower right", fontsize=8, ncol=2)
+    # Below the panels, never over one (a full grid has no empty panel to hold it).
+    legend_columns = min(5, len(methods))
+    legend_height = (0.25 * -(-len(methods) // legend_columns) + 0.15) / (3.3 * rows)
+    figure.legend(handles, labels, loc="lower center", fontsize=8, ncol=legend_columns, frameon=False)
     figure.suptitle("Accuracy versus the cache's bytes really removed (solid: kvcompile, dashed: kvpress)")
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, legend_height, 1, 1))
     save_figure(figure, path, dpi=100)
 
 
