@@ -34,6 +34,18 @@ def answer_positions(tokenizer, text: str, answer: str) -> list[int]:
     return [i for i, (a, b) in enumerate(encoded.offset_mapping) if a < start + len(answer) and b > start]
 
 
+def ratio_coverage_arguments(description: str, out: str) -> argparse.Namespace:
+    """The command line of the coverage studies that sweep ratios (kvcompose's, distilled's); `ratios` parsed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--ratios", default="0.5,0.75,0.9")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--out", default=out)
+    args = parser.parse_args()
+    args.ratios = [float(x) for x in args.ratios.split(",")]
+    return args
+
+
 def question_agnostic_prompts(tokenizer, depths: str, length: int) -> list[tuple[TaskPrompt, torch.Tensor, list[int]]]:
     """The held-out retrieval prompts of the coverage studies (Moby-Dick haystack; each task at each depth): the
     prompt, its context's token ids without the question, and the answer's token positions in it."""

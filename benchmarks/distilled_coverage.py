@@ -12,7 +12,6 @@ alone is compressed. Coverage = kept answer tokens / answer tokens, averaged ove
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import statistics
@@ -29,7 +28,7 @@ from kvruntime import Distilled, DistilledScorer, KVCompose, kv_head_scores, pro
 from kvruntime.selection import protect_window
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compilerkv_coverage import coverage, question_agnostic_prompts  # noqa: E402
+from compilerkv_coverage import coverage, question_agnostic_prompts, ratio_coverage_arguments  # noqa: E402
 from reporting import machine, markdown_table, write_results  # noqa: E402
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
@@ -69,13 +68,8 @@ def methods(scorer: DistilledScorer) -> dict[str, kvruntime.Method]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--ratios", default="0.5,0.75,0.9")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--out", default="benchmarks/distilled_coverage.md")
-    args = parser.parse_args()
-    ratios = [float(x) for x in args.ratios.split(",")]
+    args = ratio_coverage_arguments(__doc__.splitlines()[0], "benchmarks/distilled_coverage.md")
+    ratios = args.ratios
     model, tokenizer = kvruntime.load_model()
     scorer = DistilledScorer.from_artifact(kvruntime.load_artifact(SCORER, model=model))
     rows = []

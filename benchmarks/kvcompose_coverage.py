@@ -12,7 +12,6 @@ kept answer tokens / answer tokens, averaged over layers and KV heads. Allocatio
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import statistics
@@ -27,7 +26,7 @@ from kvcompile.tasks.retrieval import TASKS
 from kvruntime import KVCompose, KVComposeStats, kv_head_scores
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compilerkv_coverage import coverage, question_agnostic_prompts  # noqa: E402
+from compilerkv_coverage import coverage, question_agnostic_prompts, ratio_coverage_arguments  # noqa: E402
 from reporting import machine, write_results  # noqa: E402
 
 STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
@@ -55,13 +54,8 @@ def method_for(mode: str, stats: KVComposeStats):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="0.1,0.5,0.9")
-    parser.add_argument("--ratios", default="0.5,0.75,0.9")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--out", default="benchmarks/kvcompose_coverage.md")
-    args = parser.parse_args()
-    ratios = [float(x) for x in args.ratios.split(",")]
+    args = ratio_coverage_arguments(__doc__.splitlines()[0], "benchmarks/kvcompose_coverage.md")
+    ratios = args.ratios
     model, tokenizer = kvruntime.load_model()
     stats = KVComposeStats.from_artifact(kvruntime.load_artifact(STATS, model=model))
     rows = []
