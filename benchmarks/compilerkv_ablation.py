@@ -1,63 +1,86 @@
-"""The CompilerKV ablation on held-out prompts (none used for calibration): full compilerkv, compilerkv with
-W_head = 1, compilerkv with one fixed threshold, snapkv at the same budget, and snapkv at the cache compilerkv
-really kept (its gate may keep fewer entries than the budget), plus the full cache.
+"""The CompilerKV ablation on held-out prompts (none used for calibration), at equal cache held: the learned tables
+against W_head = 1, against one fixed threshold, and against random tables of the same value range, with paired
+bootstrap 95% intervals; snapkv at the same budget and the paper's elastic gate for reference.
 
-    python benchmarks/compilerkv_ablation.py [--budgets 128,256,512,1024] [--depths 0.05,0.275,0.5,0.725,0.95]
-        [--passages 8] [--tables artifacts/.../compilerkv_tables.safetensors] [--out benchmarks/compilerkv_ablation.md]
+    python benchmarks/compilerkv_ablation.py [--budgets 256,512] [--depths 0.05,0.275,0.5,0.725,0.95]
+        [--passages 32] [--random-draws 4] [--tables artifacts/.../compilerkv_tables.safetensors]
 
-Two measures per setting: retrieval accuracy (pass key in filler, a needle and multi-key needles in Moby-Dick,
-~2k tokens, question-aware: prompt = context + question, compressed after prefill, greedy, exact match), and the
-increase in mean NLL of a 128-token continuation of ~2k-token Moby-Dick passages (the reward the tables learned
-from, on text they never saw).
+Every compilerkv variant but the elastic one holds exactly budget x layers entries (the ratio-honest rule), so the
+comparisons are at equal cache by construction; the table says what each really held. Two measures per prompt:
+the increase in mean NLL of a 128-token continuation of ~2k-token Moby-Dick passages over the full cache (the
+tables' own objective, on text they never saw), and retrieval (pass key in filler, a needle and multi-key needles
+in Moby-Dick, ~2k tokens, question-aware: the prompt holds the question, compressed after prefill, greedy, exact
+match). Random tables: each prompt gets one of `--random-draws` tables drawn uniformly from the action grids, with
+the learned tables' bin edges. Intervals: the per-prompt difference (variant minus learned) averaged, 10,000
+bootstrap resamples over prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import kvruntime
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
+from kvcompile.evaluation.metrics import bootstrap_interval
+from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reporting import machine, write_results  # noqa: E402
+from reporting import machine, markdown_table, write_results  # noqa: E402
 
 TABLES = Path("artifacts/smollm2-135m-instruct/compilerkv_tables.safetensors")
 FIXED_THRESHOLD = 0.9  # the middle of the threshold grid [0.8, 1.0]
-VARIANTS = (
-    ("compilerkv", {}),
-    ("compilerkv, W_head = 1", {"uniform_heads": True}),
-    (f"compilerkv, threshold {FIXED_THRESHOLD}", {"fixed_threshold": FIXED_THRESHOLD}),
-)
-SNAPKV, MATCHED = "snapkv", "snapkv at compilerkv's cache"
+LEARNED, RANDOM = "learned tables", "random tables"
+VARIANTS = {  # label -> compilerkv options (RANDOM: other tables, the options of LEARNED)
+    LEARNED: {},
+    "W_head = 1": {"uniform_heads": True},
+    f"threshold {FIXED_THRESHOLD} everywhere": {"fixed_threshold": FIXED_THRESHOLD},
+    RANDOM: {},
+    "learned tables, elastic gate": {"elastic": True},
+}
+SNAPKV = "snapkv"
+COMPARED = ("W_head = 1", f"threshold {FIXED_THRESHOLD} everywhere", RANDOM)
 
 
-def compressed(model, method: str, budget: int | None, options: dict, tables: Path):
-    artifacts = [tables] if method == "compilerkv" else []
+def random_tables(learned: kvruntime.CompilerKVTables, seed: int) -> kvruntime.CompilerKVTables:
+    """Tables of the learned ones' shapes and bin edges, each entry drawn uniformly from its action grid."""
+    g = torch.Generator().manual_seed(seed)
+    return dataclasses.replace(
+        learned,
+        head_reliability=HEAD_ACTIONS[torch.randint(len(HEAD_ACTIONS), learned.head_reliability.shape, generator=g)],
+        risk_thresholds=GATE_ACTIONS[torch.randint(len(GATE_ACTIONS), learned.risk_thresholds.shape, generator=g)],
+    )
+
+
+def compressed(model, label: str, budget: int | None, tables: kvruntime.CompilerKVTables):
     if budget is None:  # the full cache: nothing removed
         return kvruntime.compress(model, "snapkv", ratio=0.0)
-    return kvruntime.compress(model, method, budget=budget, artifacts=artifacts, options=options)
+    if label == SNAPKV:
+        return kvruntime.compress(model, "snapkv", budget=budget)
+    method = kvruntime.CompilerKV(tables=tables, nearest_budget=True, **VARIANTS[label])
+    return kvruntime.compress(model, method, budget=budget)
 
 
-def retrieval_run(model, tokenizer, ids, prompt, method, budget, options, tables, new_tokens):
-    with compressed(model, method, budget, options, tables) as session:
+def retrieval_run(model, tokenizer, ids, prompt, session_factory, new_tokens) -> tuple[float, object]:
+    with session_factory() as session:
         output = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
-    return float(prompt.score(text)), session.report, text
+    return float(prompt.score(text)), session.report
 
 
-def continuation_run(model, context, continuation, method, budget, options, tables):
+def continuation_run(model, context, continuation, session_factory) -> tuple[float, object]:
     """Mean NLL of continuation tokens 1.. given the compressed context (token 0 comes from the prefill alone)."""
-    with compressed(model, method, budget, options, tables) as session:
+    with session_factory() as session:
         cache = session.prefill(context).cache
         start = context.shape[1]
         positions = torch.arange(start, start + continuation.shape[1] - 1)[None]
@@ -65,24 +88,16 @@ def continuation_run(model, context, continuation, method, budget, options, tabl
             logits = model(
                 input_ids=continuation[:, :-1], **kvruntime.cache_argument(model, cache), position_ids=positions
             ).logits
-    return float(F.cross_entropy(logits[0].float(), continuation[0, 1:])), session.report, ""
-
-
-def settings_for(budgets: list[int]):
-    """(label, method, budget, options) rows; MATCHED rows get their budget from the compilerkv run before them."""
-    rows = [("full cache", "full", None, {})]
-    for budget in budgets:
-        rows += [(label, "compilerkv", budget, options) for label, options in VARIANTS]
-        rows += [(SNAPKV, "snapkv", budget, {}), (MATCHED, "snapkv", budget, {})]
-    return rows
+    return float(F.cross_entropy(logits[0].float(), continuation[0, 1:])), session.report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="128,256,512,1024")
+    parser.add_argument("--budgets", default="256,512")
     parser.add_argument("--depths", default="0.05,0.275,0.5,0.725,0.95")
     parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--passages", type=int, default=8)
+    parser.add_argument("--passages", type=int, default=32)
+    parser.add_argument("--random-draws", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--tables", type=Path, default=TABLES)
     parser.add_argument("--out", default="benchmarks/compilerkv_ablation.md")
@@ -90,6 +105,8 @@ def main() -> None:
     budgets = [int(x) for x in args.budgets.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     model, tokenizer = kvruntime.load_model()
+    learned = kvruntime.CompilerKVTables.from_artifact(kvruntime.load_artifact(args.tables, model=model))
+    draws = [random_tables(learned, seed) for seed in range(args.random_draws)]
     haystack = load_corpus("moby-dick")
     jobs = [
         ("retrieval", p.task, p, tokenizer(p.prompt, return_tensors="pt", add_special_tokens=False).input_ids)
@@ -104,77 +121,99 @@ def main() -> None:
         ("nll", "moby-dick", None, ids)
         for _, ids in calibration_prompts(haystack, tokenizer, args.passages, args.length + 128, seed=7919)
     ]
+    settings = [("full cache", None)] + [(label, b) for b in budgets for label in [*VARIANTS, SNAPKV]]
     rows = []
-    settings = settings_for(budgets)
     bar = tqdm(total=len(jobs) * len(settings), desc="ablation", unit="run")
     for job, (kind, task, prompt, ids) in enumerate(jobs):
-        kept_by_compilerkv = None
-        for label, method, nominal, options in settings:
-            budget = kept_by_compilerkv if label == MATCHED else nominal
+        for label, budget in settings:
+            tables = draws[job % len(draws)] if label == RANDOM else learned
+
+            def session_factory(label=label, budget=budget, tables=tables):
+                return compressed(model, label, budget, tables)
+
             if kind == "retrieval":
-                value, report, text = retrieval_run(
-                    model, tokenizer, ids, prompt, method, budget, options, args.tables, args.new_tokens
-                )
+                value, report = retrieval_run(model, tokenizer, ids, prompt, session_factory, args.new_tokens)
             else:
                 context, continuation = ids[:, : args.length], ids[:, args.length :]
-                value, report, text = continuation_run(
-                    model, context, continuation, method, budget, options, args.tables
-                )
-            kept = 1.0 - report.entries_removed_fraction
-            if label == "compilerkv":
-                kept_by_compilerkv = round(kept * report.context_length)
+                value, report = continuation_run(model, context, continuation, session_factory)
             rows.append(
                 dict(
                     job=job,
                     kind=kind,
                     task=task,
                     label=label,
-                    nominal=nominal or 0,
                     budget=budget or 0,
                     value=value,
-                    cache_kept=round(kept, 4),
-                    answer=text,
+                    cache_kept=round(1.0 - report.entries_removed_fraction, 4),
                 )
             )
             bar.update()
     bar.close()
-    write_results(rows, Path(args.out), render(rows, args, budgets, len(jobs) - args.passages))
+    write_results(rows, Path(args.out), render(rows, args, budgets))
 
 
-def render(rows: list[dict], args: argparse.Namespace, budgets: list[int], retrieval_prompts: int) -> str:
+def paired_rows(rows: list[dict], budgets: list[int]) -> list[dict]:
+    """Each compared variant minus the learned tables, per prompt, with a bootstrap interval."""
+    value = {(r["job"], r["label"], r["budget"]): r["value"] for r in rows}
+    out = []
+    for budget in budgets:
+        for kind, measure in (("nll", "NLL increase (lower is better)"), ("retrieval", "retrieval accuracy")):
+            jobs = sorted({r["job"] for r in rows if r["kind"] == kind})
+            for label in (*COMPARED, SNAPKV):
+                differences = [value[(j, label, budget)] - value[(j, LEARNED, budget)] for j in jobs]
+                low, high = bootstrap_interval(differences)
+                sign = 1 if kind == "nll" else -1  # the learned tables are ahead where sign * difference > 0
+                out.append(
+                    {
+                        "budget": budget,
+                        "measure": measure,
+                        "variant": label,
+                        "variant minus learned": f"{statistics.mean(differences):+.4f}",
+                        "95% interval": f"{low:+.4f} to {high:+.4f}",
+                        "prompts": len(jobs),
+                        "learned ahead": sum(sign * d > 0 for d in differences),
+                        "variant ahead": sum(sign * d < 0 for d in differences),
+                    }
+                )
+    return out
+
+
+def render(rows: list[dict], args: argparse.Namespace, budgets: list[int]) -> str:
     full_nll = {r["job"]: r["value"] for r in rows if r["kind"] == "nll" and r["label"] == "full cache"}
-    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        cell = cells[(r["label"], r["nominal"])]
-        cell["kept"].append(r["cache_kept"])
-        if r["kind"] == "retrieval":
-            cell[r["task"]].append(r["value"])
-            cell["all"].append(r["value"])
-        else:
-            cell["nll"].append(r["value"] - full_nll[r["job"]])
-    order = [("full cache", 0)] + [
-        (label, budget) for budget in budgets for label in [*(v for v, _ in VARIANTS), SNAPKV, MATCHED]
-    ]
-    columns = [*TASKS, "all"]
+    summary = []
+    for label, budget in [("full cache", 0)] + [(label, b) for b in budgets for label in [*VARIANTS, SNAPKV]]:
+        cell = [r for r in rows if (r["label"], r["budget"]) == (label, budget)]
+        retrieval = [r["value"] for r in cell if r["kind"] == "retrieval"]
+        per_task = {t: [r["value"] for r in cell if r["task"] == t] for t in TASKS}
+        nll = [r["value"] - full_nll[r["job"]] for r in cell if r["kind"] == "nll"]
+        summary.append(
+            {
+                "budget": budget or "full",
+                "method": label,
+                **{t: f"{int(sum(v))}/{len(v)}" for t, v in per_task.items()},
+                "retrieval": f"{int(sum(retrieval))}/{len(retrieval)}",
+                "NLL increase": f"{statistics.mean(nll):+.4f}",
+                "cache held": f"{np.mean([r['cache_kept'] for r in cell]):.1%}",
+            }
+        )
+    retrieval_prompts = len({r["job"] for r in rows if r["kind"] == "retrieval"})
     lines = [
-        "# CompilerKV ablation on held-out prompts (default model)",
+        "# CompilerKV ablation on held-out prompts, at equal cache held (default model)",
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Tables: `{args.tables}`. Retrieval: "
-        f"{retrieval_prompts} prompts of ~{args.length} tokens (question-aware, greedy, {args.new_tokens} new tokens, exact "
-        f"match). NLL: increase in mean token NLL of a 128-token continuation over the full cache, mean over "
-        f"{args.passages} Moby-Dick passages of {args.length} tokens (lower is better). Cache kept: share of the "
-        "full cache's entries attended after compression (mean over all prompts).",
+        f"{retrieval_prompts} prompts of ~{args.length} tokens (question-aware, greedy, {args.new_tokens} new tokens, "
+        f"exact match). NLL: increase in mean token NLL of a 128-token continuation over the full cache, "
+        f"{args.passages} Moby-Dick passages of {args.length} tokens. Random tables: {args.random_draws} draws, one "
+        "per prompt in turn. Cache held: share of the full cache's entries attended after compression (mean).",
         "",
-        "| budget | method | " + " | ".join(columns) + " | NLL increase | cache kept |",
-        "|---|---|" + "---|" * (len(columns) + 2),
+        *markdown_table(summary),
+        "",
+        "## Paired differences against the learned tables (95% bootstrap intervals over prompts)",
+        "",
+        *markdown_table(paired_rows(rows, budgets)),
     ]
-    for label, nominal in order:
-        cell = cells[(label, nominal)]
-        scores = " | ".join(f"{int(sum(cell[c]))}/{len(cell[c])}" for c in columns)
-        nll = statistics.mean(cell["nll"]) if cell["nll"] else float("nan")
-        lines.append(f"| {nominal or 'full'} | {label} | {scores} | {nll:+.4f} | {statistics.mean(cell['kept']):.1%} |")
     return "\n".join(lines) + "\n"
 
 

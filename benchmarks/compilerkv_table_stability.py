@@ -6,10 +6,8 @@ from the stored experience alone (no model run).
 Split half: both tables relearned from the records of the even-numbered and of the odd-numbered calibration prompts
 (same learner and settings); agreement = share of entries, among states both halves have records for, where the two
 tables hold the same action (or one within a grid step). Chance agreement for a uniform random table is 1/29 (head)
-and 1/21 (gate). Signal vs noise: within one (prompt, state), the spread of rewards over the actions tried (what the
-learner must rank) against the spread of one (state, action)'s reward over prompts. Each is measured twice: with the
-spec's reward (against the full cache's NLL, which carries each prompt's own compression loss) and with a paired
-reward (against the NLL of the prompt's base rollout under the current tables, which removes it).
+and 1/21 (gate). Signal vs noise: within one (prompt, state), the spread of the paired rewards over the actions tried
+(what the learner must rank) against the spread of one (state, action)'s reward over prompts.
 """
 
 from __future__ import annotations
@@ -40,17 +38,6 @@ def half(experience: Experience, parity: int) -> Experience:
         return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
 
     return dataclasses.replace(experience, head=keep(experience.head), gate=keep(experience.gate))
-
-
-def paired(experience: Experience) -> Experience:
-    """The same records with each NLL measured against its prompt's base rollout instead of the full cache."""
-
-    def shift(records: Records) -> Records:
-        data = {c: records.column(c) for c in records.columns}
-        data["nll"] = data["nll"] - data["base_nll"] + experience.full_nll[data["prompt"]]
-        return Records(records.columns, data)
-
-    return dataclasses.replace(experience, head=shift(experience.head), gate=shift(experience.gate))
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, seen: torch.Tensor, step: float) -> tuple[float, float]:
@@ -92,33 +79,32 @@ def main() -> None:
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
         f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
         "",
-        "| reward | table | states with records in both halves | same action | within one grid step | chance (same) | "
+        "| table | states with records in both halves | same action | within one grid step | chance (same) | "
         "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, variant in (("spec (vs full cache)", experience), ("paired (vs base rollout)", paired(experience))):
-        halves = [half(variant, parity) for parity in (0, 1)]
-        head = [learn_head_table(h, layers, heads, cql) for h in halves]
-        gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
-        for table, learned, step, chance, records, rewards, state in (
-            ("W_head", head, 0.025, 1 / 29, variant.head, variant.head_rewards(), ("budget", "layer", "head")),
-            (
-                "T_gate",
-                gate,
-                0.01,
-                1 / 21,
-                variant.gate,
-                variant.gate_rewards(),
-                ("budget", "layer", "entropy_bin", "perplexity_bin"),
-            ),
-        ):
-            seen = (learned[0].support > 0) & (learned[1].support > 0)
-            same, near = agreement(learned[0].values, learned[1].values, seen, step)
-            within, across = spreads(records, rewards, state)
-            lines.append(
-                f"| {name} | {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
-                f"{within:.5f} | {across:.5f} |"
-            )
+    halves = [half(experience, parity) for parity in (0, 1)]
+    head = [learn_head_table(h, layers, heads, cql) for h in halves]
+    gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
+    for table, learned, step, chance, records, rewards, state in (
+        ("W_head", head, 0.025, 1 / 29, experience.head, experience.head_rewards(), ("budget", "layer", "head")),
+        (
+            "T_gate",
+            gate,
+            0.01,
+            1 / 21,
+            experience.gate,
+            experience.gate_rewards(),
+            ("budget", "layer", "entropy_bin", "perplexity_bin"),
+        ),
+    ):
+        seen = (learned[0].support > 0) & (learned[1].support > 0)
+        same, near = agreement(learned[0].values, learned[1].values, seen, step)
+        within, across = spreads(records, rewards, state)
+        lines.append(
+            f"| {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
+            f"{within:.5f} | {across:.5f} |"
+        )
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -350,9 +350,29 @@ def tables(
     corpus: CorpusOption = None,
     rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
     prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
+    candidates: Annotated[
+        int,
+        typer.Option(
+            help="Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
+        ),
+    ] = 64,
     context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
     continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
     seed: SeedOption = 0,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            help="Learn for the paper's elastic gate (a layer keeps only tokens above its threshold) instead of the "
+            "ratio-honest runtime default (the layers share the budget)."
+        ),
+    ] = False,
+    utility: Annotated[
+        str,
+        typer.Option(
+            help="The stabilized utility the weights act on: global (the spec's: one attention mass for every head) "
+            "or head (each query head's own window attention averaged with it, so every head's weight matters)."
+        ),
+    ] = "global",
     from_experience: Annotated[
         Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
     ] = None,
@@ -361,8 +381,8 @@ def tables(
     from kvcompile.recipes.compilerkv.tables import TablesRecipe, TablesSettings
 
     settings = TablesSettings(
-        budgets=_numbers(budgets, int), prompts=prompts, context=context, continuation=continuation, rounds=rounds,
-        seed=seed,
+        budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
+        continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility,
     )  # fmt: skip
     return TablesRecipe(corpus, from_experience), settings
 

@@ -29,6 +29,7 @@ STATS = StatsSettings(ratios=(0.3, 0.6), prompts=5, prompt_tokens=96)
 TABLES = TablesSettings(
     budgets=(80, 120),
     prompts=3,
+    candidates=5,
     context=160,
     continuation=12,
     rounds=2,

@@ -1,4 +1,5 @@
-"""CompilerKV's pure math: stabilized utility, risk signals and bins, the elastic gate, table lookups."""
+"""CompilerKV's pure math: stabilized utility, risk signals and bins, the elastic and ratio-honest gates, table
+lookups."""
 
 import math
 
@@ -11,6 +12,8 @@ from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.compilerkv.risk_gate import (
     candidate_count,
     gated_count,
+    kept_counts,
+    pooled_counts,
     quantile_edges,
     risk_bin,
     semantic_risk,
@@ -52,8 +55,10 @@ def test_weighted_max_pooling_over_query_heads_follows_repeat_kv_grouping():
     rho = torch.rand(1, 2, 10)
     weights = torch.tensor([0.8, 1.2, 1.0, 1.5])  # heads 0, 1 read KV head 0; heads 2, 3 read KV head 1
     scores = head_weighted_scores(alpha, rho, weights)
-    expected = torch.stack([weights[h] * alpha[0] * rho[0, h // 2] for h in range(4)]).amax(dim=0)
+    expected = torch.stack([weights[h] / 1.5 * alpha[0] * rho[0, h // 2] for h in range(4)]).amax(dim=0)
     torch.testing.assert_close(scores[0], expected)
+    # Relative to the layer's largest weight: scaling a layer's weights changes nothing.
+    torch.testing.assert_close(head_weighted_scores(alpha, rho, weights * 0.7), scores)
 
 
 @given(st.lists(st.floats(0.8, 1.5), min_size=6, max_size=6))
@@ -89,6 +94,19 @@ def test_elastic_gate_keeps_the_candidates_below_budget_and_clamps_above():
     assert candidate_count(scores, 0.9) == 4
     assert gated_count(scores, 0.9, budget=5) == 4  # elastic: fewer than the budget
     assert gated_count(scores, 0.8, budget=3) == 3  # clamped to the budget
+
+
+def test_ratio_honest_gate_ranks_by_score_over_threshold_and_fills_the_total():
+    inf = float("inf")
+    scores = [torch.tensor([0.9, 0.5, inf]), torch.tensor([0.9, 0.45, inf]), torch.tensor([2.0, 0.1, inf])]
+    thresholds = [1.0, 0.5, 1.0]  # margins: [0.9, 0.5, inf], [1.8, 0.9, inf], [2.0, 0.1, inf]
+    assert pooled_counts(scores, thresholds, 3) == [1, 1, 1]  # the protected entries first
+    assert pooled_counts(scores, thresholds, 5) == [1, 2, 2]  # then 2.0 and 1.8
+    assert pooled_counts(scores, thresholds, 6) == [2, 2, 2]  # 0.9 twice: the earlier layer first
+    assert pooled_counts(scores, thresholds, 7) == [2, 3, 2]
+    assert pooled_counts(scores, thresholds, 20) == [3, 3, 3]  # never more than a layer has
+    assert kept_counts(scores, thresholds, 2, elastic=False) == [2, 2, 2]
+    assert kept_counts(scores, thresholds, 2, elastic=True) == [1, 2, 2]  # layer 0's 0.9 is below its threshold
 
 
 def _tables(layers: int = 4, budgets=(128, 256)) -> CompilerKVTables:

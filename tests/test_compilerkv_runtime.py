@@ -10,7 +10,8 @@ import kvruntime
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
-from kvruntime.methods import Prefill
+from kvruntime.methods import CompilerKV, Prefill
+from kvruntime.methods.compilerkv import CompilerKVTables
 
 BUDGETS = (70, 100)
 ENTROPY_EDGES = torch.tensor([4.0, 4.5], dtype=torch.float64)
@@ -28,10 +29,14 @@ def _tensors(layers: int = 4) -> dict[str, torch.Tensor]:
     }
 
 
+def _save_tables(model, folder, **params):
+    artifact = Artifact("compilerkv_tables", _tensors(), model_fingerprint(model), {"command": "test"}, params)
+    return save_artifact(artifact, folder / "compilerkv_tables.safetensors")
+
+
 @pytest.fixture
 def tables(tiny, tmp_path):
-    artifact = Artifact("compilerkv_tables", _tensors(), model_fingerprint(tiny), {"command": "test"})
-    return save_artifact(artifact, tmp_path / "compilerkv_tables.safetensors")
+    return _save_tables(tiny, tmp_path)
 
 
 @pytest.fixture
@@ -39,9 +44,15 @@ def prompt() -> torch.Tensor:
     return torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(5))
 
 
-def _reference_kept(model, ids, budget_index, uniform_heads=False, fixed_threshold=None) -> list[torch.Tensor]:
+def _reference_kept(
+    model, ids, budget_index, uniform_heads=False, fixed_threshold=None, elastic=False, utility="global"
+) -> list[torch.Tensor]:
     """The spec's selection computed from full eager attention maps: alpha from the last 64 query rows of every
-    layer and head, rho from the cached values, entropy and window perplexity, then gate and top-k per layer."""
+    layer and head, rho from the cached values, entropy and window perplexity, thresholds from the bins. The
+    head-aware utility replaces alpha by the mean of alpha and the head's own window attention times n / w. Weights
+    count relative to the layer's largest. Elastic:
+    each layer keeps its tokens at or above its threshold, at most the budget. Ratio-honest: the layers share
+    budget x layers entries, ranked by score over their layer's threshold (ties: earlier layer, earlier token)."""
     t = _tensors()
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
@@ -57,23 +68,49 @@ def _reference_kept(model, ids, budget_index, uniform_heads=False, fixed_thresho
     perplexity = float((-logprobs.mean()).exp())
     e_bin = int((ENTROPY_EDGES <= entropy).sum())
     p_bin = int((PERPLEXITY_EDGES <= perplexity).sum())
-    kept = []
+    budget = BUDGETS[budget_index]
+    scores, thresholds = [], []
     for layer, cached in enumerate(cache.layers):
         norms = cached.values[0].double().norm(dim=-1)  # [Hkv, n]
         rho = norms / norms.mean(dim=-1, keepdim=True)
         weights = torch.ones(4) if uniform_heads else t["head_reliability"][budget_index, layer]
-        scores = torch.stack([weights[h] * alpha * rho[h // 2] for h in range(4)]).amax(dim=0)
-        scores[-w:] = float("inf")
-        threshold = fixed_threshold or float(t["risk_thresholds"][budget_index, layer, e_bin, p_bin])
-        count = min(BUDGETS[budget_index], int((scores >= threshold).sum()))
-        kept.append(scores.topk(count).indices.sort().values)
-    return kept
+        weights = weights / weights.max()  # relative to the layer's largest weight
+        own = (n / w) * out.attentions[layer][0, :, -w:, :].double().sum(dim=1)  # [Hq, n]
+        attention = [alpha if utility == "global" else (alpha + own[h]) / 2 for h in range(4)]
+        layer_scores = torch.stack([weights[h] * attention[h] * rho[h // 2] for h in range(4)]).amax(dim=0)
+        layer_scores[-w:] = float("inf")
+        scores.append(layer_scores)
+        thresholds.append(fixed_threshold or float(t["risk_thresholds"][budget_index, layer, e_bin, p_bin]))
+    if elastic:
+        counts = [min(budget, int((s >= tau).sum())) for s, tau in zip(scores, thresholds)]
+    else:
+        ranked = sorted(
+            (-float(s[j]) / tau, layer, j) for layer, (s, tau) in enumerate(zip(scores, thresholds)) for j in range(n)
+        )
+        counts = [0] * len(scores)
+        for _, layer, _ in ranked[: budget * len(scores)]:
+            counts[layer] += 1
+    return [s.topk(count).indices.sort().values for s, count in zip(scores, counts)]
 
 
-@pytest.mark.parametrize("options", [{}, {"uniform_heads": True}, {"fixed_threshold": 0.9}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"uniform_heads": True},
+        {"fixed_threshold": 0.9},
+        {"elastic": True},
+        {"elastic": True, "fixed_threshold": 0.9},
+        {"utility": "head"},
+        {"utility": "head", "elastic": True},
+    ],
+)
 @pytest.mark.parametrize("budget_index", [0, 1])
-def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, tables, prompt, budget_index, options):
+def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, tmp_path, prompt, budget_index, options):
     expected = _reference_kept(tiny, prompt, budget_index, **options)
+    options = dict(options)
+    utility = options.pop("utility", "global")  # a property of the tables, not a method option
+    tables = _save_tables(tiny, tmp_path, utility=utility)
     with kvruntime.compress(
         tiny, "compilerkv", budget=BUDGETS[budget_index], artifacts=[tables], options=options
     ) as session:
@@ -82,18 +119,14 @@ def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, table
         for kv_head in range(2):  # one index set per layer, shared by its KV heads
             assert session.kept_positions[layer][0, kv_head].tolist() == indices.tolist()
     assert session.report.slots_per_layer == [len(k) for k in expected]
-    assert all(len(k) <= BUDGETS[budget_index] for k in expected)
+    if options.get("elastic"):
+        assert all(len(k) <= BUDGETS[budget_index] for k in expected)
+    else:  # ratio-honest: exactly what was asked for, shared by the layers
+        assert sum(session.report.slots_per_layer) == 4 * BUDGETS[budget_index]
 
 
-def test_the_gate_is_elastic_a_layer_may_keep_fewer_entries_than_the_budget(tables):
-    """Attention mass on a few tokens (as in real models; a random one attends almost uniformly): the gate admits
-    the window and those few, fewer than the budget, and the layer keeps just them."""
-    method = kvruntime.get_method("compilerkv", [kvruntime.read_artifact(tables)], {"fixed_threshold": 0.9})
-    length = 200
-    mass = torch.full((1, length), 0.1 / length)
-    mass[0, [3, 50, 77]] = 0.3  # three heavy hitters outside the 64-token window
-    statistics = [(mass, torch.ones(1, 2, length)) for _ in range(4)]
-    prefill = Prefill(
+def _signals_prefill(length: int) -> Prefill:
+    return Prefill(
         length=length,
         num_kv_heads=2,
         input_ids=torch.randint(0, 96, (1, length)),
@@ -101,11 +134,46 @@ def test_the_gate_is_elastic_a_layer_may_keep_fewer_entries_than_the_budget(tabl
         output_embeddings=torch.nn.Linear(8, 96),
         second_pass_attention=list,
     )
+
+
+def _heavy_hitter_statistics(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Attention mass on a few tokens (as in real models; a random one attends almost uniformly)."""
+    mass = torch.full((1, length), 0.1 / length)
+    mass[0, [3, 50, 77]] = 0.3  # three heavy hitters outside the 64-token window
+    return [(mass, torch.ones(1, 2, length), length * mass[:, None].expand(1, 4, -1)) for _ in range(4)]
+
+
+def test_the_elastic_gate_may_keep_fewer_entries_than_the_budget_and_says_so(tables):
+    """The gate admits the window and the three heavy hitters, fewer than the budget, and the layer keeps just
+    them; the report says how much of what was asked for is held."""
+    artifacts = [kvruntime.read_artifact(tables)]
+    method = kvruntime.get_method("compilerkv", artifacts, {"fixed_threshold": 0.9, "elastic": True})
     with torch.no_grad():  # as the engine calls it
-        selection = method.select(statistics, kvruntime.Request(budget=100), prefill)
+        selection = method.select(_heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200))
     assert selection.counts.tolist() == [[67, 67]] * 4  # the window and the three, not the budget of 100
     top = selection.scores[0][0, 0].topk(67).indices
     assert {3, 50, 77} <= set(top.tolist())
+    assert "elastic: keeps 268 of the 400 entries asked for (67.0%" in "\n".join(selection.notes)
+
+
+def test_the_ratio_honest_gate_holds_what_was_asked_and_gives_more_to_layers_with_lower_thresholds():
+    """The same scores in every layer (W_head = 1): the window (64) and the three heavy hitters stay everywhere, and
+    the rest of the 400 entries asked for goes to the layer whose threshold the light tokens clear by most."""
+    tables = CompilerKVTables(
+        budgets=(100,),
+        head_reliability=torch.ones(1, 4, 4),
+        risk_thresholds=torch.tensor([0.9, 0.8, 1.0, 0.85]).view(1, 4, 1, 1).expand(1, 4, 2, 2).clone(),
+        entropy_edges=torch.tensor([4.0], dtype=torch.float64),
+        perplexity_edges=torch.tensor([90.0], dtype=torch.float64),
+    )
+    with torch.no_grad():
+        selection = CompilerKV(tables=tables).select(
+            _heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200)
+        )
+    assert selection.counts[:, 0].tolist() == [67, 199, 67, 67]
+    assert "the layers share the 400 entries asked for, ranked by score over their layer's threshold: 67-199" in (
+        "\n".join(selection.notes)
+    )
 
 
 def test_generation_and_questions_run_on_the_compressed_cache(tiny, tables, prompt):
@@ -125,7 +193,7 @@ def test_a_budget_that_was_not_compiled_is_refused_unless_the_nearest_is_asked_f
         tiny, "compilerkv", budget=90, artifacts=[tables], options={"nearest_budget": True}
     ) as session:
         session.prefill(prompt)
-    assert max(session.report.slots_per_layer) <= 90
+    assert sum(session.report.slots_per_layer) == 4 * 90  # what was asked for, with the nearest budget's tables
     assert "tables of compiled budget 100" in str(session.report)
 
 

@@ -88,8 +88,11 @@ _EXPORTS = {
     **dict.fromkeys(("top_indices",), "selection"),
     **dict.fromkeys(("query_hooks", "window_attention"), "window"),
     "task_attention_maxima": "second_pass",
-    **dict.fromkeys(("PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "methods.compilerkv"),
-    **dict.fromkeys(("candidate_count", "gated_count", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),
+    **dict.fromkeys(
+        ("UTILITIES", "LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"),
+        "methods.compilerkv",
+    ),
+    **dict.fromkeys(("candidate_count", "kept_counts", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),
     **dict.fromkeys(("feature_count", "oracle_targets", "predicted_scores", "token_features"), "methods.distilled"),
     **dict.fromkeys(
         ("composite_curve", "kv_head_scores", "prompt_allocation", "rank_quantile_values", "sorted_head_scores"),

@@ -503,7 +503,7 @@ def compress(
     hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
     artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`), checked against
     the model first (refused if compiled for another model).
-    options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`).
+    options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`, `elastic`).
     prefill_chunk_size: feed a longer prompt in chunks of this many tokens, every layer cut to its budget after each
     (methods whose layer budgets are known in advance): the cache held never exceeds the budgets plus one chunk in
     one layer. Later chunks attend to what the earlier ones kept, so the answer may differ from a one-piece prefill.

@@ -17,7 +17,7 @@ DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method an
 METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")
 # The options each method takes: a type (bool, float) or the tuple of its allowed words.
 OPTIONS: dict[str, dict[str, object]] = {
-    "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float},
+    "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float, "elastic": bool},
     "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
     "distilled": {"allocation": ("dynamic", "uniform"), "floor": float},
 }

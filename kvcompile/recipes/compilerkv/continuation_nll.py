@@ -2,8 +2,8 @@
 chosen subset of the prompt's cached entries.
 
 One prefill gives the full cache. A rollout decodes the continuation teacher-forced over kept subsets of it. A
-variant that changes the kept set of ONE layer l leaves layers 0..l-1 untouched, so the base rollout records every
-layer's input and a batch of variants of layer l starts there: on average half the model runs per variant.
+variant whose kept sets first differ from the base's at layer l leaves layers 0..l-1 untouched, so the base rollout
+records every layer's input and a batch of variants starts at the first layer any of them changes.
 Decoder layers are called directly with a cache that hands them the kept entries and never stores the
 continuation, so one full cache serves every variant without copies.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvruntime import cache_argument, per_layer_attention
+from kvruntime import KEEP_MASK_KEYWORD, cache_argument, per_layer_attention
 
 
 class KeptEntriesCache:
@@ -83,12 +83,18 @@ class ContinuationScorer:
         return keys[:, rows].transpose(0, 1), values[:, rows].transpose(0, 1)
 
     def _run_layers(
-        self, hidden: torch.Tensor, start: int, prefixes: dict[int, tuple], extra: dict, record: list | None = None
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        prefixes: dict[int, tuple],
+        masks: dict[int, torch.Tensor],
+        record: list | None = None,
     ) -> torch.Tensor:
         cache = KeptEntriesCache(prefixes)
         for index in range(start, len(self.layers)):
             if record is not None:
                 record.append(hidden)
+            extra = {KEEP_MASK_KEYWORD: masks[index]} if index in masks else {}
             output = self.layers[index](
                 hidden,
                 attention_mask=None,
@@ -96,7 +102,7 @@ class ContinuationScorer:
                 **cache_argument(self.model, cache),
                 use_cache=True,
                 position_embeddings=self.position_embeddings,
-                **(extra if index == start else {}),
+                **extra,
             )
             hidden = output[0] if isinstance(output, tuple) else output
         return self.model.base_model.norm(hidden)
@@ -119,21 +125,35 @@ class ContinuationScorer:
         return BaseRollout(nll=self._nll(hidden)[0], kept=list(kept), layer_inputs=inputs)
 
     @torch.no_grad()
-    def variants(self, base: BaseRollout, layer: int, kept_sets: Sequence[torch.Tensor]) -> list[float]:
-        """NLL of each variant that replaces layer `layer`'s kept set by one of `kept_sets` (sizes may differ)."""
-        results: list[float] = []
-        prefixes = {j: self._gather(j, base.kept[j]) for j in range(layer + 1, len(self.layers))}
+    def variants(self, base: BaseRollout, variants: Sequence[Sequence[torch.Tensor]]) -> list[float]:
+        """NLL of each variant: a kept set per layer (sizes may differ from the base's). Variants are batched by
+        the first layer they change, and each batch starts there from the base rollout's recorded input."""
+        first_change = [_first_change(base.kept, variant) for variant in variants]
+        if any(layer is None for layer in first_change):
+            raise ValueError("a variant keeps what the base keeps: its NLL is the base's")
+        order = sorted(range(len(variants)), key=lambda i: first_change[i])
+        results: dict[int, float] = {}
         with per_layer_attention(self.model):
-            for start in range(0, len(kept_sets), self.batch_size):
-                chunk = kept_sets[start : start + self.batch_size]
-                longest = max(len(k) for k in chunk)
-                padded = torch.stack([F.pad(k, (0, longest - len(k))) for k in chunk])  # pad with position 0
-                valid = torch.arange(longest)[None] < torch.tensor([len(k) for k in chunk])[:, None]
-                prefixes[layer] = self._gather(layer, padded)
-                extra = {}
-                if not bool(valid.all()):
-                    kv_heads = self.prompt.keys[layer].shape[1]
-                    extra = {"kvruntime_keep_mask": valid[:, None, :].expand(-1, kv_heads, -1)}
-                hidden = base.layer_inputs[layer].expand(len(chunk), -1, -1)
-                results += self._nll(self._run_layers(hidden, layer, prefixes, extra))
-        return results
+            for begin in range(0, len(order), self.batch_size):
+                batch = order[begin : begin + self.batch_size]
+                start = first_change[batch[0]]
+                prefixes, masks = {}, {}
+                for layer in range(start, len(self.layers)):
+                    sets = [variants[i][layer] for i in batch]
+                    if all(torch.equal(k, base.kept[layer]) for k in sets):
+                        prefixes[layer] = self._gather(layer, base.kept[layer])
+                        continue
+                    longest = max(len(k) for k in sets)
+                    padded = torch.stack([F.pad(k, (0, longest - len(k))) for k in sets])  # pad with position 0
+                    prefixes[layer] = self._gather(layer, padded)
+                    valid = torch.arange(longest)[None] < torch.tensor([len(k) for k in sets])[:, None]
+                    if not bool(valid.all()):
+                        kv_heads = self.prompt.keys[layer].shape[1]
+                        masks[layer] = valid[:, None, :].expand(-1, kv_heads, -1)
+                hidden = base.layer_inputs[start].expand(len(batch), -1, -1)
+                results.update(zip(batch, self._nll(self._run_layers(hidden, start, prefixes, masks))))
+        return [results[i] for i in range(len(variants))]
+
+
+def _first_change(base: Sequence[torch.Tensor], variant: Sequence[torch.Tensor]) -> int | None:
+    return next((layer for layer, (b, v) in enumerate(zip(base, variant)) if not torch.equal(b, v)), None)

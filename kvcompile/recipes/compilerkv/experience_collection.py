@@ -2,9 +2,11 @@
 
 Each prompt is prefilled once: its signals (alpha, rho, risks), its full cache and its continuation's NLL over the
 full cache. A unit of work is one (prompt, budget): the current tables give the base selection, a few states are
-probed with a sample of actions, and every probe's kept set is decoded over (`ContinuationScorer`). Probes whose
-kept set equals the base's, or another probe's, share that rollout's NLL: exact, and most probes are such (within a
-KV group only the largest head weight matters; at small budgets most thresholds admit more than the budget).
+probed with a sample of actions, and every probe's kept sets are decoded over (`ContinuationScorer`), selected by
+the runtime's own rule (`kept_counts`: ratio-honest, or elastic). Under the ratio-honest rule the layers share the
+budget, so a probe of one layer also moves the margins of the others. Probes that keep what the base keeps, or what
+another probe keeps, share that rollout's NLL: exact, and many probes are such (within a KV group only the largest
+head weight matters).
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, Pr
 from kvruntime import (
     CompilerKV,
     KVRuntimeError,
+    LayerSignals,
     PromptSignals,
     cache_argument,
     candidate_count,
-    gated_count,
+    kept_counts,
     layer_scores,
     layer_signals,
     prompt_signals,
+    quantile_edges,
     query_hooks,
+    risk_bin,
     top_indices,
 )
 
@@ -45,6 +50,16 @@ class ExperienceDesign:
     head_actions: int = 8  # weight settings tried on each
     gate_layers: int = 4  # layers probed for the gate table
     gate_actions: int = 7  # thresholds tried on each
+    action_stride: int = 1  # actions are drawn from every `action_stride`-th grid point (more records per action)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionRule:
+    """How the runtime turns the tables into kept sets, which the rollouts must follow: the layers share the budget
+    (ratio-honest) or each keeps what clears its threshold (`elastic`); the spec's or the head-aware utility."""
+
+    elastic: bool = False
+    utility: str = "global"
 
 
 @dataclasses.dataclass
@@ -58,9 +73,12 @@ class CalibrationPrompt:
 
 
 @torch.no_grad()
-def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int, batch_size: int) -> CalibrationPrompt:
-    """Prefill the first `context` tokens of `ids` [1, context + continuation] with the runtime's signal hooks."""
-    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+def prefill_with_signals(
+    model: nn.Module, ids: torch.Tensor, context: int
+) -> tuple[PromptSignals, DynamicCache, torch.Tensor]:
+    """Prefill the first `context` tokens of `ids` with the runtime's signal hooks: the prompt's signals, its cache
+    and the log-probabilities after the context's last token [vocab]."""
+    layers: dict[int, LayerSignals] = {}
 
     def gather(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, _: int) -> None:
         layers[module.layer_idx] = layer_signals(queries, keys, values, module.scaling)
@@ -70,17 +88,42 @@ def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int
         logits = model(ids[:, :context], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW).logits
     logprobs = logits[0].float().log_softmax(dim=-1)
     window_logprobs = logprobs[:-1].gather(-1, ids[0, context - WINDOW + 1 : context, None]).T  # [1, w - 1]
+    return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs), cache, logprobs[-1]
+
+
+def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int, batch_size: int) -> CalibrationPrompt:
+    """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and decode the
+    continuation over the full cache."""
+    signals, cache, last_logprobs = prefill_with_signals(model, ids, context)
     continuation = ids[:, context:]
     prefilled = PrefilledPrompt(
         keys=[layer.keys for layer in cache.layers],
         values=[layer.values for layer in cache.layers],
         continuation=continuation,
-        first_nll=float(-logprobs[-1, continuation[0, 0]]),
+        first_nll=float(-last_logprobs[continuation[0, 0]]),
     )
     full = ContinuationScorer(model, prefilled, batch_size).base([torch.arange(context)] * len(cache.layers)).nll
     _finite(full, index)
-    signals = prompt_signals([layers[i] for i in range(len(layers))], window_logprobs)
     return CalibrationPrompt(index=index, signals=signals, prefilled=prefilled, full_nll=full)
+
+
+def stratified_choice(risks: torch.Tensor, count: int, strata: tuple[int, int], seed: int) -> list[int]:
+    """`count` of the candidates spread over the risk cells: candidates are binned into strata[0] entropy x
+    strata[1] perplexity cells by the candidates' own quantiles, and the cells give one candidate each in turn (in a
+    seeded order within a cell) until `count` are chosen, so thin cells are not crowded out by common ones.
+    risks: [candidates, 2] (entropy, perplexity). Returns candidate indices in the order chosen."""
+    edges = [quantile_edges(risks[:, column], bins) for column, bins in enumerate(strata)]
+    cells: dict[tuple[int, int], list[int]] = {}
+    for index, (entropy, perplexity) in enumerate(risks.tolist()):
+        cells.setdefault((risk_bin(entropy, edges[0]), risk_bin(perplexity, edges[1])), []).append(index)
+    rng = random.Random(f"{seed}:strata")
+    queues = [rng.sample(members, len(members)) for _, members in sorted(cells.items())]
+    chosen: list[int] = []
+    while len(chosen) < count:
+        for queue in queues:
+            if queue and len(chosen) < count:
+                chosen.append(queue.pop())
+    return chosen
 
 
 def _finite(nll: float, prompt: int) -> float:
@@ -108,17 +151,34 @@ def probed_states(
     return [order[(unit * count + j) % population] for j in range(min(count, population))]
 
 
-# A probe: the layer whose kept set it changes, its record fields, and that kept set.
-Probe = tuple[int, dict, torch.Tensor]
+def kept_sets(
+    scores: list[torch.Tensor], thresholds: list[float], budget: int, rule: SelectionRule
+) -> list[torch.Tensor]:
+    """Each layer's kept positions under the runtime's rule."""
+    counts = kept_counts(scores, thresholds, budget, rule.elastic)
+    return [_kept(layer, count) for layer, count in zip(scores, counts)]
+
+
+def _sampled_actions(grid: int, count: int, stride: int, rng: random.Random) -> list[int]:
+    """`count` distinct action indices of the grid's every `stride`-th point (its ends always among the points)."""
+    points = sorted({*range(0, grid, stride), grid - 1})
+    return sorted(rng.sample(points, min(count, len(points))))
+
+
+# A probe: the layer it probes, its record fields, and the kept sets of every layer it leads to.
+Probe = tuple[int, dict, list[torch.Tensor]]
 
 
 def head_probes(
     signals: PromptSignals,
+    scores: list[torch.Tensor],
     head_reliability: torch.Tensor,
-    thresholds: torch.Tensor,
+    thresholds: list[float],
     budget: int,
+    rule: SelectionRule,
     probes: list[int],
     count: int,
+    stride: int,
     rng: random.Random,
 ) -> list[Probe]:
     """For each probed (layer, KV group): `count` weights from HEAD_ACTIONS, each given to one query head of the
@@ -128,38 +188,42 @@ def head_probes(
     found = []
     for probe in probes:
         layer, kv_head = divmod(probe, kv_heads)
-        actions = sorted(rng.sample(range(len(HEAD_ACTIONS)), min(count, len(HEAD_ACTIONS))))
+        actions = _sampled_actions(len(HEAD_ACTIONS), count, stride, rng)
         for head in range(kv_head * group, (kv_head + 1) * group):
             for action in actions:
                 weights = head_reliability[layer].clone()
                 weights[head] = HEAD_ACTIONS[action]
-                varied = layer_scores(signals, layer, weights)
-                kept = _kept(varied, gated_count(varied, float(thresholds[layer]), budget))
-                found.append((layer, dict(head=head, action=action), kept))
+                varied = list(scores)
+                varied[layer] = layer_scores(signals, layer, weights, rule.utility)
+                found.append((layer, dict(head=head, action=action), kept_sets(varied, thresholds, budget, rule)))
     return found
 
 
 def gate_probes(
     prompt: CalibrationPrompt,
     scores: list[torch.Tensor],
+    thresholds: list[float],
     budget: int,
+    rule: SelectionRule,
     probes: list[int],
     count: int,
+    stride: int,
     rng: random.Random,
 ) -> list[Probe]:
-    """For each probed layer: `count` thresholds from GATE_ACTIONS on the layer's current scores."""
+    """For each probed layer: `count` thresholds from GATE_ACTIONS for that layer, the others unchanged."""
     found = []
     for layer in probes:
-        actions = sorted(rng.sample(range(len(GATE_ACTIONS)), min(count, len(GATE_ACTIONS))))
+        actions = _sampled_actions(len(GATE_ACTIONS), count, stride, rng)
         for action in actions:
-            candidates = candidate_count(scores[layer], float(GATE_ACTIONS[action]))
+            varied = list(thresholds)
+            varied[layer] = float(GATE_ACTIONS[action])
             row = dict(
                 action=action,
-                candidates=candidates,
+                candidates=candidate_count(scores[layer], varied[layer]),
                 entropy_bin=prompt.entropy_bin,
                 perplexity_bin=prompt.perplexity_bin,
             )
-            found.append((layer, row, _kept(scores[layer], min(budget, candidates))))
+            found.append((layer, row, kept_sets(scores, varied, budget, rule)))
     return found
 
 
@@ -170,6 +234,7 @@ def collect_unit(
     risk_thresholds: torch.Tensor,
     budget_index: int,
     budget: int,
+    rule: SelectionRule,
     kind: str,
     probes: list[int],
     design: ExperienceDesign,
@@ -179,30 +244,35 @@ def collect_unit(
     batch_size: int,
 ) -> None:
     """Probe one (prompt, budget) under the current tables (W [L, Hq] and thresholds [L] for this prompt's risk
-    bins) and append one record per probed (state, action)."""
+    bins) and append one record per probed (state, action), with the base rollout's NLL for pairing."""
     signals = prompt.signals
-    scores = [layer_scores(signals, layer, weights) for layer, weights in enumerate(head_reliability)]
-    base_kept = [_kept(s, gated_count(s, float(t), budget)) for s, t in zip(scores, risk_thresholds)]
+    scores = [layer_scores(signals, layer, weights, rule.utility) for layer, weights in enumerate(head_reliability)]
+    thresholds = [float(t) for t in risk_thresholds]
+    base_kept = kept_sets(scores, thresholds, budget, rule)
     scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
     base = scorer.base(base_kept)
     _finite(base.nll, prompt.index)
     if kind == "head":
-        found = head_probes(signals, head_reliability, risk_thresholds, budget, probes, design.head_actions, rng)
+        found = head_probes(
+            signals, scores, head_reliability, thresholds, budget, rule, probes, design.head_actions, rng
+        )
     else:
-        found = gate_probes(prompt, scores, budget, probes, design.gate_actions, rng)
-    for layer in sorted({layer for layer, _, _ in found}):
-        here = [(row, kept.numpy().tobytes(), kept) for probe_layer, row, kept in found if probe_layer == layer]
-        nll_of = {base_kept[layer].numpy().tobytes(): base.nll}
-        unique = {key: kept for _, key, kept in here if key not in nll_of}
-        for key, nll in zip(unique, scorer.variants(base, layer, list(unique.values()))):
-            nll_of[key] = _finite(nll, prompt.index)
-        for row, key, _ in here:
-            records.append(
-                prompt=prompt.index,
-                budget=budget_index,
-                layer=layer,
-                nll=nll_of[key],
-                base_nll=base.nll,
-                round=round_,
-                **row,
-            )
+        found = gate_probes(prompt, scores, thresholds, budget, rule, probes, design.gate_actions, rng)
+    nll_of = {_key(base_kept): base.nll}
+    unique = {_key(kept): kept for _, _, kept in found if _key(kept) not in nll_of}
+    for key, nll in zip(unique, scorer.variants(base, list(unique.values()))):
+        nll_of[key] = _finite(nll, prompt.index)
+    for layer, row, kept in found:
+        records.append(
+            prompt=prompt.index,
+            budget=budget_index,
+            layer=layer,
+            nll=nll_of[_key(kept)],
+            base_nll=base.nll,
+            round=round_,
+            **row,
+        )
+
+
+def _key(kept: list[torch.Tensor]) -> tuple[bytes, ...]:
+    return tuple(layer.numpy().tobytes() for layer in kept)

@@ -104,12 +104,18 @@ def one_hot(index: np.ndarray, size: int) -> np.ndarray:
     return np.eye(size, dtype=np.float32)[index]
 
 
+def ordinal(index: np.ndarray, size: int) -> np.ndarray:
+    """Ordered categories as one coordinate in [0, 1]: neighbours are close, so they share what the data says."""
+    return (index / max(1, size - 1))[:, None].astype(np.float32)
+
+
 def head_state_features(
     budget: np.ndarray, layer: np.ndarray, head: np.ndarray, sizes: tuple[int, int, int]
 ) -> np.ndarray:
-    """(budget, layer, query head) as concatenated one-hot codes: the network can share what budgets, layers
-    and heads have in common where a single state has little data."""
-    return np.concatenate([one_hot(budget, sizes[0]), one_hot(layer, sizes[1]), one_hot(head, sizes[2])], axis=1)
+    """(budget, layer, query head): the budget as an ordinal coordinate (neighbouring budgets share their
+    experience), layer and head one-hot (the network can share what layers and heads have in common where a single
+    state has little data)."""
+    return np.concatenate([ordinal(budget, sizes[0]), one_hot(layer, sizes[1]), one_hot(head, sizes[2])], axis=1)
 
 
 def gate_state_features(
@@ -119,10 +125,15 @@ def gate_state_features(
     perplexity_bin: np.ndarray,
     sizes: tuple[int, int, int, int],
 ) -> np.ndarray:
-    """(budget, layer) one-hot, the two risk bins as ordinal coordinates in [0, 1]: bins are ordered, and a cell
-    without its own prompts is read between its neighbours rather than from untrained weights."""
-    ordinal = [
-        (entropy_bin / max(1, sizes[2] - 1))[:, None].astype(np.float32),
-        (perplexity_bin / max(1, sizes[3] - 1))[:, None].astype(np.float32),
-    ]
-    return np.concatenate([one_hot(budget, sizes[0]), one_hot(layer, sizes[1]), *ordinal], axis=1)
+    """(budget, layer, entropy bin, perplexity bin): the layer one-hot, the budget and the two risk bins as ordinal
+    coordinates: they are ordered, and a cell without its own prompts is read between its neighbours rather than
+    from untrained weights."""
+    return np.concatenate(
+        [
+            ordinal(budget, sizes[0]),
+            one_hot(layer, sizes[1]),
+            ordinal(entropy_bin, sizes[2]),
+            ordinal(perplexity_bin, sizes[3]),
+        ],
+        axis=1,
+    )

@@ -32,19 +32,22 @@ from kvcompile.recipe import Recipe
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
     GATE_COLUMNS,
-    GATE_FALLBACK,
     HEAD_ACTIONS,
     HEAD_COLUMNS,
     HEAD_FALLBACK,
     Experience,
     Records,
+    gate_fallback,
 )
 from kvcompile.recipes.compilerkv.experience_collection import (
     WINDOW,
     ExperienceDesign,
+    SelectionRule,
     collect_unit,
     prefill_prompt,
+    prefill_with_signals,
     probed_states,
+    stratified_choice,
 )
 from kvcompile.recipes.compilerkv.offline_cql import (
     CQLSettings,
@@ -55,6 +58,7 @@ from kvcompile.recipes.compilerkv.offline_cql import (
 )
 from kvcompile.recipes.compilerkv.plots import plot_compilerkv_tables
 from kvruntime import (
+    UTILITIES,
     Artifact,
     KVRuntimeError,
     ModelFingerprint,
@@ -73,13 +77,17 @@ PHASES = ("head", "gate")
 class TablesSettings:
     budgets: tuple[int, ...] = (128, 256, 512, 1024)
     prompts: int = 32
+    candidates: int = 64  # prompts whose risk is measured; `prompts` of them are chosen across the risk strata
+    strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
     context: int = 2048
     continuation: int = 128
     rounds: int = 2
     tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
     entropy_bins: int = 20
     perplexity_bins: int = 4
-    penalty: float = 1.0
+    penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
+    elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
+    utility: str = "global"  # the stabilized utility the tables weight (kvruntime.UTILITIES)
     design: ExperienceDesign = ExperienceDesign()
     cql: CQLSettings = CQLSettings()
     seed: int = 0
@@ -94,6 +102,10 @@ class TablesSettings:
                 f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
                 "nothing is compressed"
             )
+        if self.candidates < self.prompts:
+            raise KVRuntimeError(
+                f"--candidates {self.candidates}: give at least as many candidate prompts as --prompts {self.prompts}"
+            )
         if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
             raise KVRuntimeError(
                 "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
@@ -101,6 +113,8 @@ class TablesSettings:
             )
         if self.entropy_bins < 1 or self.perplexity_bins < 1:
             raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
+        if self.utility not in UTILITIES:
+            raise KVRuntimeError(f"--utility {self.utility!r}: choose one of {', '.join(UTILITIES)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -135,7 +149,7 @@ def learn_gate_table(
 ) -> LearnedTable:
     """T_gate [budgets, layers, entropy bins, perplexity bins]: the greedy threshold of every cell of a
     (budget, layer) with records (cells without their own prompts are read off the Q-function between their
-    neighbours); a (budget, layer) without records keeps 0.8."""
+    neighbours); a (budget, layer) without records keeps `gate_fallback`."""
     sizes = (len(experience.budgets), num_layers, entropy_bins, perplexity_bins)
     values, support, fit = _greedy_table(
         experience.gate,
@@ -147,7 +161,7 @@ def learn_gate_table(
         cql,
     )
     layer_seen = support.sum(dim=(2, 3), keepdim=True) > 0
-    values = torch.where(layer_seen, values, torch.tensor(GATE_FALLBACK))
+    values = torch.where(layer_seen, values, torch.tensor(gate_fallback(experience.elastic)))
     return LearnedTable(values, support, fit.learning_curve, fit.reward_scale)
 
 
@@ -178,7 +192,9 @@ def _greedy_table(
 
 
 def risk_edges(experience: Experience, entropy_bins: int, perplexity_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantile_edges(experience.entropy, entropy_bins), quantile_edges(experience.perplexity, perplexity_bins)
+    """The bins' edges: quantiles of the candidate prompts' risks (the chosen ones over-sample thin strata)."""
+    risks = experience.candidate_risks
+    return quantile_edges(risks[:, 0], entropy_bins), quantile_edges(risks[:, 1], perplexity_bins)
 
 
 def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) -> tuple[Artifact, Artifact]:
@@ -199,12 +215,18 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
     }
     agree_on_settings(shard, checkpoint_settings)
     calibration = calibration_prompts(
-        corpus, tokenizer, settings.prompts, settings.context + settings.continuation, settings.seed
+        corpus, tokenizer, settings.candidates, settings.context + settings.continuation, settings.seed
     )
+    candidate_risks = torch.zeros(settings.candidates, 2, dtype=torch.float64)
+    for index in tqdm(shard.items(settings.candidates), desc="risk of candidate prompts", unit="prompt"):
+        signals, _, _ = prefill_with_signals(model, calibration[index][1], settings.context)
+        candidate_risks[index] = torch.tensor([signals.entropy, signals.perplexity])
+    candidate_risks = sum(part["risks"] for part in gather_dicts(shard, {"risks": candidate_risks}))
+    chosen = stratified_choice(candidate_risks, settings.prompts, settings.strata, settings.seed)
     own = list(shard.items(settings.prompts))
     prompts = {
-        index: prefill_prompt(model, calibration[index][1], settings.context, index, settings.batch_size)
-        for index in tqdm(own, desc="prefill calibration prompts", unit="prompt")
+        index: prefill_prompt(model, calibration[chosen[index]][1], settings.context, index, settings.batch_size)
+        for index in tqdm(own, desc="prefill chosen prompts", unit="prompt")
     }
     signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
     for index, prompt in prompts.items():
@@ -216,9 +238,12 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
         full_nll=signals[:, 0].clone(),
         entropy=signals[:, 1].clone(),
         perplexity=signals[:, 2].clone(),
+        candidate_risks=candidate_risks,
+        chosen=torch.tensor(chosen),
         budgets=settings.budgets,
         context_tokens=settings.context,
         penalty=settings.penalty,
+        elastic=settings.elastic,
     )
     edges = risk_edges(experience, settings.entropy_bins, settings.perplexity_bins)
     for prompt in prompts.values():
@@ -229,7 +254,7 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
     shape_gate = (len(settings.budgets), layers, settings.entropy_bins, settings.perplexity_bins)
     state = {
         "head_reliability": torch.full(shape_head, HEAD_FALLBACK),
-        "risk_thresholds": torch.full(shape_gate, GATE_FALLBACK),
+        "risk_thresholds": torch.full(shape_gate, gate_fallback(settings.elastic)),
     }
     history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": []}
     progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
@@ -287,6 +312,7 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
                     state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
                     budget_index,
                     settings.budgets[budget_index],
+                    SelectionRule(settings.elastic, settings.utility),
                     kind,
                     probed_states(
                         kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_

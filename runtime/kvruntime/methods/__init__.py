@@ -2,7 +2,7 @@
 
 Names: `snapkv`, `kvcompress`, `srh` (needs an `srh_heads` artifact), `compresskv` (= `srh+budgets`),
 `<name>+budgets` for any of these (and `distilled`) with the error-aware layer budgets of a `layer_budgets` artifact,
-`compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`)
+`compilerkv` (needs a `compilerkv_tables` artifact; options `nearest_budget`, `uniform_heads`, `fixed_threshold`, `elastic`)
 and `kvcompose` (options `mode` = compiled, which needs a `kvcompose_stats` artifact, or dynamic; `unstructured`).
 """
 

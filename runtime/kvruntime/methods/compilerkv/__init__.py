@@ -2,11 +2,13 @@
 measures (`signals.py`) and their math (`stabilized_utility.py`, `risk_gate.py`)."""
 
 from .method import CompilerKV
-from .signals import WINDOW, PromptSignals, layer_scores, layer_signals, prompt_signals
+from .signals import UTILITIES, WINDOW, LayerSignals, PromptSignals, layer_scores, layer_signals, prompt_signals
 from .tables import CompilerKVTables
 
 __all__ = [
+    "UTILITIES",
     "WINDOW",
+    "LayerSignals",
     "CompilerKV",
     "CompilerKVTables",
     "PromptSignals",

@@ -1,11 +1,18 @@
 """CompilerKV (2026): stabilized utility, compiled head-reliability weights and a risk-adaptive threshold gate.
 
-At the end of prefill every layer contributes its window attention (last 64 queries, averaged over heads) and its
-values' relative norms. With all layers in: alpha (the global attention mass) and rho make the utility; the
+At the end of prefill every layer contributes its window attention (last 64 queries, averaged over heads, and per
+query head) and its values' relative norms. With all layers in: alpha (the global attention mass) and rho make the
+utility (the spec's, or the head-aware one the tables were learned on: `stabilized_utility`); the
 compiled W_head weights max-pool it over query heads into one score per token and layer (one index set per layer,
-shared by its KV heads); the prompt's entropy and window perplexity pick a threshold per layer from T_gate; a layer
-keeps the tokens scoring above it, at most the budget (elastic: a low-risk prompt may keep fewer). The window
-always stays. `uniform_heads` and `fixed_threshold` switch a table off (the paper's ablations).
+shared by its KV heads); the prompt's entropy and window perplexity pick a threshold per layer from T_gate.
+
+What the thresholds do (the window always stays):
+- ratio-honest (the default): the layers share exactly what was asked for (budget x layers entries); every token
+  is ranked by its score over its layer's threshold, so the gate moves entries between layers and never changes
+  the total;
+- elastic (`elastic=True`, the paper's rule): a layer keeps the tokens scoring above its threshold, at most the
+  budget, so a low-risk prompt keeps less than asked (the report says how much).
+`uniform_heads` and `fixed_threshold` switch a table off (the paper's ablations).
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ import torch
 from ...errors import KVRuntimeError
 from ...request import Request
 from ..base import LayerPrefill, Method, Prefill, Selection
-from .risk_gate import gated_count, risk_bin
-from .signals import WINDOW, layer_scores, layer_signals, prompt_signals
+from .risk_gate import kept_counts, risk_bin
+from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
 from .tables import CompilerKVTables
 
 
@@ -30,6 +37,7 @@ class CompilerKV(Method):
     nearest_budget: bool = False
     uniform_heads: bool = False
     fixed_threshold: float | None = None
+    elastic: bool = False
 
     def check_request(self, request: Request) -> None:
         """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on
@@ -43,45 +51,49 @@ class CompilerKV(Method):
                 "(--budget), or allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
             )
 
-    def layer_statistics(self, layer: LayerPrefill) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
         return layer_signals(layer.queries, layer.keys, layer.values, layer.scaling)
 
-    def select(
-        self, statistics: list[tuple[torch.Tensor, torch.Tensor]], request: Request, prefill: Prefill
-    ) -> Selection:
+    def select(self, statistics: list[LayerSignals], request: Request, prefill: Prefill) -> Selection:
         try:
             logprobs = prefill.token_logprobs(self.window - 1)
         except ValueError as exc:
             raise KVRuntimeError(f"compilerkv needs token ids: {exc}") from None
         signals = prompt_signals(statistics, logprobs)
         tables = self.tables.for_layers(len(statistics))
-        keep = request.kept_per_head(prefill.length, self.window)  # the ceiling of every layer's count
+        keep = request.kept_per_head(prefill.length, self.window)  # entries per layer asked for
         index = tables.budget_index(keep, self.nearest_budget)
         budget = tables.budgets[index]
         entropy_bin = risk_bin(signals.entropy, tables.entropy_edges)
         perplexity_bin = risk_bin(signals.perplexity, tables.perplexity_edges)
         num_kv_heads = signals.rho.shape[1]
-        scores, counts, thresholds = [], [], []
-        for layer in range(len(statistics)):
+        num_layers = len(statistics)
+        scores, thresholds = [], []
+        for layer in range(num_layers):
             weights = tables.head_reliability[index, layer]
             if self.uniform_heads:
                 weights = torch.ones_like(weights)
             threshold = self.fixed_threshold
             if threshold is None:
                 threshold = float(tables.risk_thresholds[index, layer, entropy_bin, perplexity_bin])
-            layer_score = layer_scores(signals, layer, weights)
-            scores.append(layer_score[None, None].expand(1, num_kv_heads, -1))
-            counts.append(gated_count(layer_score, threshold, keep))
+            scores.append(layer_scores(signals, layer, weights, tables.utility))
             thresholds.append(threshold)
+        counts = kept_counts(scores, thresholds, keep, self.elastic)
         notes = [
             f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
             f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
-            f"{min(thresholds):.3f}-{max(thresholds):.3f}" + ("; W_head = 1" if self.uniform_heads else ""),
+            f"{min(thresholds):.3f}-{max(thresholds):.3f}; {tables.utility} utility"
+            + ("; W_head = 1" if self.uniform_heads else ""),
         ]
-        if sum(counts) < keep * len(counts):  # the learned gate only removes: the budget is a ceiling
+        if self.elastic:
             notes.append(
-                f"risk gate           keeps {sum(counts)} of the {keep * len(counts)} tokens the budget allows "
-                "(only tokens scoring above the layer's threshold stay)"
+                f"risk gate           elastic: keeps {sum(counts)} of the {keep * num_layers} entries asked for "
+                f"({sum(counts) / (keep * num_layers):.1%}; only tokens scoring above their layer's threshold stay)"
+            )
+        else:
+            notes.append(
+                f"risk gate           the layers share the {keep * num_layers} entries asked for, ranked by score over "
+                f"their layer's threshold: {min(counts)}-{max(counts)} per layer"
             )
         count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
-        return Selection(scores, count_tensor, notes)
+        return Selection([s[None, None].expand(1, num_kv_heads, -1) for s in scores], count_tensor, notes)

@@ -1,5 +1,5 @@
-"""CompilerKV's risk-adaptive threshold gate: the prompt's two risk signals, their bins, and the elastic count of
-entries a threshold keeps. Pure functions.
+"""CompilerKV's risk-adaptive threshold gate: the prompt's two risk signals, their bins, and how the thresholds
+decide what each layer keeps. Pure functions.
 
 Structural risk: Shannon entropy (nats) of the global attention mass alpha / sum(alpha). Semantic risk: perplexity
 of the observation window's own tokens under the model (teacher-forced, from the prefill). Both are binned with
@@ -42,6 +42,26 @@ def candidate_count(scores: torch.Tensor, threshold: float) -> int:
 
 
 def gated_count(scores: torch.Tensor, threshold: float, budget: int) -> int:
-    """Entries the layer keeps: every candidate while they fit in the budget (elastic: a low-risk prompt may keep
-    fewer), else the budget (the top-B of the candidates, which are the top-B overall)."""
+    """Entries the layer keeps under the paper's elastic rule: every candidate while they fit in the budget (a
+    low-risk prompt may keep fewer), else the budget (the top-B of the candidates, which are the top-B overall)."""
     return min(budget, candidate_count(scores, threshold))
+
+
+def pooled_counts(scores: list[torch.Tensor], thresholds: list[float], total: int) -> list[int]:
+    """Entries each layer keeps when the layers share `total` (the ratio-honest rule): the gate ranks, the budget
+    fills. Every (layer, token) is ranked by how far its score stands above its layer's threshold (score /
+    threshold), and the `total` highest stay, so a layer with a lower threshold keeps more. scores: [N] per layer
+    (protected entries infinite); ties keep the earlier layer and token (a stable order, the same in the compile
+    stage's rollouts and at run time)."""
+    margins = torch.cat([layer.double() / threshold for layer, threshold in zip(scores, thresholds)])
+    layer_of = torch.cat([torch.full((len(layer),), i) for i, layer in enumerate(scores)])
+    order = torch.sort(margins, descending=True, stable=True).indices[:total]
+    return torch.bincount(layer_of[order], minlength=len(scores)).tolist()
+
+
+def kept_counts(scores: list[torch.Tensor], thresholds: list[float], budget: int, elastic: bool) -> list[int]:
+    """Entries each layer keeps for a budget per layer: the layers share budget x layers (ratio-honest), or each
+    keeps its candidates up to the budget (`elastic`, the paper's rule)."""
+    if elastic:
+        return [gated_count(layer, threshold, budget) for layer, threshold in zip(scores, thresholds)]
+    return pooled_counts(scores, thresholds, budget * len(scores))

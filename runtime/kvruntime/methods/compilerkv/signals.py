@@ -12,44 +12,56 @@ import torch
 from ...selection import protect_window
 from ...window import window_attention
 from .risk_gate import semantic_risk, structural_risk
-from .stabilized_utility import global_attention_mass, head_weighted_scores, mean_window_attention, relative_value_norms
+from .stabilized_utility import (
+    global_attention_mass,
+    head_attention_mass,
+    head_weighted_scores,
+    mean_window_attention,
+    relative_value_norms,
+)
 
 WINDOW = 64  # the last 64 queries: CompilerKV's observation window
+UTILITIES = ("global", "head")  # the spec's stabilized utility, or the head-aware one (`stabilized_utility`)
+
+# One layer's share of the prompt signals: mean window attention [B, N], relative value norms [B, Hkv, N], and
+# each query head's window attention mass [B, Hq, N].
+LayerSignals = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptSignals:
-    """What CompilerKV measures on one prompt (batch size 1): alpha [N], rho [L, Hkv, N], the structural risk
-    (entropy, nats) and the semantic risk (window perplexity)."""
+    """What CompilerKV measures on one prompt (batch size 1): alpha [N], rho [L, Hkv, N], each query head's own
+    attention mass [L, Hq, N], the structural risk (entropy, nats) and the semantic risk (window perplexity)."""
 
     alpha: torch.Tensor
     rho: torch.Tensor
+    head_mass: torch.Tensor
     entropy: float
     perplexity: float
     window: int
 
 
-def layer_signals(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's share of the prompt signals: its mean window attention [B, N] and relative value norms
-    [B, Hkv, N]."""
-    return mean_window_attention(window_attention(queries, keys, scaling)), relative_value_norms(values)
+def layer_signals(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> LayerSignals:
+    """One layer's share of the prompt signals."""
+    attention = window_attention(queries, keys, scaling)
+    return mean_window_attention(attention), relative_value_norms(values), head_attention_mass(attention)
 
 
-def prompt_signals(layers: list[tuple[torch.Tensor, torch.Tensor]], window_logprobs: torch.Tensor) -> PromptSignals:
+def prompt_signals(layers: list[LayerSignals], window_logprobs: torch.Tensor) -> PromptSignals:
     """Combine every layer's `layer_signals` and the window's token log-probabilities [B, w] (batch size 1)."""
-    alpha = global_attention_mass([mass for mass, _ in layers])[0]
+    alpha = global_attention_mass([mass for mass, _, _ in layers])[0]
     return PromptSignals(
         alpha=alpha,
-        rho=torch.stack([rho[0] for _, rho in layers]),
+        rho=torch.stack([rho[0] for _, rho, _ in layers]),
+        head_mass=torch.stack([head[0] for _, _, head in layers]),
         entropy=structural_risk(alpha),
         perplexity=semantic_risk(window_logprobs[0]),
         window=min(window_logprobs.shape[-1] + 1, alpha.shape[0]),
     )
 
 
-def layer_scores(signals: PromptSignals, layer: int, head_weights: torch.Tensor) -> torch.Tensor:
-    """s [N] of one layer with its window protected (infinite score)."""
-    scores = head_weighted_scores(signals.alpha[None], signals.rho[layer][None], head_weights)[0]
+def layer_scores(signals: PromptSignals, layer: int, head_weights: torch.Tensor, utility: str) -> torch.Tensor:
+    """s [N] of one layer (`utility` one of UTILITIES) with its window protected (infinite score)."""
+    head_mass = signals.head_mass[layer][None] if utility == "head" else None
+    scores = head_weighted_scores(signals.alpha[None], signals.rho[layer][None], head_weights, head_mass)[0]
     return protect_window(scores, signals.window)

@@ -3,6 +3,8 @@ with another layer count), and by risk bin.
 
 head_reliability [budgets, layers, query heads]: W_head, in [0.8, 1.5].
 risk_thresholds  [budgets, layers, entropy bins, perplexity bins]: T_gate, in [0.8, 1.0].
+The utility the tables were learned on (`signals.UTILITIES`) is a parameter of the artifact: the spec's ("global")
+when an artifact does not say.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from ...artifact import ArtifactReader
 from ...errors import ArtifactError, KVRuntimeError
+from .signals import UTILITIES
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)
 THRESHOLD_RANGE = (0.8, 1.0)
@@ -27,8 +30,11 @@ class CompilerKVTables(ArtifactReader):
     risk_thresholds: torch.Tensor  # T_gate [budgets, layers, entropy bins, perplexity bins]
     entropy_edges: torch.Tensor  # inner edges of the entropy bins
     perplexity_edges: torch.Tensor  # inner edges of the window-perplexity bins
+    utility: str = "global"  # the stabilized utility the tables were learned on
 
     def __post_init__(self) -> None:
+        if self.utility not in UTILITIES:
+            raise ArtifactError(f"utility {self.utility!r} is none of {', '.join(UTILITIES)}")
         tables = ("head_reliability", "risk_thresholds", "entropy_edges", "perplexity_edges")
         tensors = {"budgets": torch.tensor(self.budgets, dtype=torch.long), **{n: getattr(self, n) for n in tables}}
         self.check_schema(tensors)
@@ -50,6 +56,7 @@ class CompilerKVTables(ArtifactReader):
             risk_thresholds=tensors["risk_thresholds"].float(),
             entropy_edges=tensors["entropy_edges"].double(),
             perplexity_edges=tensors["perplexity_edges"].double(),
+            utility=params.get("utility", "global"),
         )
 
     @property
