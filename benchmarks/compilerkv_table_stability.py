@@ -1,13 +1,16 @@
-"""How much of CompilerKV's learned tables is signal: split-half stability and the reward's signal-to-noise ratio,
-from the stored experience alone (no model run).
+"""How much of CompilerKV's learned tables is signal: split-half stability, held-out advantage, and the reward's
+signal-to-noise ratio, from the stored experience alone (no model run).
 
     python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_experience.safetensors]
 
 Split half: both tables relearned from the records of the even-numbered and of the odd-numbered calibration prompts
 (same learner and settings); agreement = share of entries, among states both halves have records for, where the two
-tables hold the same action (or one within a grid step). Chance agreement for a uniform random table is 1/29 (head)
-and 1/21 (gate). Signal vs noise: within one (prompt, state), the spread of the paired rewards over the actions tried
-(what the learner must rank) against the spread of one (state, action)'s reward over prompts.
+tables hold the same action (or one within a grid step); chance = the agreement of two tables drawn independently
+from the two halves' own action frequencies. Held-out advantage (`table_advantage`): each half's table judged on
+the other half's records (how much better its action did than the actions tried, in nats of continuation NLL),
+against random tables of the same grid judged the same way. Signal vs noise: within one (prompt, state), the spread
+of the paired rewards over the actions tried (what the learner must rank) against the spread of one (state,
+action)'s reward over prompts.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from kvcompile.recipes.compilerkv.bandit_experience import Experience, Records
+from kvcompile.recipes.compilerkv.bandit_experience import (
+    GATE_ACTIONS,
+    HEAD_ACTIONS,
+    Experience,
+    Records,
+    table_advantage,
+)
 from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
 from kvcompile.recipes.compilerkv.tables import learn_gate_table, learn_head_table
 from kvruntime.artifact import read_artifact
@@ -38,6 +47,13 @@ def half(experience: Experience, parity: int) -> Experience:
         return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
 
     return dataclasses.replace(experience, head=keep(experience.head), gate=keep(experience.gate))
+
+
+def judge(experience: Experience, kind: str) -> tuple[Records, torch.Tensor]:
+    """The records of one table and their rewards."""
+    if kind == "head":
+        return experience.head, experience.head_rewards()
+    return experience.gate, experience.gate_rewards()
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, seen: torch.Tensor, step: float) -> tuple[float, float]:
@@ -80,30 +96,37 @@ def main() -> None:
         f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
         "",
         "| table | states with records in both halves | same action | within one grid step | chance (same) | "
+        "held-out advantage (states) | random tables' advantage (mean of 20) | "
         "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     halves = [half(experience, parity) for parity in (0, 1)]
     head = [learn_head_table(h, layers, heads, cql) for h in halves]
     gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
-    for table, learned, step, chance, records, rewards, state in (
-        ("W_head", head, 0.025, 1 / 29, experience.head, experience.head_rewards(), ("budget", "layer", "head")),
-        (
-            "T_gate",
-            gate,
-            0.01,
-            1 / 21,
-            experience.gate,
-            experience.gate_rewards(),
-            ("budget", "layer", "entropy_bin", "perplexity_bin"),
-        ),
+    for table, learned, step, grid, whole, state in (
+        ("W_head", head, 0.025, HEAD_ACTIONS, "head", ("budget", "layer", "head")),
+        ("T_gate", gate, 0.01, GATE_ACTIONS, "gate", ("budget", "layer", "entropy_bin", "perplexity_bin")),
     ):
         seen = (learned[0].support > 0) & (learned[1].support > 0)
         same, near = agreement(learned[0].values, learned[1].values, seen, step)
-        within, across = spreads(records, rewards, state)
+        shares = [torch.stack([(t.values[seen] == a).float().mean() for a in grid]) for t in learned]
+        chance = float((shares[0] * shares[1]).sum())
+        judged = [
+            table_advantage(learned[side].values, *judge(halves[1 - side], whole), state, grid) for side in (0, 1)
+        ]
+        counted = sum(n for _, n in judged)
+        held_out = sum(value * n for value, n in judged) / max(1, counted)
+        g = torch.Generator().manual_seed(0)
+        random = [
+            table_advantage(
+                grid[torch.randint(len(grid), seen.shape, generator=g)], *judge(experience, whole), state, grid
+            )
+            for _ in range(20)
+        ]
+        within, across = spreads(*judge(experience, whole), state)
         lines.append(
             f"| {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
-            f"{within:.5f} | {across:.5f} |"
+            f"{held_out:+.5f} ({counted}) | {statistics.mean(v for v, _ in random):+.5f} | {within:.5f} | {across:.5f} |"
         )
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -17,7 +17,13 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv import tables as tables_module
-from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Experience
+from kvcompile.recipes.compilerkv.bandit_experience import (
+    GATE_ACTIONS,
+    HEAD_ACTIONS,
+    Experience,
+    Records,
+    table_advantage,
+)
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
 from kvcompile.recipes.compilerkv.experience_collection import stratified_choice
 from kvcompile.recipes.compilerkv.offline_cql import CQLSettings, fit_greedy_table, one_hot
@@ -101,6 +107,18 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     assert got == pytest.approx([reference(v) for v in variants], abs=1e-6)
     with pytest.raises(ValueError, match="keeps what the base keeps"):
         scorer.variants(base, [list(kept)])
+
+
+def test_table_advantage_rewards_tables_that_chose_what_the_records_favour():
+    records = Records(
+        ("state", "action"),
+        {"state": torch.tensor([0, 0, 0, 0, 1, 1]), "action": torch.tensor([0, 0, 1, 1, 2, 3])},
+    )
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    grid = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    assert table_advantage(torch.tensor([0.0, 3.0]), records, rewards, ("state",), grid) == (0.5, 2)
+    # State 1's action 1 was never tried there: only state 0 is judged.
+    assert table_advantage(torch.tensor([1.0, 1.0]), records, rewards, ("state",), grid) == (-0.5, 1)
 
 
 def test_stratified_choice_spreads_the_prompts_over_the_risk_cells():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from kvruntime import Artifact, KVRuntimeError
@@ -153,3 +154,25 @@ class Experience:
         if len(experience.head) == 0 or len(experience.gate) == 0:
             raise KVRuntimeError(f"{artifact.path}: the experience holds no head or no gate records")
         return experience
+
+
+def table_advantage(
+    table: torch.Tensor, records: Records, rewards: torch.Tensor, state_columns: tuple[str, ...], grid: torch.Tensor
+) -> tuple[float, int]:
+    """How much better a table's choices did than the actions tried on average, judged by experience records: in
+    each state (a row of `state_columns` values) that holds a record of the table's action, the mean reward of those
+    records minus the mean reward of all the state's records; averaged over such states. Random tables score about
+    0; tables that learned the records' preferences score above it, on records they were not learned from too if
+    the preferences are real. Returns (advantage, states counted)."""
+    chosen = (grid[None, :] - table.reshape(-1, 1)).abs().argmin(dim=1)  # the table's action index per state
+    state = torch.from_numpy(
+        np.ravel_multi_index(tuple(records.column(c).numpy() for c in state_columns), tuple(table.shape))
+    )
+    actions = records.column("action")
+    mine = actions == chosen[state]
+    gains = []
+    for index in state.unique().tolist():
+        rows = state == index
+        if bool((rows & mine).any()):
+            gains.append(float(rewards[rows & mine].mean() - rewards[rows].mean()))
+    return (sum(gains) / len(gains) if gains else 0.0), len(gains)
