@@ -19,7 +19,9 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv import tables as tables_module
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
+    GATE_COLUMNS,
     HEAD_ACTIONS,
+    HEAD_COLUMNS,
     Experience,
     Records,
     table_advantage,
@@ -107,6 +109,53 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     assert got == pytest.approx([reference(v) for v in variants], abs=1e-6)
     with pytest.raises(ValueError, match="keeps what the base keeps"):
         scorer.variants(base, [list(kept)])
+
+
+def _experience(elastic: bool) -> Experience:
+    gate = Records(
+        GATE_COLUMNS,
+        {
+            "prompt": torch.tensor([0, 1]),
+            "budget": torch.tensor([0, 0]),
+            "layer": torch.tensor([0, 0]),
+            "entropy_bin": torch.tensor([0, 0]),
+            "perplexity_bin": torch.tensor([0, 0]),
+            "action": torch.tensor([3, 3]),
+            "nll": torch.tensor([2.50, 4.00], dtype=torch.float64),
+            "base_nll": torch.tensor([2.52, 3.99], dtype=torch.float64),
+            "candidates": torch.tensor([100, 300]),
+            "round": torch.tensor([0, 0]),
+        },
+    )
+    return Experience(
+        head=Records(HEAD_COLUMNS),
+        gate=gate,
+        full_nll=torch.tensor([2.4, 3.9], dtype=torch.float64),  # prompt 1 is the harder one: it cancels
+        entropy=torch.zeros(2, dtype=torch.float64),
+        perplexity=torch.zeros(2, dtype=torch.float64),
+        candidate_risks=torch.zeros(2, 2, dtype=torch.float64),
+        chosen=torch.tensor([0, 1]),
+        budgets=(200,),
+        context_tokens=1000,
+        penalty=1.0,
+        elastic=elastic,
+    )
+
+
+def test_rewards_are_paired_with_the_base_rollout_and_only_the_elastic_gate_pays_for_excess_candidates():
+    honest = _experience(elastic=False).gate_rewards()
+    torch.testing.assert_close(honest, torch.tensor([0.02, -0.01], dtype=torch.float64))
+    elastic = _experience(elastic=True).gate_rewards()  # 100 over the budget of 200, over 1000 tokens
+    torch.testing.assert_close(elastic, torch.tensor([0.02, -0.01 - 0.1], dtype=torch.float64))
+
+
+def test_experience_from_before_paired_rewards_is_refused_in_one_line(compiled, tmp_path):
+    _, _, _, experience = compiled
+    params = {k: v for k, v in experience.params.items() if k != "elastic"}
+    old = dataclasses.replace(experience, params=params)
+    path = save_artifact(old, tmp_path / "compilerkv_experience.safetensors")
+    with pytest.raises(KVRuntimeError, match="experience from an older kvcompile .* collect it again"):
+        relearn_tables(read_artifact(path))
 
 
 def test_table_advantage_rewards_tables_that_chose_what_the_records_favour():
