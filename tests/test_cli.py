@@ -89,15 +89,23 @@ def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, mon
     assert sorted(tmp_path.iterdir()) == before
 
 
-def test_tables_refuses_bad_budgets_before_loading_any_model(monkeypatch):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budgets", "32,256"], "--budgets must lie between the 64-token window and the 2048-token context"),
+        (["--utility", "local"], "--utility 'local': choose one of global, head"),
+        (["--candidates", "8"], "--candidates 8: give at least as many candidate prompts as --prompts 32"),
+    ],
+)
+def test_tables_refuses_bad_settings_before_loading_any_model(monkeypatch, args, message):
     from kvcompile import recipe
 
     monkeypatch.setattr(
         recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the settings were checked")
     )
-    result = runner.invoke(app, ["tables", "--budgets", "32,256"])
+    result = runner.invoke(app, ["tables", *args])
     assert result.exit_code == 2
-    assert "--budgets must lie between the 64-token window and the 2048-token context" in result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
