@@ -111,6 +111,7 @@ compilerkv: setup
 	$(BIN)/kvcompile tables
 
 bench-compilerkv: setup
+	$(BIN)/python benchmarks/compilerkv_table_stability.py
 	$(BIN)/python benchmarks/compilerkv_ablation.py
 
 # KVCompose's attention statistics for the default model (about 7 minutes on 2 CPU cores), with their picture.
