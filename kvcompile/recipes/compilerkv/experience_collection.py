@@ -254,10 +254,21 @@ def collect_unit(
     _finite(base.nll, prompt.index)
     if kind == "head":
         found = head_probes(
-            signals, scores, head_reliability, thresholds, budget, rule, probes, design.head_actions, rng
+            signals,
+            scores,
+            head_reliability,
+            thresholds,
+            budget,
+            rule,
+            probes,
+            design.head_actions,
+            design.action_stride,
+            rng,
         )
     else:
-        found = gate_probes(prompt, scores, thresholds, budget, rule, probes, design.gate_actions, rng)
+        found = gate_probes(
+            prompt, scores, thresholds, budget, rule, probes, design.gate_actions, design.action_stride, rng
+        )
     nll_of = {_key(base_kept): base.nll}
     unique = {_key(kept): kept for _, _, kept in found if _key(kept) not in nll_of}
     for key, nll in zip(unique, scorer.variants(base, list(unique.values()))):
