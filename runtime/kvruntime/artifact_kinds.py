@@ -58,6 +58,8 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
             {
                 "budgets": ("integer", ("budgets",)),
                 **{f"prompt_{name}": ("numeric", ("prompts",)) for name in ("full_nll", "entropy", "perplexity")},
+                "prompt_candidate": ("integer", ("prompts",)),
+                "candidate_risks": ("numeric", ("candidates", 2)),
             },
         ),
         ArtifactKind(
