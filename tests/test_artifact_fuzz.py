@@ -62,6 +62,8 @@ def valid_tensors() -> dict[str, dict[str, torch.Tensor]]:
             "prompt_full_nll": torch.rand(3, dtype=torch.float64, generator=g),
             "prompt_entropy": torch.rand(3, dtype=torch.float64, generator=g),
             "prompt_perplexity": torch.rand(3, dtype=torch.float64, generator=g),
+            "prompt_candidate": torch.tensor([4, 0, 2]),
+            "candidate_risks": torch.rand(5, 2, dtype=torch.float64, generator=g),
         },
         "kvcompose_stats": {
             "ratios": torch.tensor([0.25, 0.5, 0.75]),
