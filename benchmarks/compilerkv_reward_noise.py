@@ -114,7 +114,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 "probes changing the kept sets": f"{statistics.mean(r['changed'] for r in cell):.0%}",
                 "median sd over prompts": f"{sd:.5f}",
                 "median abs mean effect": f"{effect:.5f}",
-                "states with abs t > 2": f"{float((np.abs(t) > 2).mean()):.0%} (chance 5%)",
+                "moving states with abs t > 2": f"{float((np.abs(t[moving]) > 2).mean()) if moving.any() else float('nan'):.0%} (chance 5%)",
                 "split-half r of state means": f"{split:.2f}",
                 "prompts per state to see the median effect": f"{(2.8 * sd / effect) ** 2:.0f}",
                 "prompts per state to see 0.0005": f"{(2.8 * sd / 0.0005) ** 2:.0f}",
@@ -176,7 +176,7 @@ def main() -> None:
         f"Machine: {machine()}  ",
         f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {args.prompts} `{args.corpus}` "
         f"prompts of {args.context} tokens + {args.continuation} continuation; ratio-honest rule; every state probed "
-        f"on every prompt from neutral tables (W_head = 1, thresholds {NEUTRAL_THRESHOLD}): head probes raise one "
+        f"on every prompt from neutral tables (W_head = 1, thresholds {NEUTRAL_THRESHOLD:.2f}): head probes raise one "
         f"query head's weight to {RAISED_WEIGHT}, gate probes set one layer's threshold to "
         f"{' or '.join(map(str, PROBED_THRESHOLDS))}. Rewards in nats of mean continuation NLL.",
         "",

@@ -3,12 +3,13 @@ signal-to-noise ratio, from the stored experience alone (no model run).
 
     python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_experience.safetensors]
 
-Split half: both tables relearned from the records of the even-numbered and of the odd-numbered calibration prompts
-(same learner and settings); agreement = share of entries, among states both halves have records for, where the two
+Split half: both tables relearned from the records of two halves of the calibration prompts drawn at random (seeded;
+not by parity: the stratified choice alternates risk cells, so even and odd prompts differ in risk) (same learner
+and settings); agreement = share of entries, among states both halves have records for, where the two
 tables hold the same action (or one within a grid step); chance = the agreement of two tables drawn independently
 from the two halves' own action frequencies. Held-out advantage (`table_advantage`): each half's table judged on
 the other half's records (how much better its action did than the actions tried, in nats of continuation NLL),
-against random tables of the same grid judged the same way. Signal vs noise: within one (prompt, state), the spread
+against random tables of the same grid judged the same way (on each half, weighted alike). Signal vs noise: within one (prompt, state), the spread
 of the paired rewards over the actions tried (what the learner must rank) against the spread of one (state,
 action)'s reward over prompts.
 """
@@ -41,12 +42,24 @@ from reporting import machine  # noqa: E402
 EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_experience.safetensors")
 
 
-def half(experience: Experience, parity: int) -> Experience:
-    def keep(records: Records) -> Records:
-        rows = (records.column("prompt") % 2) == parity
+def halves(experience: Experience, seed: int = 0) -> tuple[Experience, Experience]:
+    """The experience split into the records of two random halves of its prompts."""
+    order = torch.randperm(len(experience.full_nll), generator=torch.Generator().manual_seed(seed))
+    first = order[: len(order) // 2]
+
+    def keep(records: Records, inside: bool) -> Records:
+        rows = torch.isin(records.column("prompt"), first) == inside
         return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
 
-    return dataclasses.replace(experience, head=keep(experience.head), gate=keep(experience.gate))
+    return tuple(
+        dataclasses.replace(experience, head=keep(experience.head, inside), gate=keep(experience.gate, inside))
+        for inside in (True, False)
+    )
+
+
+def _weighted(judged: list[tuple[float, int]]) -> float:
+    """Advantages judged on several record sets, averaged with their records' counts as weights."""
+    return sum(value * n for value, n in judged) / max(1, sum(n for _, n in judged))
 
 
 def judge(experience: Experience, kind: str) -> tuple[Records, torch.Tensor]:
@@ -100,9 +113,9 @@ def main() -> None:
         "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    halves = [half(experience, parity) for parity in (0, 1)]
-    head = [learn_head_table(h, layers, heads, cql) for h in halves]
-    gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in halves]
+    split = halves(experience)
+    head = [learn_head_table(h, layers, heads, cql) for h in split]
+    gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in split]
     for table, learned, step, grid, whole, state in (
         ("W_head", head, 0.025, HEAD_ACTIONS, "head", ("budget", "layer", "head")),
         ("T_gate", gate, 0.01, GATE_ACTIONS, "gate", ("budget", "layer", "entropy_bin", "perplexity_bin")),
@@ -111,22 +124,25 @@ def main() -> None:
         same, near = agreement(learned[0].values, learned[1].values, seen, step)
         shares = [torch.stack([(t.values[seen] == a).float().mean() for a in grid]) for t in learned]
         chance = float((shares[0] * shares[1]).sum())
-        judged = [
-            table_advantage(learned[side].values, *judge(halves[1 - side], whole), state, grid) for side in (0, 1)
-        ]
-        counted = sum(n for _, n in judged)
-        held_out = sum(value * n for value, n in judged) / max(1, counted)
+        judged = [table_advantage(learned[side].values, *judge(split[1 - side], whole), state, grid) for side in (0, 1)]
+        held_out = _weighted(judged)
         g = torch.Generator().manual_seed(0)
         random = [
-            table_advantage(
-                grid[torch.randint(len(grid), seen.shape, generator=g)], *judge(experience, whole), state, grid
+            _weighted(
+                [
+                    table_advantage(
+                        grid[torch.randint(len(grid), seen.shape, generator=g)], *judge(h, whole), state, grid
+                    )
+                    for h in split
+                ]
             )
             for _ in range(20)
         ]
+        counted = sum(n for _, n in judged)
         within, across = spreads(*judge(experience, whole), state)
         lines.append(
             f"| {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
-            f"{held_out:+.5f} ({counted}) | {statistics.mean(v for v, _ in random):+.5f} | {within:.5f} | {across:.5f} |"
+            f"{held_out:+.5f} ({counted}) | {statistics.mean(random):+.5f} | {within:.5f} | {across:.5f} |"
         )
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

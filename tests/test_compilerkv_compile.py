@@ -12,10 +12,12 @@ from conftest import CharTokenizer, tiny_model
 from distributed_worker import TABLES
 from tabular_cql import tabular_cql
 from transformers import DynamicCache
+from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
+from kvcompile.cli import app
 from kvcompile.recipes.compilerkv import tables as tables_module
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
@@ -149,11 +151,20 @@ def test_rewards_are_paired_with_the_base_rollout_and_only_the_elastic_gate_pays
     torch.testing.assert_close(elastic, torch.tensor([0.02, -0.01 - 0.1], dtype=torch.float64))
 
 
-def test_experience_from_before_paired_rewards_is_refused_in_one_line(compiled, tmp_path):
+def test_experience_from_before_the_keep_rule_was_recorded_is_refused_in_one_line(compiled, tmp_path):
+    """As the experience shipped before it was: no `elastic` parameter and none of the candidates' tensors. The
+    command says why (not which tensor is missing) and writes nothing."""
     _, _, _, experience = compiled
     params = {k: v for k, v in experience.params.items() if k != "elastic"}
-    old = dataclasses.replace(experience, params=params)
-    path = save_artifact(old, tmp_path / "compilerkv_experience.safetensors")
+    tensors = {k: v for k, v in experience.tensors.items() if k not in ("candidate_risks", "prompt_candidate")}
+    path = save_artifact(
+        dataclasses.replace(experience, params=params, tensors=tensors), tmp_path / "compilerkv_experience.safetensors"
+    )
+    out = tmp_path / "compilerkv_tables.safetensors"
+    result = CliRunner().invoke(app, ["tables", "--from-experience", str(path), "--out", str(out)])
+    assert result.exit_code == 2
+    assert "experience from an older kvcompile" in result.output and "collect it again" in result.output
+    assert "missing" not in result.output and not out.exists()
     with pytest.raises(KVRuntimeError, match="experience from an older kvcompile .* collect it again"):
         relearn_tables(read_artifact(path))
 

@@ -12,6 +12,7 @@ from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import CompilerKV, Prefill
 from kvruntime.methods.compilerkv import CompilerKVTables
+from kvruntime.methods.compilerkv.signals import LayerSignals
 
 BUDGETS = (70, 100)
 ENTROPY_EDGES = torch.tensor([4.0, 4.5], dtype=torch.float64)
@@ -136,7 +137,7 @@ def _signals_prefill(length: int) -> Prefill:
     )
 
 
-def _heavy_hitter_statistics(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _heavy_hitter_statistics(length: int) -> list[LayerSignals]:
     """Attention mass on a few tokens (as in real models; a random one attends almost uniformly)."""
     mass = torch.full((1, length), 0.1 / length)
     mass[0, [3, 50, 77]] = 0.3  # three heavy hitters outside the 64-token window
@@ -159,21 +160,52 @@ def test_the_elastic_gate_may_keep_fewer_entries_than_the_budget_and_says_so(tab
 def test_the_ratio_honest_gate_holds_what_was_asked_and_gives_more_to_layers_with_lower_thresholds():
     """The same scores in every layer (W_head = 1): the window (64) and the three heavy hitters stay everywhere, and
     the rest of the 400 entries asked for goes to the layer whose threshold the light tokens clear by most."""
-    tables = CompilerKVTables(
-        budgets=(100,),
-        head_reliability=torch.ones(1, 4, 4),
-        risk_thresholds=torch.tensor([0.9, 0.8, 1.0, 0.85]).view(1, 4, 1, 1).expand(1, 4, 2, 2).clone(),
-        entropy_edges=torch.tensor([4.0], dtype=torch.float64),
-        perplexity_edges=torch.tensor([90.0], dtype=torch.float64),
-    )
     with torch.no_grad():
-        selection = CompilerKV(tables=tables).select(
+        selection = CompilerKV(tables=_flat_tables([0.9, 0.8, 1.0, 0.85], None)).select(
             _heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200)
         )
     assert selection.counts[:, 0].tolist() == [67, 199, 67, 67]
     assert "the layers share the 400 entries asked for, ranked by score over their layer's threshold: 67-199" in (
         "\n".join(selection.notes)
     )
+
+
+def _flat_tables(thresholds: list[float], elastic: bool | None) -> CompilerKVTables:
+    return CompilerKVTables(
+        budgets=(100,),
+        head_reliability=torch.ones(1, 4, 4),
+        risk_thresholds=torch.tensor(thresholds).view(1, 4, 1, 1).expand(1, 4, 2, 2).clone(),
+        entropy_edges=torch.tensor([4.0], dtype=torch.float64),
+        perplexity_edges=torch.tensor([90.0], dtype=torch.float64),
+        elastic=elastic,
+    )
+
+
+@pytest.mark.parametrize(
+    ("learned_elastic", "option", "counts", "mismatch"),
+    [
+        (True, None, [67, 67, 67, 67], None),  # the tables' own rule: elastic keeps just what clears 0.9
+        (False, None, [100, 100, 100, 100], None),
+        (None, None, [100, 100, 100, 100], None),  # tables that do not record a rule: ratio-honest
+        (True, False, [100, 100, 100, 100], "learned under the elastic rule, run under the ratio-honest one"),
+        (False, True, [67, 67, 67, 67], "learned under the ratio-honest rule, run under the elastic one"),
+    ],
+)
+def test_the_keep_rule_is_the_tables_own_unless_overridden_and_a_mismatch_is_reported(
+    learned_elastic, option, counts, mismatch
+):
+    method = CompilerKV(tables=_flat_tables([0.9] * 4, learned_elastic), elastic=option)
+    with torch.no_grad():
+        selection = method.select(_heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200))
+    assert selection.counts[:, 0].tolist() == counts
+    notes = "\n".join(selection.notes)
+    assert (mismatch in notes) if mismatch else ("rule   " not in notes)
+
+
+@pytest.mark.parametrize("threshold", [0.0, -0.5, 1.5])
+def test_a_fixed_threshold_outside_the_tables_range_is_refused(threshold):
+    with pytest.raises(KVRuntimeError, match=rf"fixed_threshold={threshold}: give a value in \[0.8, 1.0\]"):
+        CompilerKV(tables=_flat_tables([0.9] * 4, None), fixed_threshold=threshold)
 
 
 def test_generation_and_questions_run_on_the_compressed_cache(tiny, tables, prompt):

@@ -112,6 +112,8 @@ def stratified_choice(risks: torch.Tensor, count: int, strata: tuple[int, int], 
     strata[1] perplexity cells by the candidates' own quantiles, and the cells give one candidate each in turn (in a
     seeded order within a cell) until `count` are chosen, so thin cells are not crowded out by common ones.
     risks: [candidates, 2] (entropy, perplexity). Returns candidate indices in the order chosen."""
+    if not 0 < count <= len(risks):
+        raise ValueError(f"cannot choose {count} of {len(risks)} candidates")
     edges = [quantile_edges(risks[:, column], bins) for column, bins in enumerate(strata)]
     cells: dict[tuple[int, int], list[int]] = {}
     for index, (entropy, perplexity) in enumerate(risks.tolist()):

@@ -37,6 +37,7 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
     HEAD_FALLBACK,
     Experience,
     Records,
+    check_experience_format,
     gate_fallback,
 )
 from kvcompile.recipes.compilerkv.experience_collection import (
@@ -503,7 +504,7 @@ class TablesRecipe(Recipe):
 
     def prepare(self, settings: TablesSettings) -> Corpus | None:
         if self.from_experience is not None:
-            read_artifact(self.from_experience)
+            check_experience_format(read_artifact(self.from_experience))
             return None
         return load_corpus(self.corpus)
 

@@ -7,11 +7,13 @@ compiled W_head weights max-pool it over query heads into one score per token an
 shared by its KV heads); the prompt's entropy and window perplexity pick a threshold per layer from T_gate.
 
 What the thresholds do (the window always stays):
-- ratio-honest (the default): the layers share exactly what was asked for (budget x layers entries); every token
+- ratio-honest: the layers share exactly what was asked for (budget x layers entries); every token
   is ranked by its score over its layer's threshold, so the gate moves entries between layers and never changes
   the total;
 - elastic (`elastic=True`, the paper's rule): a layer keeps the tokens scoring above its threshold, at most the
   budget, so a low-risk prompt keeps less than asked (the report says how much).
+The rule is the one the tables were learned for (their `elastic` parameter; ratio-honest for tables that do
+not record one); `elastic=` overrides it, and the report says when the two differ.
 `uniform_heads` and `fixed_threshold` switch a table off (the paper's ablations).
 """
 
@@ -26,7 +28,7 @@ from ...request import Request
 from ..base import LayerPrefill, Method, Prefill, Selection
 from .risk_gate import kept_counts, risk_bin
 from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
-from .tables import CompilerKVTables
+from .tables import THRESHOLD_RANGE, CompilerKVTables
 
 
 @dataclasses.dataclass
@@ -37,7 +39,12 @@ class CompilerKV(Method):
     nearest_budget: bool = False
     uniform_heads: bool = False
     fixed_threshold: float | None = None
-    elastic: bool = False
+    elastic: bool | None = None  # None: the tables' own rule
+
+    def __post_init__(self) -> None:
+        low, high = THRESHOLD_RANGE
+        if self.fixed_threshold is not None and not low <= self.fixed_threshold <= high:
+            raise KVRuntimeError(f"compilerkv fixed_threshold={self.fixed_threshold}: give a value in [{low}, {high}]")
 
     def check_request(self, request: Request) -> None:
         """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on
@@ -78,14 +85,20 @@ class CompilerKV(Method):
                 threshold = float(tables.risk_thresholds[index, layer, entropy_bin, perplexity_bin])
             scores.append(layer_scores(signals, layer, weights, tables.utility))
             thresholds.append(threshold)
-        counts = kept_counts(scores, thresholds, keep, self.elastic)
+        elastic = bool(tables.elastic) if self.elastic is None else self.elastic
+        counts = kept_counts(scores, thresholds, keep, elastic)
         notes = [
             f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
             f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
             f"{min(thresholds):.3f}-{max(thresholds):.3f}; {tables.utility} utility"
             + ("; W_head = 1" if self.uniform_heads else ""),
         ]
-        if self.elastic:
+        if tables.elastic is not None and tables.elastic != elastic:
+            notes.append(
+                f"rule                tables learned under the {_rule_name(tables.elastic)} rule, run under the "
+                f"{_rule_name(elastic)} one (elastic={elastic})"
+            )
+        if elastic:
             notes.append(
                 f"risk gate           elastic: keeps {sum(counts)} of the {keep * num_layers} entries asked for "
                 f"({sum(counts) / (keep * num_layers):.1%}; only tokens scoring above their layer's threshold stay)"
@@ -97,3 +110,7 @@ class CompilerKV(Method):
             )
         count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
         return Selection([s[None, None].expand(1, num_kv_heads, -1) for s in scores], count_tensor, notes)
+
+
+def _rule_name(elastic: bool) -> str:
+    return "elastic" if elastic else "ratio-honest"

@@ -31,6 +31,7 @@ class CompilerKVTables(ArtifactReader):
     entropy_edges: torch.Tensor  # inner edges of the entropy bins
     perplexity_edges: torch.Tensor  # inner edges of the window-perplexity bins
     utility: str = "global"  # the stabilized utility the tables were learned on
+    elastic: bool | None = None  # the keep rule they were learned for (None: not recorded, older tables)
 
     def __post_init__(self) -> None:
         if self.utility not in UTILITIES:
@@ -57,6 +58,7 @@ class CompilerKVTables(ArtifactReader):
             entropy_edges=tensors["entropy_edges"].double(),
             perplexity_edges=tensors["perplexity_edges"].double(),
             utility=params.get("utility", "global"),
+            elastic=params.get("elastic"),
         )
 
     @property
