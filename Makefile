@@ -106,7 +106,7 @@ compresskv: setup
 bench-compresskv: setup
 	$(BIN)/python benchmarks/compresskv_accuracy.py --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95
 
-# CompilerKV's tables for the default model (about 25 minutes on 2 CPU cores), with the experience they were learned from.
+# CompilerKV's tables for the default model (about 38 minutes on 2 CPU cores), with the experience they were learned from.
 compilerkv: setup
 	$(BIN)/kvcompile tables
 

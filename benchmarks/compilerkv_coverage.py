@@ -1,7 +1,7 @@
 """Why compilerkv answers fewer retrieval questions than snapkv: the share of the answer's tokens (the pass key,
 the needle's value) that each method keeps, on the ablation's held-out retrieval prompts.
 
-    python benchmarks/compilerkv_coverage.py [--budgets 128,256,512,1024] [--depths ...] [--out benchmarks/compilerkv_coverage.md]
+    python benchmarks/compilerkv_coverage.py [--budgets 256,512] [--depths ...] [--out benchmarks/compilerkv_coverage.md]
 
 Coverage = kept answer tokens / answer tokens, averaged over layers and KV heads.
 """
@@ -23,7 +23,7 @@ from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.retrieval import TASKS, TaskPrompt, retrieval_prompt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compilerkv_ablation import TABLES, compressed  # noqa: E402
+from compilerkv_ablation import LEARNED, SNAPKV, TABLES, compressed  # noqa: E402
 from reporting import machine, write_results  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def coverage(kept_positions: list[torch.Tensor], span: list[int]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="128,256,512,1024")
+    parser.add_argument("--budgets", default="256,512")
     parser.add_argument("--depths", default="0.05,0.275,0.5,0.725,0.95")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--tables", type=Path, default=TABLES)
@@ -80,6 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     budgets = [int(x) for x in args.budgets.split(",")]
     model, tokenizer = kvruntime.load_model()
+    tables = kvruntime.CompilerKVTables.from_artifact(kvruntime.load_artifact(args.tables, model=model))
     haystack = load_corpus("moby-dick")
     prompts = [
         retrieval_prompt(task, haystack, tokenizer, args.length, depth, seed=index)
@@ -91,14 +92,14 @@ def main() -> None:
         ids = tokenizer(prompt.prompt, return_tensors="pt", add_special_tokens=False).input_ids
         span = answer_positions(tokenizer, prompt.prompt, prompt.expected[0])
         for budget in budgets:
-            with compressed(model, "compilerkv", budget, {}, args.tables) as session:
+            with compressed(model, LEARNED, budget, tables) as session:
                 session.prefill(ids)
             compilerkv = coverage(session.kept_positions, span)
             report = session.report
             matched = round(sum(report.entries_per_layer) / (report.num_kv_heads * len(report.entries_per_layer)))
             for label, size in (("compilerkv", None), ("snapkv", budget), ("snapkv at compilerkv's cache", matched)):
                 if size is not None:
-                    with compressed(model, "snapkv", size, {}, args.tables) as session:
+                    with compressed(model, SNAPKV, size, tables) as session:
                         session.prefill(ids)
                 value = compilerkv if size is None else coverage(session.kept_positions, span)
                 rows.append(

@@ -3,9 +3,8 @@ signal-to-noise ratio, from the stored experience alone (no model run).
 
     python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_experience.safetensors]
 
-Split half: both tables relearned from the records of two halves of the calibration prompts drawn at random (seeded;
-not by parity: the stratified choice alternates risk cells, so even and odd prompts differ in risk) (same learner
-and settings); agreement = share of entries, among states both halves have records for, where the two
+Split half: both tables relearned from the records of two random halves of the calibration prompts
+(`Experience.prompt_halves`; same learner and settings); agreement = share of entries, among states both halves have records for, where the two
 tables hold the same action (or one within a grid step); chance = the agreement of two tables drawn independently
 from the two halves' own action frequencies. Held-out advantage (`table_advantage`): each half's table judged on
 the other half's records (how much better its action did than the actions tried, in nats of continuation NLL),
@@ -17,7 +16,6 @@ action)'s reward over prompts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import sys
@@ -40,21 +38,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine  # noqa: E402
 
 EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_experience.safetensors")
-
-
-def halves(experience: Experience, seed: int = 0) -> tuple[Experience, Experience]:
-    """The experience split into the records of two random halves of its prompts."""
-    order = torch.randperm(len(experience.full_nll), generator=torch.Generator().manual_seed(seed))
-    first = order[: len(order) // 2]
-
-    def keep(records: Records, inside: bool) -> Records:
-        rows = torch.isin(records.column("prompt"), first) == inside
-        return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
-
-    return tuple(
-        dataclasses.replace(experience, head=keep(experience.head, inside), gate=keep(experience.gate, inside))
-        for inside in (True, False)
-    )
 
 
 def _weighted(judged: list[tuple[float, int]]) -> float:
@@ -113,7 +96,7 @@ def main() -> None:
         "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    split = halves(experience)
+    split = experience.prompt_halves()
     head = [learn_head_table(h, layers, heads, cql) for h in split]
     gate = [learn_gate_table(h, layers, params["entropy_bins"], params["perplexity_bins"], cql) for h in split]
     for table, learned, step, grid, whole, state in (

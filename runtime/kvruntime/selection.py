@@ -15,15 +15,20 @@ def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:
     return protected
 
 
+def pooled_top_counts(scores: torch.Tensor, total: int) -> torch.Tensor:
+    """One pool over every row's tokens (scores [..., N]): the `total` highest scores win, wherever they are; ties
+    go to the earlier row and token (a stable order, so two callers ranking the same scores agree). Returns how
+    many each row keeps: scores.shape[:-1]."""
+    length = scores.shape[-1]
+    winners = torch.sort(scores.flatten(), descending=True, stable=True).indices[:total]
+    return torch.bincount(winners // length, minlength=scores[..., 0].numel()).view(scores.shape[:-1])
+
+
 def global_head_counts(layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
     """One pool over (layer, KV head, token): the keep * L * Hkv highest scores win, wherever they are.
     Batch size 1. Returns how many entries each (layer, KV head) keeps."""
     stacked = torch.stack([s[0] for s in layer_scores])  # [L, Hkv, N]
-    num_layers, num_kv_heads, length = stacked.shape
-    total = keep * num_layers * num_kv_heads
-    winners = stacked.flatten().topk(total, sorted=False).indices
-    per_head = torch.bincount(winners // length, minlength=num_layers * num_kv_heads)
-    return per_head.view(num_layers, num_kv_heads)
+    return pooled_top_counts(stacked, keep * stacked.shape[0] * stacked.shape[1])
 
 
 def top_indices(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ current tables (the unit's base rollout) minus its NLL with the action:
     r(p, s, a) = NLL_base(p, b) - NLL_a(p, b)        (elastic rule only: minus penalty * max(0, candidates - B) / n)
 Its mean over prompts estimates Q(s, a) - Q(s, current tables): the same ranking of actions as the spec's
 -(NLL_a - NLL_full), since NLL_base is fixed within a unit, but prompt difficulty cancels: its variance is
-Var_p(NLL_a - NLL_base) / prompts instead of Var_p(NLL_a - NLL_full) / prompts. On the shipped default-model
-experience the per-record standard deviation is 0.0012 nats paired against 0.070 unpaired.
+Var_p(NLL_a - NLL_base) / prompts instead of Var_p(NLL_a - NLL_full) / prompts. On the default model one record's
+standard deviation is about 0.0013 nats paired (benchmarks/compilerkv_reward_noise.md) against 0.027 unpaired.
 """
 
 from __future__ import annotations
@@ -115,6 +115,21 @@ class Experience:
             return rewards
         budgets = torch.tensor(self.budgets)[self.gate.column("budget")]
         return rewards - over_budget_penalty(self.gate.column("candidates"), budgets, self.context_tokens, self.penalty)
+
+    def prompt_halves(self, seed: int = 0) -> tuple[Experience, Experience]:
+        """The records of two random halves of the prompts (seeded; not by parity: the stratified choice alternates
+        risk cells, so even and odd prompts differ in risk), to learn on one and judge on the other."""
+        order = torch.randperm(len(self.full_nll), generator=torch.Generator().manual_seed(seed))
+        first = order[: len(order) // 2]
+
+        def keep(records: Records, inside: bool) -> Records:
+            rows = torch.isin(records.column("prompt"), first) == inside
+            return Records(records.columns, {c: records.column(c)[rows] for c in records.columns})
+
+        return tuple(
+            dataclasses.replace(self, head=keep(self.head, inside), gate=keep(self.gate, inside))
+            for inside in (True, False)
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {

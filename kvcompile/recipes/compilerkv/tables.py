@@ -76,7 +76,7 @@ PHASES = ("head", "gate")
 
 @dataclasses.dataclass(frozen=True)
 class TablesSettings:
-    budgets: tuple[int, ...] = (128, 256, 512, 1024)
+    budgets: tuple[int, ...] = (256, 512)
     prompts: int = 32
     candidates: int = 64  # prompts whose risk is measured; `prompts` of them are chosen across the risk strata
     strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
@@ -88,7 +88,7 @@ class TablesSettings:
     perplexity_bins: int = 4
     penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
     elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
-    utility: str = "global"  # the stabilized utility the tables weight (kvruntime.UTILITIES)
+    utility: str = "head"  # the stabilized utility the tables weight (kvruntime.UTILITIES)
     design: ExperienceDesign = ExperienceDesign()
     cql: CQLSettings = CQLSettings()
     seed: int = 0

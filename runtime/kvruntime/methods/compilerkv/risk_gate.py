@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from ...selection import pooled_top_counts
+
 
 def structural_risk(alpha: torch.Tensor) -> float:
     """Entropy in nats of the attention-mass distribution over the prompt's tokens (alpha [N])."""
@@ -51,12 +53,10 @@ def pooled_counts(scores: list[torch.Tensor], thresholds: list[float], total: in
     """Entries each layer keeps when the layers share `total` (the ratio-honest rule): the gate ranks, the budget
     fills. Every (layer, token) is ranked by how far its score stands above its layer's threshold (score /
     threshold), and the `total` highest stay, so a layer with a lower threshold keeps more. scores: [N] per layer
-    (protected entries infinite); ties keep the earlier layer and token (a stable order, the same in the compile
-    stage's rollouts and at run time)."""
-    margins = torch.cat([layer.double() / threshold for layer, threshold in zip(scores, thresholds)])
-    layer_of = torch.cat([torch.full((len(layer),), i) for i, layer in enumerate(scores)])
-    order = torch.sort(margins, descending=True, stable=True).indices[:total]
-    return torch.bincount(layer_of[order], minlength=len(scores)).tolist()
+    (protected entries infinite); ties keep the earlier layer and token (the same in the compile stage's rollouts
+    and at run time)."""
+    margins = torch.stack([layer.double() / threshold for layer, threshold in zip(scores, thresholds)])
+    return pooled_top_counts(margins, total).tolist()
 
 
 def kept_counts(scores: list[torch.Tensor], thresholds: list[float], budget: int, elastic: bool) -> list[int]:
