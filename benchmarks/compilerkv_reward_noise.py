@@ -29,7 +29,12 @@ from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipes.compilerkv.bandit_experience import gate_fallback
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer
-from kvcompile.recipes.compilerkv.experience_collection import SelectionRule, kept_sets, prefill_prompt
+from kvcompile.recipes.compilerkv.experience_collection import (
+    SelectionRule,
+    kept_sets,
+    prefill_prompt,
+    variant_nlls,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine, markdown_table, write_results  # noqa: E402
@@ -67,8 +72,7 @@ def measure(model, prompt, budget: int, utility: str, batch_size: int) -> list[d
     scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
     base = scorer.base(kept[0])
     changed = [i for i in range(1, len(found)) if any(not torch.equal(a, b) for a, b in zip(kept[i], kept[0]))]
-    nll = dict.fromkeys(range(1, len(found)), base.nll)
-    nll.update(zip(changed, scorer.variants(base, [kept[i] for i in changed])))
+    nll = dict(enumerate(variant_nlls(scorer, base, kept[1:], prompt.index), start=1))
     return [
         dict(
             utility=utility,

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Records
-from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
+from kvcompile.recipes.compilerkv.continuation_nll import BaseRollout, ContinuationScorer, PrefilledPrompt
 from kvruntime import (
     CompilerKV,
     KVRuntimeError,
@@ -271,20 +271,29 @@ def collect_unit(
         found = gate_probes(
             prompt, scores, thresholds, budget, rule, probes, design.gate_actions, design.action_stride, rng
         )
-    nll_of = {_key(base_kept): base.nll}
-    unique = {_key(kept): kept for _, _, kept in found if _key(kept) not in nll_of}
-    for key, nll in zip(unique, scorer.variants(base, list(unique.values()))):
-        nll_of[key] = _finite(nll, prompt.index)
-    for layer, row, kept in found:
+    nlls = variant_nlls(scorer, base, [kept for _, _, kept in found], prompt.index)
+    for (layer, row, _), nll in zip(found, nlls):
         records.append(
             prompt=prompt.index,
             budget=budget_index,
             layer=layer,
-            nll=nll_of[_key(kept)],
+            nll=nll,
             base_nll=base.nll,
             round=round_,
             **row,
         )
+
+
+def variant_nlls(
+    scorer: ContinuationScorer, base: BaseRollout, variants: list[list[torch.Tensor]], prompt: int
+) -> list[float]:
+    """The continuation NLL of each variant's kept sets (one per layer): a variant that keeps what the base keeps
+    has the base's NLL, and variants that keep the same entries share one rollout (exact)."""
+    nll_of = {_key(base.kept): base.nll}
+    unique = {_key(kept): kept for kept in variants if _key(kept) not in nll_of}
+    for key, nll in zip(unique, scorer.variants(base, list(unique.values()))):
+        nll_of[key] = _finite(nll, prompt)
+    return [nll_of[_key(kept)] for kept in variants]
 
 
 def _key(kept: list[torch.Tensor]) -> tuple[bytes, ...]:
