@@ -1,7 +1,7 @@
 """How much of CompilerKV's learned tables is signal: split-half stability, held-out advantage, and the reward's
 signal-to-noise ratio, from the stored experience alone (no model run).
 
-    python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_experience.safetensors]
+    python benchmarks/compilerkv_table_stability.py [--experience artifacts/.../compilerkv_tables.experience.safetensors]
 
 Split half: both tables relearned from the records of two random halves of the calibration prompts
 (`Experience.prompt_halves`; same learner and settings); agreement = share of entries, among states both halves have records for, where the two
@@ -30,14 +30,14 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
     Records,
     table_advantage,
 )
-from kvcompile.recipes.compilerkv.offline_cql import CQLSettings
+from kvcompile.recipes.compilerkv.recipe import CQLSettings
 from kvcompile.recipes.compilerkv.tables import learn_gate_table, learn_head_table
 from kvruntime.artifact import read_artifact
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine  # noqa: E402
 
-EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_experience.safetensors")
+EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_tables.experience.safetensors")
 
 
 def _weighted(judged: list[tuple[float, int]]) -> float:

@@ -23,7 +23,8 @@ import kvruntime
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.plotting import plt, save_figure
-from kvcompile.tasks.suite import parse_lengths, suite_prompts
+from kvcompile.tasks.grid import parse_lengths
+from kvcompile.tasks.suite import suite_prompts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reporting import machine, markdown_table, write_results  # noqa: E402

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import sys
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +48,34 @@ def clear_errors() -> Iterator[contextlib.ExitStack]:
     except KVRuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except OSError as exc:  # a file that vanished or could not be read or written mid-run
+        where = f" ({exc.filename})" if exc.filename else ""
+        typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+        raise typer.Exit(2) from None
+
+
+try:  # the click typer runs on: its own copy in newer typers, the click package in older ones
+    from typer._click import exceptions as _CLICK
+except ImportError:
+    from click import exceptions as _CLICK
+_NO_ARGS_IS_HELP = getattr(_CLICK, "NoArgsIsHelpError", ())  # click >= 8.2; older ones print the help themselves
+
+
+def main() -> None:
+    """The `kvcompile` command: a usage error (an option of the wrong type, a missing option, an unknown command)
+    is one line and exit code 2, like every other refusal."""
+    try:
+        code = app(standalone_mode=False)
+    except _NO_ARGS_IS_HELP as exc:
+        typer.echo(exc.ctx.get_help())
+        code = 0
+    except _CLICK.UsageError as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        code = 2
+    except _CLICK.Abort:
+        typer.echo("aborted", err=True)
+        code = 130
+    sys.exit(code or 0)
 
 
 def _numbers(text: str, convert: type) -> tuple:
@@ -59,8 +88,10 @@ def _numbers(text: str, convert: type) -> tuple:
 def _read_prompt(path: Path) -> str:
     if path.is_dir():
         raise KVRuntimeError(f"prompt file {path} is a folder: give a text file")
-    if not path.is_file():
+    if not path.exists():
         raise KVRuntimeError(f"prompt file {path} does not exist")
+    if not path.is_file():
+        raise KVRuntimeError(f"prompt file {path} is not a regular file (a device or a pipe): give a text file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -116,10 +147,24 @@ def generate(
     is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
         from kvcompile.prompt_format import check_prompt_format
-        from kvruntime import ARTIFACT_KINDS, Request, check_method_options, parse_option_pairs, required_artifact_kinds
+        from kvruntime import (
+            ARTIFACT_KINDS,
+            Request,
+            check_artifact_file,
+            check_method_options,
+            check_model_spec,
+            check_positions,
+            check_serves,
+            header_kind,
+            header_params,
+            parse_option_pairs,
+            position_limit,
+            required_artifact_kinds,
+        )
 
         prompt = _read_prompt(prompt_file)
         check_prompt_format(prompt_format)
+        check_model_spec(model)
         if max_new_tokens < 1:
             raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
         if prefill_chunk_size is not None and prefill_chunk_size < 1:
@@ -134,14 +179,21 @@ def generate(
         if nearest_budget:
             options["nearest_budget"] = True
         paths = list(artifact or [])
-        tuned = False
+        for path in paths:
+            check_artifact_file(path)
+        if budget is not None:
+            check_positions(budget, position_limit(model), f"--budget {budget} tokens per layer")
+        tuned: list[Path] = []
+        served = None  # (method, its artifacts, its options): what is checked before torch loads
         if method is None:
-            from kvruntime import read_artifact
-
             # A tuned_defaults artifact (given, or the model's default one) gives `compress` its method and ratio.
             default = default_artifact(model, "tuned_defaults")
             paths = paths or ([default] if default.exists() else [])
-            tuned = any(p.exists() and read_artifact(p).kind == "tuned_defaults" for p in paths)
+            tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
+            recommended = header_params(tuned[0]).get("recommended") if tuned else None
+            if isinstance(recommended, dict) and isinstance(recommended.get("method"), str):
+                artifacts_ = [tuned[0].parent / name for name in recommended.get("artifacts") or []]
+                served = recommended["method"], artifacts_, recommended.get("options") or {}
         if not tuned and ratio is None and budget is None:
             ratio = 0.5
         if method is not None:
@@ -153,11 +205,15 @@ def generate(
                     raise KVRuntimeError(
                         f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
                     )
+            served = method, paths, options
         request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
+        if served is not None:
+            # A request the method cannot serve is refused here, before torch loads.
+            check_serves(*served, [request] if request else [], prefill_chunk_size, memory)
         if method is not None:
             from kvruntime import check_method_serves
 
-            # A request the method cannot serve is refused here, not after the model has loaded and run.
+            # The artifacts' tensors are checked too before the model loads.
             check_method_serves(method, paths, options, [request], prefill_chunk_size)
         import torch
 
@@ -187,16 +243,25 @@ def generate(
             context = prompt.strip() if chat else prompt
             if encode(context).shape[1] < 2:
                 raise KVRuntimeError(f"prompt file {prompt_file} holds fewer than 2 tokens: nothing to compress")
+            limit = getattr(loaded.config, "max_position_embeddings", None)
+
+            def check_fits(tokens: int) -> None:
+                what = f"prompt file {prompt_file} ({tokens} tokens) and {max_new_tokens} new tokens"
+                check_positions(tokens + max_new_tokens, limit, what)
+
             if question:
                 # The context is compressed inside the user's turn; each question ends the turn.
-                compressed = session.prefill(encode(turn_start + context, special=not chat))
+                context_ids = encode(turn_start + context, special=not chat)
                 separator = "\n\n" if chat else ("" if prompt[-1].isspace() else "\n")
-                for text in question:
-                    question_ids = encode(separator + text.strip() + turn_end)
+                questions = [encode(separator + text.strip() + turn_end) for text in question]
+                check_fits(context_ids.shape[1] + max(ids.shape[1] for ids in questions))
+                compressed = session.prefill(context_ids)
+                for text, question_ids in zip(question, questions):
                     answer = compressed.generate(question_ids, **greedy)[0, question_ids.shape[1] :]
                     typer.echo(f"Q: {text.strip()}\nA: {tokenizer.decode(answer, skip_special_tokens=True).strip()}")
             else:
                 ids = encode(turn_start + context + turn_end, special=not chat)
+                check_fits(ids.shape[1])
                 output = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
                 typer.echo(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip())
         typer.echo(str(session.report))
@@ -313,7 +378,7 @@ def heads(
     seed: SeedOption = 0,
 ) -> tuple:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
-    from kvcompile.recipes.compresskv.heads import HeadsRecipe, HeadsSettings
+    from kvcompile.recipes.compresskv.recipe import HeadsRecipe, HeadsSettings
 
     if prompt_format not in ("chat", "raw"):
         raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
@@ -336,7 +401,7 @@ def budgets(
     seed: SeedOption = 0,
 ) -> tuple:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
-    from kvcompile.recipes.compresskv.budgets import BudgetsRecipe, BudgetsSettings
+    from kvcompile.recipes.compresskv.recipe import BudgetsRecipe, BudgetsSettings
 
     heads = heads_artifact or default_artifact(model, "srh_heads")
     return BudgetsRecipe(corpus, heads), BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
@@ -379,7 +444,7 @@ def tables(
     ] = None,
 ) -> tuple:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
-    from kvcompile.recipes.compilerkv.tables import TablesRecipe, TablesSettings
+    from kvcompile.recipes.compilerkv.recipe import TablesRecipe, TablesSettings
 
     settings = TablesSettings(
         budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
@@ -406,7 +471,7 @@ def stats(
     seed: SeedOption = 0,
 ) -> tuple:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
-    from kvcompile.recipes.kvcompose.attention_stats import StatsRecipe, StatsSettings
+    from kvcompile.recipes.kvcompose.recipe import StatsRecipe, StatsSettings
 
     settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
     return StatsRecipe(corpus, task_set), settings
@@ -429,7 +494,7 @@ def distill(
 ) -> tuple:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
     from kvcompile.calibration.corpus import REPEATING_CORPUS
-    from kvcompile.recipes.distilled.distill import DistillRecipe, DistillSettings
+    from kvcompile.recipes.distilled.recipe import DistillRecipe, DistillSettings
 
     settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
     return DistillRecipe(corpus or REPEATING_CORPUS), settings
@@ -464,8 +529,8 @@ def _suite_settings(
     prompt_format: str,
 ) -> object:
     """The suite settings of eval and tune, from their options."""
-    from kvcompile.evaluation.suite_run import SuiteSettings
-    from kvcompile.tasks.suite import parse_lengths, parse_tasks
+    from kvcompile.evaluation.settings import SuiteSettings
+    from kvcompile.tasks.grid import parse_lengths, parse_tasks
 
     task_names, task_samples = parse_tasks(tasks)
     return SuiteSettings(
@@ -511,15 +576,15 @@ def eval_(
         import datetime
 
         from kvcompile.evaluation.contestants import artifact_paths, check_contestants, default_methods, parse_methods
-        from kvcompile.evaluation.measure import machine
-        from kvcompile.evaluation.report import write_report
         from kvcompile.evaluation.store import RunStore
-        from kvcompile.evaluation.suite_run import evaluate
+        from kvruntime import check_model_spec, position_limit
 
+        check_model_spec(model)
         settings = _suite_settings(
             _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
         )
         settings.check()
+        settings.check_positions(position_limit(model))
         ctx.params["methods"] = methods = methods or default_methods()
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or artifact_folder(model))
@@ -529,7 +594,13 @@ def eval_(
             del record["task_samples"]
         claim_output(resources, out, folder=True)
         store = RunStore(out, record, resume, extendable=("methods",))
+
+        from kvcompile.evaluation.measure import machine
+        from kvcompile.evaluation.report import write_report
+        from kvcompile.evaluation.suite_run import evaluate
+
         loaded, tokenizer = recipe.load_model(model)
+        settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
         header = "\n".join(
             [
@@ -575,7 +646,7 @@ def tune(
 ) -> tuple:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
-    from kvcompile.recipes.tuned_defaults.tuning import TuneRecipe, TuneSettings
+    from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe, TuneSettings
 
     suite = _suite_settings(
         tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
@@ -596,16 +667,25 @@ def merge(
     with clear_errors() as resources:
         import time
 
-        from kvcompile.calibration.distributed import Shard
-        from kvcompile.calibration.partial_statistics import PARTIAL_KIND, merge_partials
-        from kvcompile.recipe import write_result
-        from kvcompile.recipes import RECIPES
-        from kvruntime import load_artifact
+        from kvcompile.recipe import PARTIAL_KIND, claim_artifact
+        from kvruntime import header_params, read_header
 
         started = time.perf_counter()
         if out.resolve() in {path.resolve() for path in partials}:
             raise KVRuntimeError(f"--out {out} is one of the partials being merged: give another file")
-        claim_output(resources, out)
+        statistics_of = set()
+        for path in partials:
+            if read_header(path).get("kind") != PARTIAL_KIND:
+                raise KVRuntimeError(f"{path} is not partial statistics (written by a `--shard i/n` job)")
+            statistics_of.add(str(header_params(path).get("statistics_of")))
+        claim_artifact(resources, out, {PARTIAL_KIND, *statistics_of})
+
+        from kvcompile.calibration.distributed import Shard
+        from kvcompile.calibration.partial_statistics import merge_partials
+        from kvcompile.recipe import write_result
+        from kvcompile.recipes import RECIPES
+        from kvruntime import load_artifact
+
         loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
         shardable = {kind: recipe_type() for kind, recipe_type in RECIPES.items() if recipe_type.shardable}
         artifact = merge_partials(loaded, {kind: shardable[kind].finish for kind in shardable})
@@ -616,6 +696,9 @@ def merge(
 def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors).")]) -> None:
     """Print an artifact's kind, model, tensors and metadata; refuse a file that is not a valid artifact."""
     with clear_errors():
+        from kvruntime import read_header
+
+        read_header(path)  # a missing file or one that is not an artifact is refused before torch loads
         from kvruntime import check_tensors, read_artifact
 
         artifact = read_artifact(path)
@@ -634,4 +717,4 @@ def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors)
 
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -1,15 +1,17 @@
 """What every compile command is: a recipe, run the same way.
 
 A recipe compiles one artifact kind. It is made with the command's inputs (which corpus, which artifacts), takes a
-settings dataclass (the knobs, checked by `check` before anything is loaded), prepares what it reads besides the
-model (`prepare`, also before the model: bad input is refused in a second, not after loading), then
-`run`s over its work items (probes, prompts, rollouts) on the model, with checkpoints and shares where it has them.
+settings dataclass (the knobs, checked by `check` before anything is loaded), says how many positions a work item
+takes (`positions`), prepares what it reads besides the model (`prepare`), all before torch is imported: bad input
+is refused in a fraction of a second, not after loading. Then it `run`s over its work items (probes, prompts, rollouts) on the model, with checkpoints and shares where it has them.
 `finish` turns complete partial statistics into the artifact (what `kvcompile merge` calls), `plot` draws it beside
 the file, and `describe` says in a few lines what was learned. `compile_artifact` is the one skeleton every command
 goes through: check, claim the output, prepare, load the model, run, write, plot, describe.
 
-A new recipe is one package under `kvcompile/recipes/` with a `Recipe` subclass, registered in
-`kvcompile/recipes/__init__.py`, and a command in `cli.py` that turns its options into settings.
+A new recipe is one package under `kvcompile/recipes/` whose torch-free `recipe.py` holds its settings and its
+`Recipe` subclass (importing the work inside `run`, `finish`, `plot`), registered in `kvcompile/recipes/__init__.py`,
+and a command in `cli.py` that turns its options into settings. Every artifact a command writes ends in
+.safetensors, and only an artifact of the kind it writes is ever replaced (`claim_artifact`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,6 +28,9 @@ if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, 
     from kvcompile.calibration.job import CompileJob
 
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
+PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
+ARTIFACT_SUFFIX = ".safetensors"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -60,8 +64,14 @@ class Recipe(abc.ABC):
         is loaded. Returns what `run` gets as `inputs` (default: nothing)."""
         return None
 
-    def check_model(self, settings: Any, model: Any) -> None:
-        """Refuse settings the loaded model cannot serve, before any work (default: none)."""
+    def positions(self, settings: Any) -> tuple[int, str] | None:
+        """The most positions a work item takes in the model, and the options that make it so (None: not known
+        before the model loads). Refused when the model has fewer, before and after it loads."""
+        return None
+
+    def companions(self, out: Path) -> dict[Path, str]:
+        """Artifacts written beside `out` besides the picture, with their kinds (default: none)."""
+        return {}
 
     @abc.abstractmethod
     def run(self, job: CompileJob, settings: Any, inputs: Any) -> Any:
@@ -84,13 +94,10 @@ class Recipe(abc.ABC):
 
 
 class CorpusRecipe(Recipe):
-    """A recipe whose work items are calibration prompts or probes from a corpus, split into shares: it names its
-    compile function `(job, corpus, settings)`, its finisher `(sums, run)` and its picture `(artifact, path)`."""
+    """A recipe whose work items are calibration prompts or probes from a corpus, split into shares (it implements
+    `finish`). The corpus is read in `prepare`, before the model loads."""
 
     shardable = True
-    compile: ClassVar[Callable[..., Any]]
-    finisher: ClassVar[Callable[..., Any]]
-    plotter: ClassVar[Callable[..., str]]
 
     def __init__(self, corpus: str | None = None) -> None:
         self.corpus = corpus  # --corpus (None: the shipped Austen novels)
@@ -99,15 +106,6 @@ class CorpusRecipe(Recipe):
         from kvcompile.calibration.corpus import load_corpus
 
         return load_corpus(self.corpus)
-
-    def run(self, job: CompileJob, settings: Any, corpus: Any) -> Any:
-        return self.compile(job, corpus, settings)
-
-    def finish(self, sums: dict, run: Any) -> Any:
-        return self.finisher(sums, run)
-
-    def plot(self, artifact: Any, path: Path) -> str:
-        return self.plotter(artifact, path)
 
 
 def check_checkpoint_every(items: int) -> None:
@@ -126,6 +124,42 @@ def claim_output(resources: contextlib.ExitStack, path: Path, folder: bool = Fal
     return path
 
 
+def picture_path(artifact: Path) -> Path:
+    """Where an artifact's picture is drawn: beside it, `<stem>.png`."""
+    return artifact.with_suffix(".png")
+
+
+def claim_artifact(
+    resources: contextlib.ExitStack, path: Path, kinds: set[str], lock: bool = True, option: str = "--out"
+) -> Path:
+    """`claim_output` for an artifact and its picture: the name ends in .safetensors (so the picture never takes
+    its place), and what is already there is replaced only when it is an artifact of one of `kinds` (a picture: a
+    PNG). A command never writes over a file it did not make."""
+    from kvruntime import check_output_file, header_kind
+
+    check_output_file(path, option)
+    if path.suffix != ARTIFACT_SUFFIX:
+        raise KVRuntimeError(
+            f"{option} {path}: an artifact's name ends in {ARTIFACT_SUFFIX} (its picture is drawn beside it as .png)"
+        )
+    if path.is_file() and header_kind(path) not in kinds:
+        raise KVRuntimeError(
+            f"{option} {path} exists and is not a {' or '.join(sorted(kinds))} artifact: kvcompile replaces only "
+            "its own artifacts; give another name or move the file"
+        )
+    picture = picture_path(path)
+    if picture.exists() and not (picture.is_file() and _starts_with(picture, PNG_SIGNATURE)):
+        raise KVRuntimeError(
+            f"{option} {path}: its picture's name {picture} is taken by a file that is not a PNG; move that file"
+        )
+    return claim_output(resources, path, lock=lock)
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(len(prefix)) == prefix
+
+
 def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
     """--out, else the model's default artifact; a separate job's partial statistics get a name of their own."""
     if out is not None:
@@ -135,6 +169,15 @@ def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
     return default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
 
 
+def check_device_name(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> None:
+    """Refuse a --device that is no device name, or a kind the command does not run on (torch-free)."""
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_KINDS or (index and not index.isdigit()) or (index and kind != "cuda"):
+        raise KVRuntimeError(f"--device {text!r}: use cpu, cuda, cuda:N or mps")
+    if kind not in supported:
+        raise KVRuntimeError(f"--device {text!r}: this command runs on {', '.join(supported)} only")
+
+
 def resolve_device(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> str:
     """--device as torch names it; `cuda` under torchrun is this rank's GPU (`cuda:LOCAL_RANK`). A device this
     machine lacks, or the command does not support, is refused."""
@@ -142,11 +185,8 @@ def resolve_device(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> str:
 
     import torch
 
+    check_device_name(text, supported)
     kind, _, index = text.partition(":")
-    if kind not in DEVICE_KINDS or (index and not index.isdigit()) or (index and kind != "cuda"):
-        raise KVRuntimeError(f"--device {text!r}: use cpu, cuda, cuda:N or mps")
-    if kind not in supported:
-        raise KVRuntimeError(f"--device {text!r}: this command runs on {', '.join(supported)} only")
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise KVRuntimeError(f"--device {text!r}: this machine has no CUDA device")
@@ -159,12 +199,16 @@ def resolve_device(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> str:
     return text
 
 
+def check_dtype_name(text: str) -> None:
+    if text not in DTYPES:
+        raise KVRuntimeError(f"--dtype {text!r}: use one of {', '.join(DTYPES)}")
+
+
 def resolve_dtype(text: str) -> Any:
     """--dtype as a torch dtype (float32, bfloat16, float16): the model's weights and activations."""
     import torch
 
-    if text not in DTYPES:
-        raise KVRuntimeError(f"--dtype {text!r}: use one of {', '.join(DTYPES)}")
+    check_dtype_name(text)
     return getattr(torch, text)
 
 
@@ -192,23 +236,37 @@ def compile_artifact(
     device: str = "cpu",
     dtype: str = "float32",
 ) -> Any:
-    """Run a compile command end to end: refuse bad input before the model loads, claim the output, run the recipe
-    on the model, then write the artifact (`write_result`)."""
-    from kvcompile.calibration.distributed import Shard, parse_shard
-    from kvcompile.calibration.job import CompileJob
+    """Run a compile command end to end: refuse bad input before torch loads (settings, model, device, shard,
+    positions, outputs, inputs), run the recipe on the model, then write the artifact (`write_result`)."""
+    from kvcompile.calibration.shards import Shard, planned_shard
+    from kvruntime import check_model_spec, check_positions, position_limit
 
     started = time.perf_counter()
     recipe.check(settings)
-    device = resolve_device(device, recipe.devices)
-    resolve_dtype(dtype)
+    check_model_spec(model)
+    check_device_name(device, recipe.devices)
+    check_dtype_name(dtype)
     check_checkpoint_every(checkpoint_every)
     if shard is not None and not recipe.shardable:
         raise KVRuntimeError(f"{recipe.kind} is compiled in one run: --shard does not apply")
-    share = parse_shard(shard) if recipe.shardable else Shard()
-    target = claim_output(resources, compile_target(out, model, recipe.kind, share), lock=share.writes_results)
+    planned = planned_shard(shard) if recipe.shardable else Shard()
+    positions = recipe.positions(settings)
+    if positions is not None:
+        check_positions(positions[0], position_limit(model), positions[1])
+    kinds = {recipe.kind, PARTIAL_KIND} if recipe.shardable else {recipe.kind}
+    target = claim_artifact(resources, compile_target(out, model, recipe.kind, planned), kinds, planned.writes_results)
+    for companion, kind in recipe.companions(target).items():
+        claim_artifact(resources, companion, {kind}, planned.writes_results, option=f"the {kind} beside --out:")
     inputs = recipe.prepare(settings)
+
+    from kvcompile.calibration.distributed import parse_shard
+    from kvcompile.calibration.job import CompileJob
+
+    device = resolve_device(device, recipe.devices)
+    share = parse_shard(shard) if recipe.shardable else Shard()
     loaded, tokenizer = load_model(model, device=device, dtype=dtype)
-    recipe.check_model(settings, loaded)
+    if positions is not None:
+        check_positions(positions[0], getattr(loaded.config, "max_position_embeddings", None), positions[1])
     job = CompileJob(loaded, tokenizer, target, resume, checkpoint_every, share)
     artifact = recipe.run(job, settings, inputs)
     write_result(recipe, artifact, target, started, share, echo)
@@ -223,7 +281,6 @@ def write_result(recipe: Recipe | None, artifact: Any, out: Path, started: float
     describe it. In a process group rank 0 writes; partial statistics of a separate job get no picture."""
     from kvcompile.calibration.checkpoint import discard_checkpoint
     from kvcompile.calibration.distributed import wait_for_all
-    from kvcompile.calibration.partial_statistics import PARTIAL_KIND
     from kvruntime import save_artifact
 
     if shard.writes_results:
@@ -238,7 +295,7 @@ def write_result(recipe: Recipe | None, artifact: Any, out: Path, started: float
         done, total = int(artifact.tensors["items_done"].sum()), artifact.params["items"]
         echo(f"partial statistics ({done} of {total} items): add the other shards with `kvcompile merge`")
         return
-    echo(recipe.plot(artifact, out.with_suffix(".png")))
+    echo(recipe.plot(artifact, picture_path(out)))
     description = recipe.describe(artifact)
     if description:
         echo(description)

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from safetensors.torch import save_file
 
 from kvruntime.artifact import Artifact, load_artifact, read_artifact, save_artifact
-from kvruntime.errors import ArtifactError
+from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 
 
@@ -46,7 +46,7 @@ def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, llama, mon
         raise OSError("disk full")
 
     monkeypatch.setattr("kvruntime.artifact.save_file", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(KVRuntimeError, match="cannot write .*a.safetensors: disk full"):
         save_artifact(make_artifact(llama, layer_error=torch.zeros(4)), target)
     assert target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]

@@ -171,6 +171,8 @@ def test_a_compile_command_refuses_a_bad_input_artifact_before_writing(workdir, 
         str(make(workdir)),
         "--corpus",
         "corpus.txt",
+        "--prompt-tokens",
+        "96",
         "--out",
         "out/layer_budgets.safetensors",
     ]

@@ -136,7 +136,8 @@ def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothi
     monkeypatch.setattr(
         recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the settings were checked")
     )
-    result = runner.invoke(app, [*args, "--out", str(tmp_path / "out")])
+    out = tmp_path / ("out" if args[0] == "eval" else "out.safetensors")  # eval writes a folder, tune an artifact
+    result = runner.invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1

@@ -10,8 +10,9 @@ from kvcompile.calibration.checkpoint import checkpoint_path, save_checkpoint
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
-from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
-from kvcompile.recipes.compresskv.heads import HeadsSettings, compile_head_scores
+from kvcompile.recipes.compresskv.budgets import compile_layer_errors
+from kvcompile.recipes.compresskv.heads import compile_head_scores
+from kvcompile.recipes.compresskv.recipe import BudgetsSettings, HeadsSettings
 from kvruntime.artifact import load_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 

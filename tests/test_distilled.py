@@ -14,16 +14,17 @@ import kvruntime
 from kvcompile import recipe
 from kvcompile.calibration.distributed import Shard
 from kvcompile.calibration.job import CompileJob
-from kvcompile.calibration.partial_statistics import PARTIAL_KIND, merge_partials
+from kvcompile.calibration.partial_statistics import merge_partials
 from kvcompile.cli import app
+from kvcompile.recipe import PARTIAL_KIND
 from kvcompile.recipes.distilled import distill
 from kvcompile.recipes.distilled.distill import (
-    HELD_OUT_EVERY,
     compile_distilled_scorer,
     finish_distilled_scorer,
     held_out_error,
     ridge,
 )
+from kvcompile.recipes.distilled.recipe import HELD_OUT_EVERY
 from kvruntime import Artifact, DistilledScorer, KVRuntimeError, model_fingerprint, save_artifact, token_features
 from kvruntime.allocation import error_aware_budgets
 from kvruntime.methods.distilled import likeness_to_earlier
@@ -217,12 +218,12 @@ def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tm
     [
         (["--oracle", "psychic"], "--oracle 'psychic': use one of reconstruction, repeat"),
         (["--prompts", "2"], "--prompts must be at least 4"),
-        (["--corpus", "short.txt", "--prompt-tokens", "4096"], "too short for 4096-token prompts"),
+        (["--corpus", "short.txt", "--prompt-tokens", "200"], "too short for 200-token prompts"),
     ],
 )
 def test_bad_distill_input_is_refused_in_one_line_and_nothing_is_written(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "short.txt").write_text("a few words only. " * 50)
+    (tmp_path / "short.txt").write_text("a few words only. " * 8)
     monkeypatch.setattr(recipe, "load_model", lambda model, **_: (tiny_model("llama"), CharTokenizer()))
     result = runner.invoke(app, ["distill", "--out", "d.safetensors", *args])
     assert result.exit_code == 2, result.output

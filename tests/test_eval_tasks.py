@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 
 from kvcompile.calibration.corpus import load_corpus
+from kvcompile.tasks.grid import SUITE_TASKS, WITHOUT_DEPTH, parse_lengths, sample_depth
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES
 from kvcompile.tasks.qa import MOBY_DICK_QUESTIONS
-from kvcompile.tasks.suite import SUITE_TASKS, WITHOUT_DEPTH, parse_lengths, sample_depth, suite_prompts
+from kvcompile.tasks.suite import suite_prompts
 from kvruntime.errors import KVRuntimeError
 
 LENGTHS = [1024, 2048]

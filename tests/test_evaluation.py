@@ -23,10 +23,11 @@ from kvcompile.evaluation.metrics import (
 )
 from kvcompile.evaluation.report import paired_auc_table, results_table, summary_table
 from kvcompile.evaluation.runner import answer
+from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
-from kvcompile.evaluation.suite_run import SuiteSettings, run_order
+from kvcompile.evaluation.suite_run import run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
-from kvcompile.tasks.suite import parse_tasks, suite_cells
+from kvcompile.tasks.grid import parse_tasks, suite_cells
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint

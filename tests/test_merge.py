@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from kvcompile.calibration.distributed import Shard, parse_shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
-from kvcompile.recipes.compresskv.budgets import BudgetsSettings, compile_layer_errors
+from kvcompile.recipes.compresskv.budgets import compile_layer_errors
+from kvcompile.recipes.compresskv.recipe import BudgetsSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
@@ -108,7 +109,7 @@ def test_partials_that_do_not_belong_together_are_refused_and_nothing_is_written
 def test_a_finished_artifact_is_not_merged(tmp_path, whole):
     path = save_artifact(whole, tmp_path / "whole.safetensors")
     result = merge(path, stats_shards(tmp_path, 2)[1], out=tmp_path / "merged.safetensors")
-    assert result.exit_code == 2 and "expected 'partial_statistics'" in result.output
+    assert result.exit_code == 2 and "is not partial statistics" in result.output
 
 
 @pytest.mark.parametrize("text, message", [("2/2", "i must lie in [0, n)"), ("one", "write it as i/n")])

@@ -3,9 +3,11 @@ through the API, the project's own error with the model left usable. Tiny models
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -116,7 +118,8 @@ def test_artifacts_get_the_umasks_modes(tmp_path):
 def _partial(folder: Path, index: int) -> Path:
     from kvcompile.calibration.corpus import load_corpus
     from kvcompile.calibration.distributed import parse_shard
-    from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
+    from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
+    from kvcompile.recipes.kvcompose.recipe import StatsSettings
 
     out = folder / f"s{index}.safetensors"
     settings = StatsSettings(ratios=(0.5,), prompts=2, prompt_tokens=96)
@@ -147,9 +150,14 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_model_loads(workd
     assert_refused(workdir, [*STATS, "--out", "folder"], "--out folder is a folder: give a file name")
     locked = workdir / "readonly"
     locked.mkdir()
-    real_access = os.access
-    # The tests run as root, who may write anywhere: the permission check is made to see a read-only folder.
-    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):  # the tests run as root, who may write anywhere: a read-only folder
+        if dir is not None and Path(dir) == locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     assert_refused(workdir, [*STATS, "--out", "readonly/s.safetensors"], "cannot write in")
     assert_refused(workdir, ["eval", "--out", "readonly/results"], "cannot write in")
     assert_refused(workdir, ["tune", "--out", "readonly/t.safetensors"], "cannot write in")
@@ -185,7 +193,7 @@ def test_heads_refuses_lengths_it_cannot_probe(workdir, monkeypatch):
     assert_refused(
         workdir,
         ["heads", "--corpus", "corpus.txt", "--lengths", too_long],
-        f"is longer than the model's {TINY['max_position_embeddings']} positions",
+        f"--lengths {too_long}: {too_long} positions, more than the model's {TINY['max_position_embeddings']}",
     )
 
 
@@ -312,7 +320,7 @@ def test_a_full_disk_during_a_write_leaves_the_old_artifact_and_no_temporary_fil
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     monkeypatch.setattr("kvruntime.artifact.save_file", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(KVRuntimeError, match="cannot write .*heads.safetensors: No space left on device"):
         heads_artifact(tmp_path, srh_score=torch.zeros(4, 4))
     assert listing(tmp_path) == before
     kvruntime.read_artifact(path)  # still whole

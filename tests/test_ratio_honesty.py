@@ -14,7 +14,8 @@ from conftest import CharTokenizer, tiny_model
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
-from kvcompile.recipes.kvcompose.attention_stats import StatsSettings, compile_attention_stats
+from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
+from kvcompile.recipes.kvcompose.recipe import StatsSettings
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.fingerprint import model_fingerprint
 

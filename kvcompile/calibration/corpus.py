@@ -18,13 +18,12 @@ from collections.abc import Callable, Iterable, Iterator, MutableSequence, Seque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvcompile.shipped import shipped_folder
 from kvruntime import KVRuntimeError, first_line
 
 if TYPE_CHECKING:
     import datasets
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
@@ -202,6 +201,8 @@ def calibration_prompts(
     corpus: Corpus, tokenizer: PreTrainedTokenizerBase, count: int, tokens: int, seed: int
 ) -> list[tuple[int, torch.Tensor]]:
     """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
+    import torch
+
     rng = random.Random(seed)
     prompts = []
     for index in range(count):

@@ -9,7 +9,6 @@ small and on the CPU anyway.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
@@ -17,42 +16,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvcompile.calibration.shards import Shard, shard_from_text
 from kvruntime import KVRuntimeError
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    index: int = 0
-    count: int = 1
-    in_process_group: bool = False
-
-    def items(self, total: int) -> range:
-        return range(self.index, total, self.count)
-
-    @property
-    def is_whole(self) -> bool:
-        return self.count == 1
-
-    @property
-    def writes_results(self) -> bool:
-        """In a process group only rank 0 writes; every separate job writes its own partial statistics."""
-        return not self.in_process_group or self.index == 0
-
-    def describe(self) -> str:
-        return f"{self.index}/{self.count}"
 
 
 def parse_shard(text: str | None) -> Shard:
     """`--shard i/n` of a separate job; None is the whole run (or this rank's share under torchrun)."""
     if text is None:
         return process_group_shard()
-    index, _, count = text.partition("/")
-    try:
-        shard = Shard(int(index), int(count))
-    except ValueError:
-        raise KVRuntimeError(f"--shard {text!r}: write it as i/n, e.g. 0/4 for the first of four jobs") from None
-    if not 0 <= shard.index < shard.count:
-        raise KVRuntimeError(f"--shard {text!r}: i must lie in [0, n)")
+    shard = shard_from_text(text)
     if dist.is_initialized():
         raise KVRuntimeError("--shard is for separate jobs: under torchrun every rank takes its share by itself")
     return shard

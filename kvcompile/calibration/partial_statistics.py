@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
 from kvcompile.calibration.distributed import agree_on_settings, differing_settings, gather_dicts
 from kvcompile.calibration.job import CompileJob
+from kvcompile.recipe import PARTIAL_KIND
 from kvruntime import Artifact, KVRuntimeError, ModelFingerprint
 
-PARTIAL_KIND = "partial_statistics"
 DONE = "items_done"
 ERROR = ".error"
 
@@ -70,16 +70,16 @@ def accumulate(
         sums = saved[0]
     todo = [item for item in shard.items(run.items) if not sums[DONE][item]]
     mine = len(shard.items(run.items))
-    bar = tqdm(total=mine, initial=mine - len(todo), desc=label, unit=unit, disable=not shard.writes_results)
-    for done, item in enumerate(todo, start=1):
-        contribution = {name: torch.zeros_like(tensor) for name, tensor in zeros.items()}
-        add_item(item, contribution)
-        contribution[DONE][item] = 1
-        sums = combine([sums, contribution])
-        bar.update()
-        if done % job.checkpoint_every == 0 and done < len(todo):
-            save_checkpoint(out, sums, {"items_done": int(sums[DONE].sum())}, identity, shard)
-    bar.close()
+    # Closed however the loop ends: an error's line starts on a line of its own, not after the bar.
+    with tqdm(total=mine, initial=mine - len(todo), desc=label, unit=unit, disable=not shard.writes_results) as bar:
+        for done, item in enumerate(todo, start=1):
+            contribution = {name: torch.zeros_like(tensor) for name, tensor in zeros.items()}
+            add_item(item, contribution)
+            contribution[DONE][item] = 1
+            sums = combine([sums, contribution])
+            bar.update()
+            if done % job.checkpoint_every == 0 and done < len(todo):
+                save_checkpoint(out, sums, {"items_done": int(sums[DONE].sum())}, identity, shard)
     return combine(gather_dicts(shard, sums))
 
 

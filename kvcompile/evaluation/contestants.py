@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 
 from kvruntime import (
     ARTIFACT_KINDS,
     KVRuntimeError,
+    Request,
     check_method_options,
     parse_method_name,
     parse_option_pairs,
@@ -60,11 +62,8 @@ class Contestant:
 
 
 def kvpress_available() -> bool:
-    try:
-        import kvpress  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether kvpress is installed (found, not imported: importing it loads torch and transformers)."""
+    return importlib.util.find_spec("kvpress") is not None
 
 
 def default_methods() -> str:
@@ -124,13 +123,13 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
 
 
 def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
-    """Build each kvcompile method from its artifacts and let it refuse a ratio it cannot serve, before the model
-    loads (the artifacts are checked against the model when they are applied)."""
-    from kvruntime import Request, check_method_serves
+    """Let each kvcompile method refuse a ratio it cannot serve from its artifacts' headers, before torch loads (the
+    artifacts' tensors are checked when the methods are built, and against the model when they are applied)."""
+    from kvruntime import check_serves
 
     requests = [Request(ratio=ratio) for ratio in ratios]
     for contestant in contestants:
         if contestant.kind == "kvcompile":
-            check_method_serves(
+            check_serves(
                 contestant.method, paths[contestant.label], contestant.options, requests, contestant.prefill_chunk_size
             )

@@ -5,10 +5,30 @@ leaves no folder behind)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 from kvruntime import KVRuntimeError, write_atomically
+
+RUN_FILES = ("run.json", "runs.jsonl")
+
+
+def check_run_folder(folder: Path, option: str = "--out") -> None:
+    """A run writes into a folder that is new, empty, or an earlier run's (it holds runs.jsonl): never into a
+    folder of other files, whose names its reports could take."""
+    if folder.is_dir() and not (folder / "runs.jsonl").is_file() and any(folder.iterdir()):
+        raise KVRuntimeError(
+            f"{option} {folder} holds files that are not a kvcompile run's: give a new or empty folder"
+        )
+
+
+def discard_run_records(folder: Path) -> None:
+    """Remove the records a run kept in `folder`, and the folder if nothing else is in it."""
+    for name in RUN_FILES:
+        (folder / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: what else is there is not ours to remove
+        folder.rmdir()
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -20,9 +40,10 @@ class RunStore:
     made); every other setting must be the same."""
 
     def __init__(self, folder: Path, settings: dict, resume: bool, extendable: tuple[str, ...] = ()) -> None:
+        check_run_folder(folder)
         self.folder = folder
         self.records: list[dict] = []
-        settings_path, runs_path = folder / "run.json", folder / "runs.jsonl"
+        settings_path, runs_path = (folder / name for name in RUN_FILES)
         if runs_path.exists() and not resume:
             raise KVRuntimeError(
                 f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out"

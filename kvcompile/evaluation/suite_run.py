@@ -3,55 +3,22 @@ cache first: it is the reference of every fidelity score and of the prefill time
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from kvcompile.calibration.corpus import Corpus, load_corpus
+from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.metrics import greedy_agreement, next_token_kl
 from kvcompile.evaluation.runner import Answer, answer, split_prompt
+from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
-from kvcompile.prompt_format import check_prompt_format
+from kvcompile.tasks.grid import suite_cells
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvcompile.tasks.suite import check_tasks, suite_cells, suite_prompts
-from kvruntime import KVRuntimeError
 
 HELD_OUT_BOOK = "moby-dick"  # calibration reads Austen
-
-
-@dataclasses.dataclass(frozen=True)
-class SuiteSettings:
-    ratios: tuple[float, ...]
-    tasks: tuple[str, ...]
-    lengths: tuple[int, ...]
-    samples: int
-    seed: int
-    question_aware: bool
-    new_tokens: int
-    prompt_format: str = "auto"
-    task_samples: dict[str, int] = dataclasses.field(default_factory=dict)  # tasks given a count of their own
-
-    @property
-    def samples_per_task(self) -> dict[str, int]:
-        return {task: self.task_samples.get(task, self.samples) for task in self.tasks}
-
-    def prompts(self, corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> list[TaskPrompt]:
-        """The run's prompts, in the suite's order (`suite_prompts`)."""
-        return suite_prompts(
-            corpus, tokenizer, self.tasks, self.lengths, self.samples_per_task, self.seed, self.prompt_format
-        )
-
-    def check(self) -> None:
-        if not self.ratios or any(not 0.0 < r < 1.0 for r in self.ratios):
-            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give compression ratios in (0, 1)")
-        check_tasks(self.tasks)
-        check_prompt_format(self.prompt_format)
-        if self.samples < 1 or self.new_tokens < 1:
-            raise KVRuntimeError("--samples and --new-tokens must be at least 1")
 
 
 def evaluate(

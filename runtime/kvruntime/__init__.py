@@ -79,6 +79,10 @@ _EXPORTS = {
     **dict.fromkeys(
         ("cache_root", "check_output_file", "check_output_folder", "path_lock", "write_atomically"), "files"
     ),
+    # Torch-free checks of what a command asks for: an artifact's header, the model's positions, what a method serves.
+    **dict.fromkeys(("check_artifact_file", "header_kind", "header_params", "read_header"), "artifact_header"),
+    **dict.fromkeys(("check_model_spec", "check_positions", "position_limit"), "model_spec"),
+    **dict.fromkeys(("UTILITIES", "WINDOWS", "MethodFacts", "check_serves", "method_facts"), "serving"),
     # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
     # cache_argument, hooked_cache, output_cache: the cache under either name transformers gives it.
     **dict.fromkeys(
@@ -89,7 +93,7 @@ _EXPORTS = {
     **dict.fromkeys(("query_hooks", "window_attention"), "window"),
     "task_attention_maxima": "second_pass",
     **dict.fromkeys(
-        ("UTILITIES", "LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"),
+        ("LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"),
         "methods.compilerkv",
     ),
     **dict.fromkeys(("candidate_count", "kept_counts", "quantile_edges", "risk_bin"), "methods.compilerkv.risk_gate"),

@@ -23,13 +23,12 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 from torch import nn
 
+from .artifact_header import FORMAT_NAME, FORMAT_VERSION, check_artifact_file
 from .artifact_kinds import ARTIFACT_KINDS, KNOWN_KINDS
 from .errors import ArtifactError, first_line, short_repr
 from .files import write_atomically
 from .fingerprint import ModelFingerprint, model_fingerprint
 
-FORMAT_NAME = "kvcompile-artifact"
-FORMAT_VERSION = 1
 T = TypeVar("T")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DTYPES = {
@@ -86,11 +85,7 @@ def write_safetensors_atomically(
 def read_artifact(path: str | os.PathLike) -> Artifact:
     """Read and validate the file itself (format, version, checksum, finite values, well-formed metadata of a known
     kind); no model is needed."""
-    source = Path(path)
-    if source.is_dir():
-        raise ArtifactError(f"{source} is a folder: give an artifact file (.safetensors)")
-    if not source.is_file():
-        raise ArtifactError(f"{source}: no such artifact file")
+    source = check_artifact_file(path)
     try:
         metadata, tensors = _read_safetensors(source.read_bytes())
     except Exception as exc:  # safetensors raises several types for truncated or foreign files

@@ -41,10 +41,12 @@ from .cache_ops import (
 )
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
+from .model_spec import check_positions
 from .report import CompressionReport
 from .request import DEFAULT_METHOD, Request
 from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
+from .serving import check_memory
 from .tuned_defaults import TunedDefaults
 from .window import hooked_window_queries
 
@@ -104,11 +106,7 @@ class CompressionSession:
         self.request = Request(ratio, budget, memory)
         method.check_request(self.request)
         check_prefill_chunk_size(method, prefill_chunk_size)
-        if method.required_memory() not in (None, memory):
-            raise KVRuntimeError(
-                f"{method.name} with these options keeps different numbers of entries per head: use "
-                f"memory={method.required_memory()!r}"
-            )
+        check_memory(method.name, method.required_memory(), memory)
         self.model = model
         self.method = method
         self.artifacts = list(artifacts)
@@ -206,6 +204,9 @@ class CompressionSession:
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
             raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
+        check_positions(
+            length, getattr(self.model.config, "max_position_embeddings", None), f"a prompt of {length} tokens"
+        )
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
         state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
         if self.method.budgets_known_in_advance:

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import KVRuntimeError
+from .errors import KVRuntimeError, first_line
 
 
 def umask_mode(mode: int) -> int:
@@ -23,19 +23,24 @@ def umask_mode(mode: int) -> int:
 
 def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """`write(temporary name)` in the target folder, fsync, then rename: the final name never holds half a file,
-    and a reader sees the old file or the new one, whole."""
+    and a reader sees the old file or the new one, whole. A failed write (a full disk, a folder removed or made
+    read-only meanwhile) leaves no temporary file and is one `KVRuntimeError` naming the file."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    tmp_name = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
         write(tmp_name)
         os.chmod(tmp_name, umask_mode(0o666))  # after the write: a writer may replace the file it was given
         with open(tmp_name, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise KVRuntimeError(f"cannot write {target}: {exc.strerror or first_line(exc)}") from None
         raise
     return target
 
@@ -62,10 +67,16 @@ def _existing_ancestor(folder: Path) -> Path:
 
 
 def _check_writable_folder(folder: Path, what: str) -> None:
+    """Try it: create and remove a file in `folder` (permission bits say nothing of /proc, a read-only mount or a
+    full disk)."""
     if not folder.is_dir():
         raise KVRuntimeError(f"{what}: {folder} is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise KVRuntimeError(f"{what}: cannot write in {folder} (permission denied)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvcompile-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise KVRuntimeError(f"{what}: cannot write in {folder} ({exc.strerror or first_line(exc)})") from None
 
 
 def cache_root() -> Path:
@@ -85,15 +96,37 @@ def path_lock(path: Path, wait: bool) -> Iterator[None]:
         return
     target = str(Path(path).absolute())
     lock = cache_root() / "locks" / f"{Path(target).name}-{hashlib.sha256(target.encode()).hexdigest()[:16]}.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KVRuntimeError(f"cannot create the lock folder {lock.parent}: {exc.strerror}") from None
+    handle = _locked(lock, fcntl, wait, path)
+    try:
+        yield
+    finally:
+        # Removed while still held: a process that opened the old file before this unlink finds, once it has the
+        # lock, that its file is no longer the one under the name, and starts again (`_locked`).
+        lock.unlink(missing_ok=True)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def _locked(lock: Path, fcntl: object, wait: bool, path: Path) -> object:
+    """An open handle on `lock`, flocked, that is still the file under that name (lock files are removed on
+    release, so a lock taken on a file just unlinked is taken again on the new one)."""
+    while True:
+        handle = open(lock, "a")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            handle.close()
             raise KVRuntimeError(
                 f"another run is writing {path}: wait for it to finish, or give another --out"
             ) from None
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            current = os.stat(lock)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(current, os.fstat(handle.fileno())):
+            return handle
+        handle.close()  # releases the stale lock

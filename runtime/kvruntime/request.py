@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 
-from .errors import KVRuntimeError
+from .errors import KVRuntimeError, short_repr
 
 MEMORY_MODES = ("padded", "masked")
 ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
@@ -72,24 +73,35 @@ class Request:
 
 
 def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
-    """Refuse a bad request before any model work: unknown memory mode, ratio or budget out of range."""
+    """Refuse a bad request before any model work: unknown memory mode, a ratio or budget of the wrong type or out
+    of range."""
     if memory not in MEMORY_MODES:
-        raise KVRuntimeError(f"unknown memory mode {memory!r} (use one of {', '.join(MEMORY_MODES)})")
-    kept_per_head(length=1 << 30, window=1, ratio=ratio, budget=budget)
+        raise KVRuntimeError(f"unknown memory mode {short_repr(memory)} (use one of {', '.join(MEMORY_MODES)})")
+    _check_amount(ratio, budget)
+
+
+def _check_amount(ratio: float | None, budget: int | None) -> None:
+    if (ratio is None) == (budget is None):
+        raise KVRuntimeError("give exactly one of ratio or budget")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+            raise KVRuntimeError(f"ratio {short_repr(ratio)} is not a number: give the fraction of entries removed")
+        if not 0.0 <= ratio < 1.0:
+            raise KVRuntimeError(f"ratio {ratio} is outside [0, 1): it is the fraction of cache entries removed")
+    else:
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+            raise KVRuntimeError(f"budget {short_repr(budget)} is not a whole number of tokens per layer")
+        if budget < 1:
+            raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
 
 
 def kept_per_head(length: int, window: int, ratio: float | None = None, budget: int | None = None) -> int:
     """Average number of entries each (layer, KV head) keeps: from a ratio of entries removed, or a budget of
     tokens per layer (at most the prompt's length). Never fewer than the protected window."""
-    if (ratio is None) == (budget is None):
-        raise KVRuntimeError("give exactly one of ratio or budget")
+    _check_amount(ratio, budget)
     if ratio is not None:
-        if not 0.0 <= ratio < 1.0:
-            raise KVRuntimeError(f"ratio {ratio} is outside [0, 1): it is the fraction of cache entries removed")
         keep = length - math.floor(ratio * length)
     else:
-        if budget < 1:
-            raise KVRuntimeError(f"budget {budget} must be a positive number of tokens per layer")
         if budget > length:
             raise KVRuntimeError(
                 f"budget {budget} tokens per layer is larger than the prompt ({length} tokens): nothing to compress; "

@@ -21,6 +21,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from kvcompile.recipes.compilerkv.recipe import check_experience_format
 from kvruntime import Artifact, KVRuntimeError
 
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)
@@ -145,7 +146,7 @@ class Experience:
 
     @classmethod
     def from_artifact(cls, artifact: Artifact) -> Experience:
-        check_experience_format(artifact)
+        check_experience_format(artifact.path, artifact.kind, artifact.params)
         t = artifact.tensors
         experience = cls(
             head=Records.from_tensors(HEAD_COLUMNS, t, "head"),
@@ -163,19 +164,6 @@ class Experience:
         if len(experience.head) == 0 or len(experience.gate) == 0:
             raise KVRuntimeError(f"{artifact.path}: the experience holds no head or no gate records")
         return experience
-
-
-def check_experience_format(artifact: Artifact) -> None:
-    """Refuse experience of another kind, or collected before the keep rule was recorded: its rewards were measured
-    under the elastic gate with absolute head weights, which the tables learned now would not be run under. Called
-    before the tensors' schema check, so an old artifact gets this line rather than a missing tensor's name."""
-    if artifact.kind != "compilerkv_experience":
-        raise KVRuntimeError(f"{artifact.path}: a {artifact.kind} artifact, not compilerkv_experience")
-    if "elastic" not in artifact.params:
-        raise KVRuntimeError(
-            f"{artifact.path}: experience from an older kvcompile (collected under the elastic gate with absolute "
-            "head weights, before the keep rule was recorded): collect it again with `kvcompile tables`"
-        )
 
 
 def table_advantage(

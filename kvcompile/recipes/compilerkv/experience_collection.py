@@ -21,8 +21,8 @@ from transformers import DynamicCache
 
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Records
 from kvcompile.recipes.compilerkv.continuation_nll import BaseRollout, ContinuationScorer, PrefilledPrompt
+from kvcompile.recipes.compilerkv.recipe import WINDOW, ExperienceDesign
 from kvruntime import (
-    CompilerKV,
     KVRuntimeError,
     LayerSignals,
     PromptSignals,
@@ -37,20 +37,6 @@ from kvruntime import (
     risk_bin,
     top_indices,
 )
-
-WINDOW = CompilerKV.window  # the runtime method's observation window: the rollouts see what it sees
-
-
-@dataclasses.dataclass(frozen=True)
-class ExperienceDesign:
-    """How much is probed per (prompt, budget): (layer, KV group) pairs x weights for the head table (every query
-    head of a probed group gets the same weights), layers x thresholds for the gate."""
-
-    head_groups: int = 2  # (layer, KV group) pairs probed for the head table
-    head_actions: int = 8  # weight settings tried on each
-    gate_layers: int = 4  # layers probed for the gate table
-    gate_actions: int = 7  # thresholds tried on each
-    action_stride: int = 1  # actions are drawn from every `action_stride`-th grid point (more records per action)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,20 +17,8 @@ import warnings
 import numpy as np
 import torch
 
+from kvcompile.recipes.compilerkv.recipe import CQLSettings
 from kvruntime import KVRuntimeError
-
-
-@dataclasses.dataclass(frozen=True)
-class CQLSettings:
-    """Defaults from the authors' code (alpha, AdamW, weight decay); steps and batch sized for our data."""
-
-    alpha: float = 0.75  # weight of the conservative penalty on unseen actions
-    learning_rate: float = 3e-4  # AdamW
-    weight_decay: float = 0.01  # AdamW
-    batch_size: int = 256  # records per gradient step
-    steps: int = 2000  # gradient steps per fit
-    epochs: int = 10  # learning-curve points per fit (steps are split evenly)
-    seed: int = 0
 
 
 @dataclasses.dataclass

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
-from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.distributed import (
     Shard,
     agree_on_settings,
@@ -28,7 +27,6 @@ from kvcompile.calibration.distributed import (
 )
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipe import Recipe
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
     GATE_COLUMNS,
@@ -37,12 +35,9 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
     HEAD_FALLBACK,
     Experience,
     Records,
-    check_experience_format,
     gate_fallback,
 )
 from kvcompile.recipes.compilerkv.experience_collection import (
-    WINDOW,
-    ExperienceDesign,
     SelectionRule,
     collect_unit,
     prefill_prompt,
@@ -51,74 +46,22 @@ from kvcompile.recipes.compilerkv.experience_collection import (
     stratified_choice,
 )
 from kvcompile.recipes.compilerkv.offline_cql import (
-    CQLSettings,
     GreedyTable,
     fit_greedy_table,
     gate_state_features,
     head_state_features,
 )
-from kvcompile.recipes.compilerkv.plots import plot_compilerkv_tables
+from kvcompile.recipes.compilerkv.recipe import WINDOW, CQLSettings, TablesSettings
 from kvruntime import (
-    UTILITIES,
     Artifact,
     KVRuntimeError,
     ModelFingerprint,
-    load_artifact,
     model_fingerprint,
     quantile_edges,
-    read_artifact,
     risk_bin,
-    save_artifact,
 )
 
 PHASES = ("head", "gate")
-
-
-@dataclasses.dataclass(frozen=True)
-class TablesSettings:
-    budgets: tuple[int, ...] = (256, 512)
-    prompts: int = 32
-    candidates: int = 64  # prompts whose risk is measured; `prompts` of them are chosen across the risk strata
-    strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
-    context: int = 2048
-    continuation: int = 128
-    rounds: int = 2
-    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
-    entropy_bins: int = 20
-    perplexity_bins: int = 4
-    penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
-    elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
-    utility: str = "head"  # the stabilized utility the tables weight (kvruntime.UTILITIES)
-    design: ExperienceDesign = ExperienceDesign()
-    cql: CQLSettings = CQLSettings()
-    seed: int = 0
-    batch_size: int = 8  # variants decoded together
-
-    def check(self) -> None:
-        if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
-            raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
-        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
-            raise KVRuntimeError(
-                f"--budgets must lie between the {WINDOW}-token window and the {self.context}-token context "
-                f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
-                "nothing is compressed"
-            )
-        if self.candidates < self.prompts:
-            raise KVRuntimeError(
-                f"--candidates {self.candidates}: give at least as many candidate prompts as --prompts {self.prompts}"
-            )
-        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
-            raise KVRuntimeError(
-                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
-                f"more than the {WINDOW}-token window"
-            )
-        if self.entropy_bins < 1 or self.perplexity_bins < 1:
-            raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
-        if self.utility not in UTILITIES:
-            raise KVRuntimeError(f"--utility {self.utility!r}: choose one of {', '.join(UTILITIES)}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -488,37 +431,3 @@ def describe_tables(artifact: Artifact) -> str:
             + (", ".join(f"({h:.2f}, {g:.2f})" for h, g in changes) or "relearned from experience"),
         ]
     )
-
-
-class TablesRecipe(Recipe):
-    kind = "compilerkv_tables"
-    devices = ("cpu",)  # the rollouts and d3rlpy's CQL run on the CPU
-
-    def __init__(self, corpus: str | None = None, from_experience: Path | None = None) -> None:
-        self.corpus = corpus
-        self.from_experience = from_experience  # relearn from a stored compilerkv_experience artifact, no rollouts
-
-    def check(self, settings: TablesSettings) -> None:
-        if self.from_experience is None:  # else the settings are the experience's own
-            settings.check()
-
-    def prepare(self, settings: TablesSettings) -> Corpus | None:
-        if self.from_experience is not None:
-            check_experience_format(read_artifact(self.from_experience))
-            return None
-        return load_corpus(self.corpus)
-
-    def run(self, job: CompileJob, settings: TablesSettings, corpus: Corpus | None) -> Artifact:
-        if self.from_experience is not None:
-            return relearn_tables(load_artifact(self.from_experience, model=job.model, kind="compilerkv_experience"))
-        tables, experience = compile_tables(job, corpus, settings)
-        experience_path = job.out.with_name("compilerkv_experience.safetensors")
-        save_artifact(experience, experience_path)
-        print(f"wrote {experience_path}")
-        return tables
-
-    def plot(self, artifact: Artifact, path: Path) -> str:
-        return plot_compilerkv_tables(artifact, path)
-
-    def describe(self, artifact: Artifact) -> str:
-        return describe_tables(artifact)

@@ -8,9 +8,6 @@ on the full cache, so errors do not cascade between layers.
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -18,17 +15,13 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipe import CorpusRecipe
 from kvcompile.recipes.compresskv.attention_capture import attention_output
-from kvcompile.recipes.compresskv.plots import plot_layer_budgets
+from kvcompile.recipes.compresskv.recipe import BudgetsSettings
 from kvruntime import (
     Artifact,
-    KVRuntimeError,
     SemanticRetrievalHeads,
-    load_artifact,
     model_fingerprint,
     query_hooks,
-    read_artifact,
     tensors_checksum,
     top_indices,
 )
@@ -73,18 +66,6 @@ def layer_errors_of_prompt(
             prompt_ids.to(model.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
         )
     return errors
-
-
-@dataclasses.dataclass(frozen=True)
-class BudgetsSettings:
-    prompts: int = 24  # calibration prompts
-    prompt_tokens: int = 1024  # tokens per calibration prompt
-    new_tokens: int = 32  # greedy decoding steps measured per prompt
-    seed: int = 0
-
-    def check(self) -> None:
-        if min(self.prompts, self.prompt_tokens, self.new_tokens) < 1:
-            raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")
 
 
 def compile_layer_errors(job: CompileJob, corpus: Corpus, heads: Artifact, settings: BudgetsSettings) -> Artifact:
@@ -141,24 +122,3 @@ def finish_layer_budgets(sums: dict[str, torch.Tensor], run: StatisticsRun) -> A
             "allocation": {"rule": "CompressKV Algorithm 1", "minimum": 32, "maximum_factor": 3},
         },
     )
-
-
-class BudgetsRecipe(CorpusRecipe):
-    """The layer errors of the selection of an srh_heads artifact (`heads`, checked against the model)."""
-
-    kind = "layer_budgets"
-    finisher = staticmethod(finish_layer_budgets)
-    plotter = staticmethod(plot_layer_budgets)
-
-    def __init__(self, corpus: str | None = None, heads: Path | None = None) -> None:
-        super().__init__(corpus)
-        self.heads = heads
-
-    def prepare(self, settings: BudgetsSettings) -> Corpus:
-        if self.heads is not None:
-            read_artifact(self.heads)  # a missing or broken file is refused before the model loads
-        return super().prepare(settings)
-
-    def run(self, job: CompileJob, settings: BudgetsSettings, corpus: Corpus) -> Artifact:
-        heads = load_artifact(self.heads, model=job.model, kind="srh_heads")
-        return compile_layer_errors(job, corpus, heads, settings)

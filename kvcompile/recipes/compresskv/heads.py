@@ -2,50 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from torch import nn
 
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipe import CorpusRecipe
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
-from kvcompile.recipes.compresskv.head_comparison import describe_head_comparison
 from kvcompile.recipes.compresskv.head_scores import copy_retrieval_score, rouge1_recall, semantic_retrieval_score
-from kvcompile.recipes.compresskv.plots import plot_head_scores
+from kvcompile.recipes.compresskv.recipe import HeadsSettings
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, probe_grid
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 
 SUCCESS_RECALL = 0.5  # a probe counts when the answer's ROUGE-1 recall is above this
-
-
-MIN_PROBE_TOKENS = 128  # a needle sentence, its question and some haystack around it
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsSettings:
-    """The needle-probe grid: context lengths (tokens) x needle depths (0 = start, 1 = end) x needles."""
-
-    lengths: tuple[int, ...] = (512, 1024, 1536, 2048)
-    depths: tuple[float, ...] = (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1)
-    seed: int = 0
-    chat: bool = True  # probes in the model's chat template (instruct models), else raw text
-
-    def check(self) -> None:
-        if not self.lengths or not self.depths or any(not 0 <= d <= 1 for d in self.depths):
-            raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
-        if min(self.lengths) < MIN_PROBE_TOKENS:
-            raise KVRuntimeError(
-                f"--lengths {min(self.lengths)}: a needle probe needs at least {MIN_PROBE_TOKENS} tokens"
-            )
-
-    def check_model(self, model: nn.Module) -> None:
-        longest = getattr(model.config, "max_position_embeddings", None)
-        if longest is not None and max(self.lengths) > longest:
-            raise KVRuntimeError(f"--lengths {max(self.lengths)} is longer than the model's {longest} positions")
 
 
 def compile_head_scores(job: CompileJob, corpus: Corpus, settings: HeadsSettings) -> Artifact:
@@ -119,16 +88,3 @@ def finish_head_scores(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Art
             "prompt_format": "chat" if run.settings["chat"] else "raw",
         },
     )
-
-
-class HeadsRecipe(CorpusRecipe):
-    kind = "srh_heads"
-    compile = staticmethod(compile_head_scores)
-    finisher = staticmethod(finish_head_scores)
-    plotter = staticmethod(plot_head_scores)
-
-    def check_model(self, settings: HeadsSettings, model: nn.Module) -> None:
-        settings.check_model(model)
-
-    def describe(self, artifact: Artifact) -> str:
-        return describe_head_comparison(artifact)

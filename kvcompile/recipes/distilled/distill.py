@@ -22,8 +22,7 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipe import CorpusRecipe
-from kvcompile.recipes.distilled.plots import plot_distilled_scorer
+from kvcompile.recipes.distilled.recipe import HELD_OUT_EVERY, DistillSettings
 from kvruntime import (
     Artifact,
     KVRuntimeError,
@@ -37,26 +36,8 @@ from kvruntime import (
     token_features,
 )
 
-ORACLES = ("reconstruction", "repeat")
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X
-HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
-
-
-@dataclasses.dataclass(frozen=True)
-class DistillSettings:
-    prompts: int = 32  # calibration prompts (every 4th held out to choose the ridge strength)
-    prompt_tokens: int = 2048  # tokens per calibration prompt
-    oracle: str = "reconstruction"  # the second pass distilled (ORACLES)
-    seed: int = 0
-
-    def check(self) -> None:
-        if self.oracle not in ORACLES:
-            raise KVRuntimeError(f"--oracle {self.oracle!r}: use one of {', '.join(ORACLES)}")
-        if self.prompts < HELD_OUT_EVERY:
-            raise KVRuntimeError(f"--prompts must be at least {HELD_OUT_EVERY} (every {HELD_OUT_EVERY}th is held out)")
-        if self.prompt_tokens < 64:
-            raise KVRuntimeError("--prompt-tokens must be at least 64")
 
 
 def prompt_features_and_targets(
@@ -185,15 +166,3 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "target": "log of the oracle's score (clamped at 1e-6)",
         },
     )
-
-
-class DistillRecipe(CorpusRecipe):
-    kind = "distilled_scorer"
-    compile = staticmethod(compile_distilled_scorer)
-    finisher = staticmethod(finish_distilled_scorer)
-    plotter = staticmethod(plot_distilled_scorer)
-
-    def describe(self, artifact: Artifact) -> str:
-        r2 = artifact.tensors["held_out_r2"].max(dim=1).values
-        median, low, high = float(r2.median()), float(r2.min()), float(r2.max())
-        return f"held-out R^2 of the log-scores per layer: median {median:.3f}, range {low:.3f}-{high:.3f}"

@@ -11,8 +11,6 @@ unstructured variant), averaged over prompts as shares of the prompt, plus the c
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,12 +20,9 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipe import CorpusRecipe
-from kvcompile.recipes.kvcompose.plots import plot_kvcompose_stats
+from kvcompile.recipes.kvcompose.recipe import WINDOW, StatsSettings, TaskSet
 from kvruntime import (
     Artifact,
-    KVCompose,
-    KVRuntimeError,
     cache_argument,
     composite_curve,
     kept_per_head,
@@ -41,50 +36,6 @@ from kvruntime import (
 
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.
 RANK_QUANTILES = torch.cat([torch.zeros(1), torch.logspace(-3, 0, 96)])
-WINDOW = KVCompose.window  # the runtime's protected window: the least a layer keeps
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSet:
-    """Downstream prompts for the task-aware mode, one per line of a UTF-8 text file."""
-
-    name: str
-    prompts: tuple[str, ...]
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()
-
-
-def load_task_set(path: Path) -> TaskSet:
-    if not path.is_file():
-        raise KVRuntimeError(f"task set {path} does not exist (a text file with one task prompt per line)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise KVRuntimeError(f"task set {path} is not UTF-8 text") from None
-    prompts = tuple(line.strip() for line in lines if line.strip())
-    if not prompts:
-        raise KVRuntimeError(f"task set {path} holds no prompts (one task prompt per line)")
-    return TaskSet(name=str(path), prompts=prompts)
-
-
-@dataclasses.dataclass(frozen=True)
-class StatsSettings:
-    ratios: tuple[float, ...]
-    prompts: int = 24
-    prompt_tokens: int = 2048
-    seed: int = 0
-
-    def check(self) -> None:
-        if not self.ratios or any(not 0 < r < 1 for r in self.ratios):
-            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give ratios strictly between 0 and 1")
-        if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):
-            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give them in increasing order, each once")
-        if self.prompts < 1:
-            raise KVRuntimeError("--prompts must be at least 1")
-        if self.prompt_tokens < 2 * WINDOW:
-            raise KVRuntimeError(f"--prompt-tokens must be at least {2 * WINDOW} (twice the protected window)")
 
 
 def prompt_scores(model: nn.Module, context_ids: torch.Tensor, tasks: list[torch.Tensor] | None) -> torch.Tensor:
@@ -191,23 +142,3 @@ def finish_attention_stats(sums: dict[str, torch.Tensor], run: StatisticsRun) ->
             "fractions": "mean over prompts of tokens kept / prompt tokens",
         },
     )
-
-
-class StatsRecipe(CorpusRecipe):
-    """Task-agnostic, or task-aware with a task set (a text file of downstream prompts, one per line)."""
-
-    kind = "kvcompose_stats"
-    finisher = staticmethod(finish_attention_stats)
-    plotter = staticmethod(plot_kvcompose_stats)
-
-    def __init__(self, corpus: str | None = None, task_set: Path | None = None) -> None:
-        super().__init__(corpus)
-        self.task_set = task_set
-
-    def prepare(self, settings: StatsSettings) -> tuple[Corpus, TaskSet | None]:
-        tasks = load_task_set(self.task_set) if self.task_set is not None else None
-        return super().prepare(settings), tasks
-
-    def run(self, job: CompileJob, settings: StatsSettings, inputs: tuple[Corpus, TaskSet | None]) -> Artifact:
-        corpus, tasks = inputs
-        return compile_attention_stats(job, corpus, settings, tasks)

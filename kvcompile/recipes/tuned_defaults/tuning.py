@@ -8,9 +8,7 @@ than `kvcompile eval`'s default, so the numbers reported by eval are not those t
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shutil
 import statistics
 from pathlib import Path
 
@@ -20,29 +18,16 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import load_corpus
-from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.provenance import provenance
-from kvcompile.evaluation.contestants import Contestant, artifact_paths, check_contestants, parse_methods
+from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.metrics import largest_ratio_within, within_tolerance
 from kvcompile.evaluation.report import grouped, method_curves
+from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
-from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, SuiteSettings, reference_answer, run_prompt
-from kvcompile.recipe import Recipe
-from kvcompile.recipes.tuned_defaults.plots import plot_tuned_defaults
-from kvruntime import Artifact, KVRuntimeError, model_fingerprint
+from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, reference_answer, run_prompt
+from kvruntime import Artifact, model_fingerprint
 
 UNMEASURED = -1.0  # accuracy/kl of a ratio not tried (the method had stopped before it)
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneSettings:
-    suite: SuiteSettings  # the validation prompts and the ratios tried, in increasing order
-    tolerance: float = 0.02  # the largest accuracy loss against the full cache accepted (0.02 = 2 points)
-
-    def check(self) -> None:
-        self.suite.check()
-        if not 0.0 <= self.tolerance < 1.0:
-            raise KVRuntimeError(f"--tolerance {self.tolerance}: give an accuracy difference in [0, 1)")
 
 
 def tune(
@@ -176,42 +161,3 @@ def describe_tuning(artifact: Artifact) -> str:
         else "recommended: none (no method stays within the tolerance at the smallest ratio tried)"
     )
     return "\n".join(lines)
-
-
-class TuneRecipe(Recipe):
-    kind = "tuned_defaults"
-
-    def __init__(
-        self, methods: str = "", artifacts: Path | None = None, records: Path | None = None, model: str = ""
-    ) -> None:
-        self.methods = methods  # --methods: runtime methods, options as name:key=value
-        self.artifacts = artifacts  # the folder of the artifacts the methods need
-        self.records = records  # the run records' folder (for --resume), removed once the artifact is written
-        self.model = model
-
-    def prepare(self, settings: TuneSettings) -> tuple[list[Contestant], dict[str, list[Path]]]:
-        contestants = parse_methods(self.methods)
-        if any(c.kind == "kvpress" for c in contestants):
-            raise KVRuntimeError(
-                "tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only"
-            )
-        paths = artifact_paths(contestants, self.artifacts)
-        check_contestants(contestants, paths, settings.suite.ratios)
-        return contestants, paths
-
-    def run(self, job: CompileJob, settings: TuneSettings, inputs: tuple) -> Artifact:
-        contestants, paths = inputs
-        record = {"model": self.model, "methods": [c.label for c in contestants], "tolerance": settings.tolerance}
-        store = RunStore(self.records, {**record, **dataclasses.asdict(settings.suite)}, job.resume)
-        return tune(
-            job.model, job.tokenizer, contestants, paths, settings.suite, settings.tolerance, store, job.out.parent
-        )
-
-    def plot(self, artifact: Artifact, path: Path) -> str:
-        return plot_tuned_defaults(artifact, path)
-
-    def describe(self, artifact: Artifact) -> str:
-        return describe_tuning(artifact)
-
-    def written(self, job: CompileJob, artifact: Artifact) -> None:
-        shutil.rmtree(self.records, ignore_errors=True)  # the run records are in the artifact now

@@ -22,6 +22,7 @@ from ..request import (
     parse_method_name,
     required_artifact_kinds,
 )
+from ..serving import check_memory
 from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection, check_prefill_chunk_size
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
@@ -81,6 +82,7 @@ def check_method_serves(
     method = get_method(name, [read_artifact(path) for path in artifact_paths], options)
     for request in requests:
         method.check_request(request)
+        check_memory(method.name, method.required_memory(), request.memory)
     check_prefill_chunk_size(method, prefill_chunk_size)
 
 

@@ -24,6 +24,7 @@ import torch
 from ..errors import KVRuntimeError
 from ..request import Request
 from ..selection import protect_window
+from ..serving import check_chunk_size
 from ..window import window_attention
 
 
@@ -160,19 +161,5 @@ class ScoringMethod(Method):
 
 
 def check_prefill_chunk_size(method: Method, size: int | None) -> None:
-    """Refuse a chunk size that is not a positive number of tokens at least the method's window, or a method that
-    cannot stream (its layer budgets need every layer's scores)."""
-    if size is None:
-        return
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise KVRuntimeError(f"prefill_chunk_size {size!r} must be a positive whole number of tokens")
-    if not method.budgets_known_in_advance:
-        raise KVRuntimeError(
-            f"{method.name} cannot stream the prefill in chunks: its layer budgets need every layer's scores "
-            "(drop prefill_chunk_size, or use a method whose budgets are known in advance)"
-        )
-    if size < method.window:
-        raise KVRuntimeError(
-            f"prefill_chunk_size {size} is smaller than {method.name}'s window of {method.window} tokens: the last "
-            "chunk must hold the window"
-        )
+    """Refuse a chunk size the method cannot stream with (`serving.check_chunk_size`)."""
+    check_chunk_size(method.name, method.window, method.budgets_known_in_advance, size)

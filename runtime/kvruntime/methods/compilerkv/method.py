@@ -25,6 +25,7 @@ import torch
 
 from ...errors import KVRuntimeError
 from ...request import Request
+from ...serving import check_compilerkv_request
 from ..base import LayerPrefill, Method, Prefill, Selection
 from .risk_gate import kept_counts, risk_bin
 from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
@@ -47,16 +48,7 @@ class CompilerKV(Method):
             raise KVRuntimeError(f"compilerkv fixed_threshold={self.fixed_threshold}: give a value in [{low}, {high}]")
 
     def check_request(self, request: Request) -> None:
-        """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on
-        the prompt's length) is served only by the nearest compiled budget, when that is allowed."""
-        if request.budget is not None:
-            self.tables.budget_index(request.budget, self.nearest_budget)
-        elif not self.nearest_budget:
-            raise KVRuntimeError(
-                f"compilerkv tables were compiled for budgets {', '.join(map(str, self.tables.budgets))} tokens per "
-                f"layer; {request.describe()} asks for a budget that depends on the prompt: pass one of them "
-                "(--budget), or allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
-            )
+        check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)
 
     def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
         return layer_signals(layer.queries, layer.keys, layer.values, layer.scaling)

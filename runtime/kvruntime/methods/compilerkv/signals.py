@@ -21,7 +21,6 @@ from .stabilized_utility import (
 )
 
 WINDOW = 64  # the last 64 queries: CompilerKV's observation window
-UTILITIES = ("global", "head")  # the spec's stabilized utility, or the head-aware one (`stabilized_utility`)
 
 # One layer's share of the prompt signals: mean window attention [B, N], relative value norms [B, Hkv, N], and
 # each query head's window attention mass [B, Hq, N].

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ...artifact import ArtifactReader
-from ...errors import ArtifactError, KVRuntimeError
-from .signals import UTILITIES
+from ...errors import ArtifactError
+from ...serving import UTILITIES, compiled_budget_index
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)
 THRESHOLD_RANGE = (0.8, 1.0)
@@ -67,15 +67,7 @@ class CompilerKVTables(ArtifactReader):
 
     def budget_index(self, budget: int, nearest: bool = False) -> int:
         """The compiled budget's index; a budget not compiled is refused unless `nearest` is set."""
-        if budget in self.budgets:
-            return self.budgets.index(budget)
-        if not nearest:
-            raise KVRuntimeError(
-                f"compilerkv tables were compiled for budgets {', '.join(map(str, self.budgets))} tokens per layer, "
-                f"not {budget}: pass one of them (--budget), or allow the nearest compiled budget "
-                "(nearest_budget=True, --nearest-budget)"
-            )
-        return min(range(len(self.budgets)), key=lambda i: (abs(self.budgets[i] - budget), self.budgets[i]))
+        return compiled_budget_index(self.budgets, budget, nearest)
 
     def for_layers(self, num_layers: int) -> CompilerKVTables:
         """The tables for a model with `num_layers` layers: linear interpolation over relative depth."""

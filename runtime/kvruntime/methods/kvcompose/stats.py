@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ...artifact import ArtifactReader
-from ...errors import ArtifactError, KVRuntimeError
+from ...errors import ArtifactError
+from ...serving import check_compiled_ratio, compiled_ratios
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,20 +42,14 @@ class KVComposeStats(ArtifactReader):
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> KVComposeStats:
         return cls(
-            ratios=tuple(round(float(r), 6) for r in tensors["ratios"]),
+            ratios=compiled_ratios(tensors["ratios"].tolist()),
             layer_fractions=tensors["layer_fractions"].double(),
             head_fractions=tensors["head_fractions"].double(),
             task_mode=str(params.get("task_mode", "unknown")),
         )
 
     def check_ratio(self, ratio: float) -> None:
-        low, high = self.ratios[0], self.ratios[-1]
-        if not low - 1e-9 <= ratio <= high + 1e-9:
-            raise KVRuntimeError(
-                f"ratio {ratio:g} is outside the compiled ratios of the kvcompose stats ({low:g} to {high:g}; "
-                f"between them shares are interpolated): compile it with `kvcompile stats --ratios ...`, or use "
-                "mode='dynamic'"
-            )
+        check_compiled_ratio(self.ratios, ratio)
 
     def fractions(self, ratio: float, per_head: bool, tolerance: float = 0.0) -> tuple[torch.Tensor, str]:
         """The compiled shares for `ratio` ([L] or [L, Hkv] with `per_head`) and how they were obtained; a ratio

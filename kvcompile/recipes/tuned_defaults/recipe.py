@@ -1,0 +1,77 @@
+"""`kvcompile tune`, torch-free: its settings, methods and the folder of its run records are checked here before
+anything heavy loads; the validation runs and the choice are in `tuning.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from kvcompile.evaluation.settings import SuiteSettings
+from kvcompile.evaluation.store import check_run_folder, discard_run_records
+from kvcompile.recipe import Recipe
+from kvruntime import KVRuntimeError
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneSettings:
+    suite: SuiteSettings  # the validation prompts and the ratios tried, in increasing order
+    tolerance: float = 0.02  # the largest accuracy loss against the full cache accepted (0.02 = 2 points)
+
+    def check(self) -> None:
+        self.suite.check()
+        if not 0.0 <= self.tolerance < 1.0:
+            raise KVRuntimeError(f"--tolerance {self.tolerance}: give an accuracy difference in [0, 1)")
+
+
+class TuneRecipe(Recipe):
+    kind = "tuned_defaults"
+
+    def __init__(
+        self, methods: str = "", artifacts: Path | None = None, records: Path | None = None, model: str = ""
+    ) -> None:
+        self.methods = methods  # --methods: runtime methods, options as name:key=value
+        self.artifacts = artifacts  # the folder of the artifacts the methods need
+        self.records = records  # the run records' folder (for --resume), removed once the artifact is written
+        self.model = model
+
+    def positions(self, settings: TuneSettings) -> tuple[int, str]:
+        suite = settings.suite
+        return max(suite.lengths) + suite.new_tokens, f"--lengths {max(suite.lengths)} and the answer"
+
+    def prepare(self, settings: TuneSettings) -> tuple[list[Any], dict[str, list[Path]]]:
+        from kvcompile.evaluation.contestants import artifact_paths, check_contestants, parse_methods
+
+        check_run_folder(self.records, option="the run records' folder beside --out:")
+        contestants = parse_methods(self.methods)
+        if any(c.kind == "kvpress" for c in contestants):
+            raise KVRuntimeError(
+                "tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only"
+            )
+        paths = artifact_paths(contestants, self.artifacts)
+        check_contestants(contestants, paths, settings.suite.ratios)
+        return contestants, paths
+
+    def run(self, job: Any, settings: TuneSettings, inputs: tuple) -> Any:
+        from kvcompile.evaluation.store import RunStore
+        from kvcompile.recipes.tuned_defaults.tuning import tune
+
+        contestants, paths = inputs
+        record = {"model": self.model, "methods": [c.label for c in contestants], "tolerance": settings.tolerance}
+        store = RunStore(self.records, {**record, **dataclasses.asdict(settings.suite)}, job.resume)
+        return tune(
+            job.model, job.tokenizer, contestants, paths, settings.suite, settings.tolerance, store, job.out.parent
+        )
+
+    def plot(self, artifact: Any, path: Path) -> str:
+        from kvcompile.recipes.tuned_defaults.plots import plot_tuned_defaults
+
+        return plot_tuned_defaults(artifact, path)
+
+    def describe(self, artifact: Any) -> str:
+        from kvcompile.recipes.tuned_defaults.tuning import describe_tuning
+
+        return describe_tuning(artifact)
+
+    def written(self, job: Any, artifact: Any) -> None:
+        discard_run_records(self.records)  # the run records are in the artifact now

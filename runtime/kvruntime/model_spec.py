@@ -1,0 +1,54 @@
+"""What `--model` names, checked without torch: that it exists, and how many positions it has. The command line
+refuses a missing model folder and a length past the model's positions with these before it imports anything heavy;
+`load_model` makes the same check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, INSTALL_HINT
+from .errors import KVRuntimeError
+
+DEFAULT_MODEL_POSITIONS = 8192  # SmolLM2-135M-Instruct's max_position_embeddings (a test checks the loaded config)
+# A model folder has at least one of these when its tokenizer was saved with it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def check_model_spec(model: str) -> None:
+    """Refuse a model that cannot be there: a path that does not exist, or a folder saved without its tokenizer.
+    A hub id (`org/name`) is looked up in the local cache when the model loads."""
+    if model == DEFAULT_MODEL:
+        return
+    folder = Path(model)
+    if not folder.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
+        raise KVRuntimeError(
+            f"model {model!r} not found: give a local model directory, a hub id in the local cache, or "
+            f"'default' ({DEFAULT_MODEL_NAME}, installed with `{INSTALL_HINT}`)"
+        )
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
+        raise KVRuntimeError(
+            f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model"
+        )
+
+
+def position_limit(model: str) -> int | None:
+    """The most positions (tokens) the model attends over, from its config without loading it: None when it is not
+    known before loading (a hub id, a config without the field)."""
+    if model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_POSITIONS
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    limit = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(tokens: int, limit: int | None, what: str) -> None:
+    """Refuse `tokens` positions past the model's `limit` (None: not known, nothing refused)."""
+    if limit is not None and tokens > limit:
+        raise KVRuntimeError(f"{what}: {tokens} positions, more than the model's {limit}")

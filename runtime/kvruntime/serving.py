@@ -1,0 +1,143 @@
+"""What a method can serve, decided without torch from its name, its options and its artifacts' headers: the
+refusals the command line makes before it imports anything heavy. The methods apply the same rules (compiled
+operating points, chunk size, memory mode) through these functions; their fixed facts (window, whether the prefill
+can stream, the memory mode they need) are declared here, and a test holds every method to them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+
+from .artifact_header import read_header, small_tensor_values
+from .artifact_kinds import ARTIFACT_KINDS
+from .errors import KVRuntimeError
+from .request import NEEDS, Request, check_method_options, parse_method_name, required_artifact_kinds
+
+UTILITIES = ("global", "head")  # compilerkv: the spec's stabilized utility, or the head-aware one
+# The protected recent window of each method's base, in tokens.
+WINDOWS = {"snapkv": 32, "kvcompress": 8, "srh": 8, "compilerkv": 64, "kvcompose": 32, "distilled": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodFacts:
+    name: str  # as the method calls itself in messages and reports
+    window: int
+    streams: bool  # its layer budgets are known before any layer's scores: the prefill can go in chunks
+    memory: str | None  # the memory mode it needs (None: either)
+
+
+def method_facts(name: str, options: Mapping[str, object] = {}) -> MethodFacts:
+    base, *suffixes = parse_method_name(name)
+    unstructured = base == "kvcompose" and bool(options.get("unstructured", False))
+    if suffixes:  # error-aware layer shares: known from the artifact
+        streams = True
+    elif base == "kvcompose":
+        streams = options.get("mode", "compiled") == "compiled" and not unstructured
+    elif base == "distilled":
+        streams = options.get("allocation", "dynamic") == "uniform"
+    else:  # kvcompress's global pool and compilerkv's gate compare every layer's scores
+        streams = base in ("snapkv", "srh")
+    canonical = "compresskv" if [base, *suffixes] == ["srh", "budgets"] else "+".join([base, *suffixes])
+    return MethodFacts(canonical, WINDOWS[base], streams, "masked" if unstructured else None)
+
+
+def check_chunk_size(name: str, window: int, streams: bool, size: int | None) -> None:
+    """Refuse a chunk size that is not a positive number of tokens at least the method's window, or a method that
+    cannot stream (its layer budgets need every layer's scores)."""
+    if size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise KVRuntimeError(f"prefill_chunk_size {size!r} must be a positive whole number of tokens")
+    if not streams:
+        raise KVRuntimeError(
+            f"{name} cannot stream the prefill in chunks: its layer budgets need every layer's scores "
+            "(drop prefill_chunk_size, or use a method whose budgets are known in advance)"
+        )
+    if size < window:
+        raise KVRuntimeError(
+            f"prefill_chunk_size {size} is smaller than {name}'s window of {window} tokens: the last chunk must hold "
+            "the window"
+        )
+
+
+def check_memory(name: str, required: str | None, memory: str) -> None:
+    if required not in (None, memory):
+        raise KVRuntimeError(
+            f"{name} with these options keeps different numbers of entries per head: use memory={required!r}"
+        )
+
+
+def compiled_budget_index(budgets: Sequence[int], budget: int, nearest: bool = False) -> int:
+    """The index of a compiled budget; a budget not compiled is refused unless `nearest` is set."""
+    if budget in budgets:
+        return list(budgets).index(budget)
+    if not nearest:
+        raise KVRuntimeError(
+            f"compilerkv tables were compiled for budgets {', '.join(map(str, budgets))} tokens per layer, "
+            f"not {budget}: pass one of them (--budget), or allow the nearest compiled budget "
+            "(nearest_budget=True, --nearest-budget)"
+        )
+    return min(range(len(budgets)), key=lambda i: (abs(budgets[i] - budget), budgets[i]))
+
+
+def check_compilerkv_request(budgets: Sequence[int], nearest: bool, request: Request) -> None:
+    """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on the
+    prompt's length) is served only by the nearest compiled budget, when that is allowed."""
+    if request.budget is not None:
+        compiled_budget_index(budgets, request.budget, nearest)
+    elif not nearest:
+        raise KVRuntimeError(
+            f"compilerkv tables were compiled for budgets {', '.join(map(str, budgets))} tokens per layer; "
+            f"{request.describe()} asks for a budget that depends on the prompt: pass one of them (--budget), or "
+            "allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
+        )
+
+
+def compiled_ratios(values: Sequence[float]) -> tuple[float, ...]:
+    """kvcompose's compiled ratios as stored (float32) read back to the ratios asked for."""
+    return tuple(round(float(r), 6) for r in values)
+
+
+def check_compiled_ratio(ratios: Sequence[float], ratio: float) -> None:
+    low, high = ratios[0], ratios[-1]
+    if not low - 1e-9 <= ratio <= high + 1e-9:
+        raise KVRuntimeError(
+            f"ratio {ratio:g} is outside the compiled ratios of the kvcompose stats ({low:g} to {high:g}; between "
+            "them shares are interpolated): compile it with `kvcompile stats --ratios ...`, or use mode='dynamic'"
+        )
+
+
+def check_serves(
+    name: str,
+    artifact_paths: Sequence[str | os.PathLike],
+    options: Mapping[str, object],
+    requests: Sequence[Request],
+    prefill_chunk_size: int | None = None,
+    memory: str | None = None,
+) -> None:
+    """Refuse, from the artifacts' headers alone, what method `name` cannot serve: a missing or unreadable artifact
+    (or one of the wrong kind), a request outside its compiled operating points, a chunked prefill it cannot stream,
+    a memory mode it cannot use. The artifacts' tensors are checked when the method is built."""
+    options = check_method_options(name, options)
+    by_kind = {}
+    for path in artifact_paths:
+        by_kind[read_header(path).get("kind")] = path  # refuses a missing, foreign or unreadable file
+    for kind in required_artifact_kinds(name, options):
+        if kind not in by_kind:
+            raise KVRuntimeError(
+                f"method {name!r} needs a {kind} artifact for this model (compile it with `{ARTIFACT_KINDS[kind].command}`)"
+            )
+    facts = method_facts(name, options)
+    base = parse_method_name(name)[0]
+    for request in requests:
+        if base == "compilerkv":
+            budgets = [int(b) for b in small_tensor_values(by_kind[NEEDS["compilerkv"]], "budgets")]
+            check_compilerkv_request(budgets, bool(options.get("nearest_budget", False)), request)
+        if base == "kvcompose" and options.get("mode", "compiled") == "compiled" and request.ratio:
+            ratios = compiled_ratios(small_tensor_values(by_kind[NEEDS["kvcompose"]], "ratios"))
+            check_compiled_ratio(ratios, request.ratio)
+        check_memory(facts.name, facts.memory, request.memory)
+    if memory is not None:
+        check_memory(facts.name, facts.memory, memory)
+    check_chunk_size(facts.name, facts.window, facts.streams, prefill_chunk_size)
