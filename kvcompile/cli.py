@@ -221,6 +221,7 @@ def generate(
         from kvcompile.prompt_format import chat_frame, uses_chat
 
         loaded, tokenizer = recipe.load_model(model)
+        tokenizer.model_max_length = sys.maxsize  # `check_fits` refuses a prompt past the positions, in one line
         chat = uses_chat(tokenizer, prompt_format)
         turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
 

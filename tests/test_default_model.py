@@ -82,3 +82,20 @@ def test_artifact_of_another_model_is_refused(tmp_path):
     assert result.exit_code == 2
     assert "compiled for another model" in result.output and "num_layers: 4 vs 30" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_default_models_positions_are_what_the_command_line_checks_before_loading_it(default_model):
+    model, _ = default_model
+    assert kvruntime.position_limit("default") == model.config.max_position_embeddings == 8192
+
+
+def test_a_prompt_longer_than_the_default_models_positions_is_refused_in_one_line(tmp_path):
+    """The outside probe's case: a 21k-token prompt ran to exit 0 with a garbage answer."""
+    long_prompt = tmp_path / "long.txt"
+    long_prompt.write_text(SHIPPED_PROMPT.read_text() * 11)
+    result = runner.invoke(app, ["generate", "--method", "snapkv", "--prompt-file", str(long_prompt)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and re.search(
+        r"\(2\d{4} tokens\) and 32 new tokens: 2\d{4} positions, more than the model's 8192", lines[0]
+    )
