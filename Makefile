@@ -46,7 +46,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 # A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer.
 check-latest:

@@ -202,7 +202,7 @@ def render(rows: list[dict], args: argparse.Namespace, budgets: list[int]) -> st
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Tables: `{args.tables}`. Retrieval: "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Tables: `{args.tables}`. Retrieval: "
         f"{retrieval_prompts} prompts of ~{args.length} tokens (question-aware, greedy, {args.new_tokens} new tokens, "
         f"exact match). NLL: increase in mean token NLL of a 128-token continuation over the full cache, "
         f"{args.passages} Moby-Dick passages of {args.length} tokens. Random tables: {args.random_draws} draws, one "

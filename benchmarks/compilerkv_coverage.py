@@ -118,7 +118,7 @@ def render(rows: list[dict], args: argparse.Namespace, budgets: list[int]) -> st
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Share of the answer's tokens kept, "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Share of the answer's tokens kept, "
         "mean over layers, KV heads and prompts.",
         "",
         "| budget | method | " + " | ".join(TASKS) + " |",

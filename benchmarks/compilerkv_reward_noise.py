@@ -178,7 +178,7 @@ def main() -> None:
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {args.prompts} `{args.corpus}` "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {args.prompts} `{args.corpus}` "
         f"prompts of {args.context} tokens + {args.continuation} continuation; ratio-honest rule; every state probed "
         f"on every prompt from neutral tables (W_head = 1, thresholds {NEUTRAL_THRESHOLD:.2f}): head probes raise one "
         f"query head's weight to {RAISED_WEIGHT}, gate probes set one layer's threshold to "

@@ -88,7 +88,7 @@ def main() -> None:
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
         f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
         "",
         "| table | states with records in both halves | same action | within one grid step | chance (same) | "

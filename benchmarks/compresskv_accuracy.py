@@ -94,7 +94,7 @@ def render(rows: list[dict], args: argparse.Namespace, settings: list[tuple[str,
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Question-aware (prompt = context + "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Question-aware (prompt = context + "
         f"question, compressed after prefill), greedy, {args.new_tokens} new tokens, exact match of the expected value.",
         "",
         "| method | ratio | " + " | ".join(columns) + " | bytes freed |",

@@ -149,7 +149,7 @@ def render(rows: list[dict]) -> str:
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}, datasets {datasets.__version__}, {int(memory.split()[1]) // 1024} MiB RAM  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Steps: `load_corpus`, "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Steps: `load_corpus`, "
         "`corpus.sha256`, `len(corpus.documents)`, `calibration_prompts(corpus, tokenizer, 24, 2048, 0)` with the "
         "default model's tokenizer, in a fresh process; peak resident memory (VmHWM) above the resident memory before "
         "them (heap freed before them and reused is not counted again: small figures are low by up to ~15 MiB, "

@@ -94,7 +94,7 @@ def main() -> None:
             f"Command: `python benchmarks/distilled_allocation.py --samples {args.samples} --lengths {args.lengths} "
             f"--floors {args.floors} --ratios {args.ratios} --seed {args.seed}`  ",
             f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Question-agnostic prompts of "
+            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Question-agnostic prompts of "
             f"the eval suite drawn with seed {args.seed} (the eval's is 0): {len(prompts)} prompts, of which the full "
             f"cache answers {len(answerable)} ({', '.join(tasks)}); only those count. `floor f`: every layer keeps "
             "at least f times the average tokens per layer, the rest by the global pool of predicted scores; "

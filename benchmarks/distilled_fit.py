@@ -114,7 +114,7 @@ def main() -> None:
             f"Command: `python benchmarks/distilled_fit.py --prompts {args.prompts} --repeating-prompts "
             f"{args.repeating_prompts} --tokens {args.tokens}`  ",
             f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. {args.prompts} Moby-Dick "
+            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {args.prompts} Moby-Dick "
             f"passages and {args.repeating_prompts} passages of Moby-Dick's sentences repeated, {args.tokens} tokens "
             f"each (calibration: Austen, `austen-repeats`); scorer oracle: {scorer.oracle}. Mean over layers (per-layer rows in the "
             "CSV), each layer averaged over KV heads and prompts.",

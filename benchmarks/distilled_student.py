@@ -150,7 +150,7 @@ def main() -> None:
             f"Command: `python benchmarks/distilled_student.py --prompts {args.prompts} --tokens-per-prompt "
             f"{args.tokens_per_prompt} --hidden {args.hidden} --steps {args.steps}`  ",
             f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Trained per layer on "
+            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Trained per layer on "
             f"{x.shape[1]} tokens ({args.tokens_per_prompt} from each of {args.prompts} `austen-repeats` prompts of "
             "2,048 tokens); scored on 8 Moby-Dick passages and 4 of Moby-Dick's sentences repeated (2,048 tokens), "
             "mean over layers, KV heads and prompts.",

@@ -119,7 +119,7 @@ def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], meth
         "",
         f"Command: `{Path(sys.executable).parent.parent.name}/bin/python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Stats: `{args.stats}`. "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Stats: `{args.stats}`. "
         f"{len({r['job'] for r in rows})} held-out retrieval prompts (tasks {', '.join(TASKS)}; grid {args.grid}; "
         f"context lengths {', '.join(map(str, lengths))} tokens), "
         f"{'question-aware' if args.question_aware else 'question-agnostic'}, greedy, {args.new_tokens} new "

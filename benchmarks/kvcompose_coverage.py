@@ -91,7 +91,7 @@ def render(rows: list[dict], ratios: list[float]) -> str:
         "",
         f"Command: `python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Coverage: mean over the "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Coverage: mean over the "
         f"{len({r['depth'] for r in rows})} prompts (depths) of each task; allocation gap: mean over all prompts.",
         "",
         "| ratio | mode | " + " | ".join(f"coverage, {t}" for t in TASKS) + " | allocation gap |",

@@ -76,7 +76,7 @@ def main() -> None:
         "",
         f"Command: `{Path(sys.executable).parent.parent.name}/bin/python {' '.join(sys.argv)}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; ratio {args.ratio}; pass-key "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; ratio {args.ratio}; pass-key "
         f"prompts; median of {args.repeats} rounds, every method once per round, in turns.",
         "",
         "| " + " | ".join(header) + " |",

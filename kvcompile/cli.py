@@ -609,7 +609,7 @@ def eval_(
                 "",
                 f"Command: `{_command_line(ctx)}`  ",
                 f"Machine: {machine()}  ",
-                f"Finished: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. "
+                f"Finished: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
                 f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
                 f"{', '.join(map(str, settings.lengths))}; {_samples_text(settings)}; seed {seed}), "
                 f"{'question-aware' if question_aware else 'question-agnostic (the context is compressed before the question is seen)'}, "

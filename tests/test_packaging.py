@@ -3,13 +3,11 @@ folders into the package)."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
-
-import pytest
 
 from kvcompile.shipped import SHIPPED_FOLDERS, shipped_folder
 
-tomllib = pytest.importorskip("tomllib")
 ROOT = Path(__file__).resolve().parents[1]
 
 

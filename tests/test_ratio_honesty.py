@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CharTokenizer, tiny_model
+from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
@@ -35,7 +35,11 @@ CASES = [
     ("kvcompose", "padded", {}),
     ("kvcompose", "padded", {"mode": "dynamic"}),
     ("kvcompose", "masked", {"unstructured": True}),
+    ("distilled", "padded", {}),
+    ("distilled", "padded", {"allocation": "uniform"}),
+    ("distilled+budgets", "padded", {}),
 ]
+# compilerkv is served by budget (its tables' own): ratios like every other method are issue #35's.
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -52,6 +56,7 @@ def setup(request, tmp_path_factory):
         save_artifact(Artifact("srh_heads", {"srh_score": heads}, **common), folder / "srh.safetensors"),
         save_artifact(Artifact("layer_budgets", {"layer_error": errors}, **common), folder / "budgets.safetensors"),
         save_artifact(stats, folder / "stats.safetensors"),
+        save_artifact(scorer_that_prefers(model, feature=5), folder / "scorer.safetensors"),
     ]
     return model, paths
 

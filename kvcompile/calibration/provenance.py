@@ -15,7 +15,7 @@ def provenance(corpus: Corpus, seed: int, **settings: object) -> dict:
         "calibration_data": corpus.name,
         "calibration_sha256": corpus.sha256,
         "seed": seed,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "kvcompile_version": __version__,
         **settings,
     }
