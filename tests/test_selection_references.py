@@ -191,7 +191,8 @@ def test_kvcompress_padded_gives_every_head_of_a_layer_the_layers_share(model, i
 
 def saved(folder: Path, model: torch.nn.Module, kind: str, **tensors: torch.Tensor) -> Path:
     """An artifact of `kind` for `model` holding `tensors`, written into `folder`."""
-    artifact = kvruntime.Artifact(kind, tensors, kvruntime.model_fingerprint(model), {}, {"command": "test"})
+    params = {"oracle": "test"} if kind == "distilled_scorer" else {}
+    artifact = kvruntime.Artifact(kind, tensors, kvruntime.model_fingerprint(model), {"command": "test"}, params)
     return kvruntime.save_artifact(artifact, folder / f"{kind}-{len(list(folder.iterdir()))}.safetensors")
 
 
@@ -245,3 +246,50 @@ def test_a_method_with_budgets_keeps_its_own_scores_best_within_the_layer_budget
     for layer, count in enumerate((44, 44, 56)):
         for head in range(2):
             assert_best(got[layer][head], scores[layer][head], count, window)
+
+
+def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each attention layer's input (the hidden states after the layer's input norm), [N, hidden]."""
+    inputs = {}
+
+    def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs[module.layer_idx] = kwargs["hidden_states"][0].double()
+
+    handles = [layer.self_attn.register_forward_pre_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [inputs[layer] for layer in range(len(inputs))]
+
+
+def distilled_features(states: torch.Tensor) -> torch.Tensor:
+    """The scorer's features of each token [N, hidden + 4]: its state, a bias, log(1 + position), whether it is the
+    first token, and the cosine of its state to the sum of the states before it, the first token left out (0 for
+    the first two tokens)."""
+    rows = []
+    for t in range(states.shape[0]):
+        earlier = states[1:t].sum(dim=0)
+        likeness = float(torch.nn.functional.cosine_similarity(states[t], earlier, dim=0)) if t >= 2 else 0.0
+        rows.append([1.0, math.log1p(t), float(t == 0), likeness])
+    return torch.cat([states, torch.tensor(rows, dtype=states.dtype)], dim=1)
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+def test_distilled_uniform_keeps_each_heads_best_predicted_scores(model, ids, memory, tmp_path):
+    """Distilled with the uniform allocation: every (layer, KV head) keeps the same number of its best tokens under
+    the scorer's linear map of each token's features (random weights, so that every feature counts)."""
+    window, ratio = 8, 0.7
+    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(13))
+    weights[:, -4:] *= 20  # the position and first-token features as loud as the state's
+    weights[:, -1] *= 10  # and the likeness to earlier tokens louder still: its small differences must show
+    scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
+    options = {"allocation": "uniform"}
+    got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer], options=options)
+    count = kept(LENGTH, window, ratio)
+    for layer, states in enumerate(attention_inputs(model, ids)):
+        scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], count, window)
