@@ -41,25 +41,32 @@ from kvruntime.methods.compilerkv.tables import CompilerKVTables
 
 def _synthetic_bandit(seed: int = 0, per_pair: int = 4):
     """10 states x 29 actions with a known best action per state (reward falls off with the distance to it),
-    every pair sampled `per_pair` times, plus one state that only ever tried actions 3 and 20."""
+    every pair sampled `per_pair` times; one state that only ever tried actions 3 and 20; and one where action 5
+    was tried once and did best (1.0) and action 10 twenty times at 0.95: the mean per action picks 5, CQL's
+    conservative penalty on the rarely tried picks 10. Returns the records and CQL's best action per state."""
     rng = np.random.default_rng(seed)
     best = rng.integers(0, 29, 10)
     states, actions = np.meshgrid(np.arange(10), np.arange(29), indexing="ij")
     states = np.repeat(states.ravel(), per_pair)
     actions = np.repeat(actions.ravel(), per_pair)
-    states = np.concatenate([states, np.full(8, 10)])
-    actions = np.concatenate([actions, np.array([3, 20] * 4)])
-    best = np.append(best, 20)
     rewards = 1.0 - 0.1 * np.abs(actions - best[states]) + 0.02 * rng.standard_normal(len(states))
-    return states, actions, rewards, best
+    seen_two, lucky = np.array([3, 20] * 4), np.array([5] + [10] * 20)
+    lucky_rewards = np.where(lucky == 5, 1.0, 0.95) + 0.005 * rng.standard_normal(len(lucky))
+    states = np.concatenate([states, np.full(len(seen_two), 10), np.full(len(lucky), 11)])
+    actions = np.concatenate([actions, seen_two, lucky])
+    rewards = np.concatenate([rewards, 1.0 - 0.1 * np.abs(seen_two - 20), lucky_rewards])
+    return states, actions, rewards, np.append(best, [20, 10])
 
 
-def test_tabular_cql_and_d3rlpy_both_find_the_best_action_of_each_synthetic_bandit_state():
+def test_d3rlpys_cql_chooses_what_exact_tabular_cql_chooses_where_the_mean_reward_would_not():
     states, actions, rewards, best = _synthetic_bandit()
-    q = tabular_cql(torch.from_numpy(states), torch.from_numpy(actions), torch.from_numpy(rewards), 11, 29, alpha=0.75)
+    q = tabular_cql(torch.from_numpy(states), torch.from_numpy(actions), torch.from_numpy(rewards), 12, 29, alpha=0.75)
     assert q.argmax(dim=1).tolist() == best.tolist()
-    fit = fit_greedy_table(one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings())
-    assert fit.actions.tolist() == best.tolist()  # including the state that saw only two actions: conservative
+    lucky = [(a, rewards[(states == 11) & (actions == a)].mean()) for a in (5, 10)]
+    assert max(lucky, key=lambda pair: pair[1])[0] == 5  # the mean per action would choose the once-lucky action
+    fit = fit_greedy_table(one_hot(states, 12), actions, rewards, 29, np.eye(12, dtype=np.float32), CQLSettings())
+    # Every state as exact CQL chooses, the conservative ones included (only actions 3 and 20 seen; once lucky).
+    assert fit.actions.tolist() == q.argmax(dim=1).tolist()
     assert len(fit.learning_curve) == 10 and fit.learning_curve[-1] < fit.learning_curve[0]
 
 
@@ -67,7 +74,7 @@ def test_learning_refuses_nan_rewards():
     states, actions, rewards, _ = _synthetic_bandit()
     rewards[5] = np.nan
     with pytest.raises(KVRuntimeError, match="1 rewards are NaN"):
-        fit_greedy_table(one_hot(states, 11), actions, rewards, 29, np.eye(11, dtype=np.float32), CQLSettings(steps=10))
+        fit_greedy_table(one_hot(states, 12), actions, rewards, 29, np.eye(12, dtype=np.float32), CQLSettings(steps=10))
 
 
 def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries():

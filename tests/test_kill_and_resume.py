@@ -1,5 +1,5 @@
 """kill -9 at random moments of a compile run (tiny model, its own process), then `resume`: the same artifact as
-an uninterrupted run, and never a half-written file."""
+an uninterrupted run, never a half-written file, and every resumed run carries on from where the last was killed."""
 
 import json
 import os
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from kill_worker import compile_recipe
+from safetensors import safe_open
 
 from kvcompile.calibration.checkpoint import checkpoint_path
 from kvruntime.artifact import read_artifact
@@ -26,16 +27,28 @@ def start(recipe: str, folder: Path, resume: bool) -> subprocess.Popen:
     return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def kill_after_some_checkpoints(process: subprocess.Popen, checkpoint: Path, rng: random.Random) -> None:
-    """Wait until the run has saved at least once more, then kill -9 it a random few milliseconds later."""
+def progress(checkpoint: Path) -> tuple:
+    """How far the run had got when it saved `checkpoint`: (items done), or (round, phase, unit) for the tables."""
+    with safe_open(str(checkpoint), framework="pt") as handle:
+        saved = json.loads(handle.metadata()["progress"])
+    if "items_done" in saved:
+        return (saved["items_done"],)
+    return (saved["round"], saved["phase"], saved["unit"])
+
+
+def kill_after_some_checkpoints(process: subprocess.Popen, checkpoint: Path, rng: random.Random) -> tuple:
+    """Wait until the run has saved at least once more, then kill -9 it a random few milliseconds later. Returns
+    the progress of the first save the run made."""
     before = checkpoint.stat().st_mtime_ns if checkpoint.exists() else None
     deadline = time.monotonic() + 120
     while (not checkpoint.exists() or checkpoint.stat().st_mtime_ns == before) and process.poll() is None:
         assert time.monotonic() < deadline, "the run saved no checkpoint in 2 minutes"
         time.sleep(0.002)
+    first = progress(checkpoint)
     time.sleep(rng.uniform(0, 0.05))
     process.send_signal(signal.SIGKILL)
     process.wait()
+    return first
 
 
 @pytest.mark.parametrize("recipe", ["stats", "tables"])
@@ -48,11 +61,15 @@ def test_a_run_killed_three_times_resumes_to_the_artifact_of_an_uninterrupted_ru
     folder = tmp_path / "killed"
     folder.mkdir()
     out, checkpoint = folder / f"{recipe}.safetensors", checkpoint_path(folder / f"{recipe}.safetensors")
-    rng = random.Random(0)
+    rng, killed_at = random.Random(0), None
     for attempt in range(3):
         process = start(recipe, folder, resume=attempt > 0)
-        kill_after_some_checkpoints(process, checkpoint, rng)
+        first_save = kill_after_some_checkpoints(process, checkpoint, rng)
         assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed: make it longer"
+        # A resumed run carries on from where it was killed: its first save is past that point (one that started
+        # over would save its first item or unit again).
+        assert killed_at is None or first_save > killed_at, (first_save, killed_at)
+        killed_at = progress(checkpoint)
         assert not out.exists()
         # Whatever moment the kill hit, only whole files are left under their final names.
         assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == [checkpoint.name]
