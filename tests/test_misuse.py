@@ -296,6 +296,9 @@ def test_a_reader_sees_the_old_or_the_new_artifact_while_it_is_replaced(tmp_path
         seen.add(torch.equal(score, second))
     writer.join()
     assert writer.exitcode == 0
+    # The reads did overlap the writes: they saw the second version, which only ever lives between two writes of
+    # the first (the file starts and ends as the first).
+    assert seen == {False, True}
 
 
 def _replace_many_times(path: str, first: torch.Tensor, second: torch.Tensor) -> None:
