@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_engine import answer_and_reference
 from transformers import DynamicCache
 
 import kvruntime
@@ -258,3 +259,13 @@ def test_tables_of_another_layer_count_need_force_and_are_interpolated_over_dept
     )
     with pytest.raises(ArtifactError, match="num_query_heads: 8 vs 4"):
         kvruntime.load_artifact(path, model=tiny, force=True)
+
+
+def test_question_mode_answers_from_exactly_the_entries_compilerkv_kept(tiny, tables, prompt):
+    """Every answer step's logits are those of the full model attending only to the kept entries (by position)."""
+    question = prompt[:, :7]
+    got, reference, report, _ = answer_and_reference(
+        tiny, prompt, question, "compilerkv", artifacts=[tables], budget=100
+    )
+    assert sum(report.slots_per_layer) < 4 * prompt.shape[1]  # something was removed
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 from distributed_worker import CORPUS, DISTILL
+from test_engine import answer_and_reference
 from typer.testing import CliRunner
 
 import kvruntime
@@ -261,3 +262,12 @@ def test_a_bfloat16_model_distils_to_finite_weights_close_to_the_float32_ones(sc
     weights, reference = artifact.tensors["weights"], kvruntime.read_artifact(scorer).tensors["weights"]
     assert bool(torch.isfinite(weights).all()) and weights.dtype == torch.float32
     assert float(torch.nn.functional.cosine_similarity(weights.flatten(), reference.flatten(), dim=0)) > 0.9
+
+
+def test_question_mode_answers_from_exactly_the_entries_distilled_kept(tiny, tokens, tmp_path):
+    """Every answer step's logits are those of the full model attending only to the kept entries (by position)."""
+    path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
+    question = torch.tensor([[3, 4, 5, 9]])
+    got, reference, report, _ = answer_and_reference(tiny, tokens, question, "distilled", artifacts=[path], ratio=0.75)
+    assert len(set(report.slots_per_layer)) > 1  # the dynamic allocation gave the layers different counts
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)

@@ -59,18 +59,17 @@ def _reference_attention(kept: list[torch.Tensor], context_length: int):
     return attend
 
 
-@pytest.mark.parametrize("memory", ["padded", "masked"])
-def test_multi_token_question_on_layers_of_different_lengths_matches_reference(tiny, tokens, memory):
-    question = torch.tensor([[5, 17, 33, 2, 41, 7]])
-    with kvruntime.compress(tiny, "kvcompress", ratio=0.6, memory=memory) as session:
+def answer_and_reference(model, tokens, question, method, memory="padded", artifacts=(), **request):
+    """Question mode's answer (greedy, every step's logits) and, for each step, the logits of the full model whose
+    attention sees only the entries the method kept (by original position) plus the question and the answer so far:
+    the reference is fed the answer's tokens, so every step is compared, not only the first. Also the report and
+    the keep masks."""
+    with kvruntime.compress(model, method, memory=memory, artifacts=list(artifacts), **request) as session:
         context = session.prefill(tokens)
-        slots = session.report.slots_per_layer
-        kept_positions = session.kept_positions
-        keep_masks = dict(context.keep_masks)
+        kept_positions, keep_masks = session.kept_positions, dict(context.keep_masks)
         got = context.generate(question, **GREEDY)
         again = context.generate(question, **GREEDY)  # the context was restored between questions
-    assert len(set(slots)) > 1, "the test needs layers of different cache lengths"
-    assert memory == "padded" or keep_masks, "the masked test needs heads that keep different counts"
+    assert torch.equal(got.sequences, again.sequences)
     length = tokens.shape[1]
     kept = []
     for index, positions in enumerate(kept_positions):
@@ -78,19 +77,31 @@ def test_multi_token_question_on_layers_of_different_lengths_matches_reference(t
         visible = keep_masks.get(index, torch.ones_like(positions, dtype=torch.bool))
         mask.scatter_(-1, positions, visible)
         kept.append(mask)
-    cache = DynamicCache(config=tiny.config)
+    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        tiny(tokens, **kvruntime.cache_argument(tiny, cache))  # full, uncompressed context
+        model(tokens, **kvruntime.cache_argument(model, cache))  # full, uncompressed context
+    answer = got.sequences[:, question.shape[1] :]
+    fed = torch.cat([question, answer[:, :-1]], dim=1)
     AttentionInterface.register("kvruntime_test_reference", _reference_attention(kept, length))
-    tiny.set_attn_implementation("kvruntime_test_reference")
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("kvruntime_test_reference")
     try:
         with torch.no_grad():
-            positions = torch.arange(length, length + question.shape[1])[None]
-            reference = tiny(question, **kvruntime.cache_argument(tiny, cache), position_ids=positions).logits[:, -1]
+            positions = torch.arange(length, length + fed.shape[1])[None]
+            logits = model(fed, **kvruntime.cache_argument(model, cache), position_ids=positions).logits
     finally:
-        tiny.set_attn_implementation("sdpa")
-    torch.testing.assert_close(got.logits[0], reference, atol=1e-4, rtol=1e-4)
-    assert torch.equal(got.sequences, again.sequences)
+        model.set_attn_implementation(implementation)
+    reference = logits[0, question.shape[1] - 1 :]
+    return torch.cat(got.logits), reference, session.report, keep_masks
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+def test_multi_token_question_on_layers_of_different_lengths_matches_reference(tiny, tokens, memory):
+    question = torch.tensor([[5, 17, 33, 2, 41, 7]])
+    got, reference, report, keep_masks = answer_and_reference(tiny, tokens, question, "kvcompress", memory, ratio=0.6)
+    assert len(set(report.slots_per_layer)) > 1, "the test needs layers of different cache lengths"
+    assert memory == "padded" or keep_masks, "the masked test needs heads that keep different counts"
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_question_mode_at_ratio_zero_equals_generation_on_the_whole_prompt(tiny, tokens):
