@@ -3,7 +3,8 @@
 A recipe compiles one artifact kind. It is made with the command's inputs (which corpus, which artifacts), takes a
 settings dataclass (the knobs, checked by `check` before anything is loaded), says how many positions a work item
 takes (`positions`), prepares what it reads besides the model (`prepare`), all before torch is imported: bad input
-is refused in a fraction of a second, not after loading. Then it `run`s over its work items (probes, prompts, rollouts) on the model, with checkpoints and shares where it has them.
+is refused in a fraction of a second, not after loading. Then it `run`s over its work items (probes, prompts,
+rollouts) on the model, with checkpoints and shares where it has them.
 `finish` turns complete partial statistics into the artifact (what `kvcompile merge` calls), `plot` draws it beside
 the file, and `describe` says in a few lines what was learned. `compile_artifact` is the one skeleton every command
 goes through: check, claim the output, prepare, load the model, run, write, plot, describe.
@@ -113,12 +114,14 @@ def check_checkpoint_every(items: int) -> None:
         raise KVRuntimeError(f"--checkpoint-every {items}: give a number of items of at least 1")
 
 
-def claim_output(resources: contextlib.ExitStack, path: Path, folder: bool = False, lock: bool = True) -> Path:
+def claim_output(
+    resources: contextlib.ExitStack, path: Path, folder: bool = False, lock: bool = True, option: str = "--out"
+) -> Path:
     """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
     for the rest of the command, so that two runs never write the same output at once."""
     from kvruntime import check_output_file, check_output_folder, path_lock
 
-    (check_output_folder if folder else check_output_file)(path)
+    (check_output_folder if folder else check_output_file)(path, option)
     if lock:
         resources.enter_context(path_lock(path, wait=False))
     return path
@@ -135,9 +138,9 @@ def claim_artifact(
     """`claim_output` for an artifact and its picture: the name ends in .safetensors (so the picture never takes
     its place), and what is already there is replaced only when it is an artifact of one of `kinds` (a picture: a
     PNG). A command never writes over a file it did not make."""
-    from kvruntime import check_output_file, header_kind
+    from kvruntime import header_kind
 
-    check_output_file(path, option)
+    claim_output(resources, path, lock=lock, option=option)  # a folder, or a folder nothing can be written in
     if path.suffix != ARTIFACT_SUFFIX:
         raise KVRuntimeError(
             f"{option} {path}: an artifact's name ends in {ARTIFACT_SUFFIX} (its picture is drawn beside it as .png)"
@@ -152,7 +155,7 @@ def claim_artifact(
         raise KVRuntimeError(
             f"{option} {path}: its picture's name {picture} is taken by a file that is not a PNG; move that file"
         )
-    return claim_output(resources, path, lock=lock)
+    return path
 
 
 def _starts_with(path: Path, prefix: bytes) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from .artifact_header import read_header, small_tensor_values
 from .artifact_kinds import ARTIFACT_KINDS
@@ -108,6 +108,14 @@ def check_compiled_ratio(ratios: Sequence[float], ratio: float) -> None:
         )
 
 
+def check_has_artifact(name: str, kind: str, kinds: Collection[str]) -> None:
+    """Refuse method `name` without an artifact of `kind` among the `kinds` given."""
+    if kind not in kinds:
+        raise KVRuntimeError(
+            f"method {name!r} needs a {kind} artifact for this model (compile it with `{ARTIFACT_KINDS[kind].command}`)"
+        )
+
+
 def check_serves(
     name: str,
     artifact_paths: Sequence[str | os.PathLike],
@@ -124,18 +132,17 @@ def check_serves(
     for path in artifact_paths:
         by_kind[read_header(path).get("kind")] = path  # refuses a missing, foreign or unreadable file
     for kind in required_artifact_kinds(name, options):
-        if kind not in by_kind:
-            raise KVRuntimeError(
-                f"method {name!r} needs a {kind} artifact for this model (compile it with `{ARTIFACT_KINDS[kind].command}`)"
-            )
+        check_has_artifact(name, kind, by_kind)
     facts = method_facts(name, options)
     base = parse_method_name(name)[0]
+    # The compiled operating points, read once for every request.
+    budgets = [int(b) for b in small_tensor_values(by_kind[NEEDS[base]], "budgets")] if base == "compilerkv" else None
+    compiled = base == "kvcompose" and options.get("mode", "compiled") == "compiled"
+    ratios = compiled_ratios(small_tensor_values(by_kind[NEEDS[base]], "ratios")) if compiled else None
     for request in requests:
-        if base == "compilerkv":
-            budgets = [int(b) for b in small_tensor_values(by_kind[NEEDS["compilerkv"]], "budgets")]
+        if budgets is not None:
             check_compilerkv_request(budgets, bool(options.get("nearest_budget", False)), request)
-        if base == "kvcompose" and options.get("mode", "compiled") == "compiled" and request.ratio:
-            ratios = compiled_ratios(small_tensor_values(by_kind[NEEDS["kvcompose"]], "ratios"))
+        if ratios is not None and request.ratio:
             check_compiled_ratio(ratios, request.ratio)
         check_memory(facts.name, facts.memory, request.memory)
     if memory is not None:

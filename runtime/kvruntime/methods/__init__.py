@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ..artifact import Artifact, applied_form, read_artifact
-from ..artifact_kinds import ARTIFACT_KINDS
 from ..errors import KVRuntimeError
 from ..request import (
     METHOD_NAMES,
@@ -22,7 +21,7 @@ from ..request import (
     parse_method_name,
     required_artifact_kinds,
 )
-from ..serving import check_memory
+from ..serving import check_has_artifact, check_memory
 from .base import LayerPrefill, Method, Prefill, ScoringMethod, Selection, check_prefill_chunk_size
 from .compilerkv import CompilerKV
 from .compresskv import SemanticRetrievalHeads, WithLayerBudgets
@@ -45,10 +44,7 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
 
     def applied(part: str) -> object:
         kind = NEEDS[part]
-        if kind not in by_kind:
-            raise KVRuntimeError(
-                f"method {name!r} needs a {kind} artifact for this model (compile it with `{ARTIFACT_KINDS[kind].command}`)"
-            )
+        check_has_artifact(name, kind, by_kind)
         return applied_form(by_kind[kind])
 
     options = check_method_options(name, options)
