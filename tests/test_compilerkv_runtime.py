@@ -20,25 +20,27 @@ ENTROPY_EDGES = torch.tensor([4.0, 4.5], dtype=torch.float64)
 PERPLEXITY_EDGES = torch.tensor([90.0], dtype=torch.float64)
 
 
-def _tensors(layers: int = 4) -> dict[str, torch.Tensor]:
+def table_tensors(layers: int = 4, query_heads: int = 4) -> dict[str, torch.Tensor]:
+    """Random tables over the whole value range, for `layers` layers of `query_heads` query heads."""
     g = torch.Generator().manual_seed(3)
     return {
         "budgets": torch.tensor(BUDGETS),
-        "head_reliability": 0.8 + 0.7 * torch.rand(2, layers, 4, generator=g),
+        "head_reliability": 0.8 + 0.7 * torch.rand(2, layers, query_heads, generator=g),
         "risk_thresholds": 0.8 + 0.2 * torch.rand(2, layers, 3, 2, generator=g),
         "entropy_edges": ENTROPY_EDGES,
         "perplexity_edges": PERPLEXITY_EDGES,
     }
 
 
-def _save_tables(model, folder, **params):
-    artifact = Artifact("compilerkv_tables", _tensors(), model_fingerprint(model), {"command": "test"}, params)
+def save_tables(model, folder, **params):
+    tensors = table_tensors(model.config.num_hidden_layers, model.config.num_attention_heads)
+    artifact = Artifact("compilerkv_tables", tensors, model_fingerprint(model), {"command": "test"}, params)
     return save_artifact(artifact, folder / "compilerkv_tables.safetensors")
 
 
 @pytest.fixture
 def tables(tiny, tmp_path):
-    return _save_tables(tiny, tmp_path)
+    return save_tables(tiny, tmp_path)
 
 
 @pytest.fixture
@@ -46,7 +48,7 @@ def prompt() -> torch.Tensor:
     return torch.randint(3, 96, (1, 160), generator=torch.Generator().manual_seed(5))
 
 
-def _reference_kept(
+def reference_kept(
     model, ids, budget_index, uniform_heads=False, fixed_threshold=None, elastic=False, utility="global"
 ) -> list[torch.Tensor]:
     """The spec's selection computed from full eager attention maps: alpha from the last 64 query rows of every
@@ -55,7 +57,8 @@ def _reference_kept(
     count relative to the layer's largest. Elastic:
     each layer keeps its tokens at or above its threshold, at most the budget. Ratio-honest: the layers share
     budget x layers entries, ranked by score over their layer's threshold (ties: earlier layer, earlier token)."""
-    t = _tensors()
+    query_heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    t = table_tensors(model.config.num_hidden_layers, query_heads)
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -75,11 +78,13 @@ def _reference_kept(
     for layer, cached in enumerate(cache.layers):
         norms = cached.values[0].double().norm(dim=-1)  # [Hkv, n]
         rho = norms / norms.mean(dim=-1, keepdim=True)
-        weights = torch.ones(4) if uniform_heads else t["head_reliability"][budget_index, layer]
+        weights = torch.ones(query_heads) if uniform_heads else t["head_reliability"][budget_index, layer]
         weights = weights / weights.max()  # relative to the layer's largest weight
         own = (n / w) * out.attentions[layer][0, :, -w:, :].double().sum(dim=1)  # [Hq, n]
-        attention = [alpha if utility == "global" else (alpha + own[h]) / 2 for h in range(4)]
-        layer_scores = torch.stack([weights[h] * attention[h] * rho[h // 2] for h in range(4)]).amax(dim=0)
+        attention = [alpha if utility == "global" else (alpha + own[h]) / 2 for h in range(query_heads)]
+        layer_scores = torch.stack(
+            [weights[h] * attention[h] * rho[h // (query_heads // kv_heads)] for h in range(query_heads)]
+        ).amax(dim=0)
         layer_scores[-w:] = float("inf")
         scores.append(layer_scores)
         thresholds.append(fixed_threshold or float(t["risk_thresholds"][budget_index, layer, e_bin, p_bin]))
@@ -109,10 +114,10 @@ def _reference_kept(
 )
 @pytest.mark.parametrize("budget_index", [0, 1])
 def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, tmp_path, prompt, budget_index, options):
-    expected = _reference_kept(tiny, prompt, budget_index, **options)
+    expected = reference_kept(tiny, prompt, budget_index, **options)
     options = dict(options)
     utility = options.pop("utility", "global")  # a property of the tables, not a method option
-    tables = _save_tables(tiny, tmp_path, utility=utility)
+    tables = save_tables(tiny, tmp_path, utility=utility)
     with kvruntime.compress(
         tiny, "compilerkv", budget=BUDGETS[budget_index], artifacts=[tables], options=options
     ) as session:
@@ -245,7 +250,7 @@ def test_method_options_are_checked(tiny, tables):
 def test_tables_of_another_layer_count_need_force_and_are_interpolated_over_depth(tiny, tmp_path, prompt):
     deeper = dataclasses.replace(model_fingerprint(tiny), num_layers=7)
     path = save_artifact(
-        Artifact("compilerkv_tables", _tensors(layers=7), deeper, {"command": "test"}), tmp_path / "t.safetensors"
+        Artifact("compilerkv_tables", table_tensors(layers=7), deeper, {"command": "test"}), tmp_path / "t.safetensors"
     )
     with pytest.raises(ArtifactError, match="with 7 layers, the model .* with 4; pass force=True"):
         kvruntime.load_artifact(path, model=tiny)
@@ -255,7 +260,7 @@ def test_tables_of_another_layer_count_need_force_and_are_interpolated_over_dept
     assert len(session.report.slots_per_layer) == 4
     other_heads = dataclasses.replace(model_fingerprint(tiny), num_query_heads=8)
     path = save_artifact(
-        Artifact("compilerkv_tables", _tensors(), other_heads, {"command": "test"}), tmp_path / "h.safetensors"
+        Artifact("compilerkv_tables", table_tensors(), other_heads, {"command": "test"}), tmp_path / "h.safetensors"
     )
     with pytest.raises(ArtifactError, match="num_query_heads: 8 vs 4"):
         kvruntime.load_artifact(path, model=tiny, force=True)

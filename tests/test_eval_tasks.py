@@ -47,6 +47,7 @@ def relative_position(prompt, text: str) -> float:
     return body.index(text) / len(body)
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_every_prompt_has_the_asked_length_and_a_question_after_its_context(prompts, tokenizer):
     for prompt in prompts:
         tokens = len(tokenizer(prompt.prompt, add_special_tokens=False).input_ids)
@@ -70,6 +71,7 @@ def first_fact(prompt) -> str:
     }[prompt.task]
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_facts_sit_at_the_stated_depth(prompts):
     for task in SUITE_TASKS:
         if task in WITHOUT_DEPTH:
@@ -88,6 +90,7 @@ def test_the_depths_of_a_task_cover_the_context():
     assert sample_depth(0, 1) == 0.5
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_expected_answers_are_the_inserted_values(prompts):
     for prompt in of(prompts, "passkey"):
         assert context(prompt).count(prompt.expected[0]) == 2  # "The pass key is K. ... K is the pass key."
@@ -115,6 +118,7 @@ def test_expected_answers_are_the_inserted_values(prompts):
         assert item.answer in item.evidence and item.evidence in " ".join(context(prompt).split())
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_common_words_are_the_most_frequent_by_a_margin(prompts):
     for prompt in of(prompts, "common_words"):
         counts = Counter(re.findall(r"\d+\. ([a-z]+)", context(prompt)))
@@ -124,6 +128,7 @@ def test_common_words_are_the_most_frequent_by_a_margin(prompts):
         assert min(counts[w] for w in prompt.expected) >= 3 * rest
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_haystacks_and_needles_are_not_the_calibration_ones(prompts):
     austen = " ".join(" ".join(load_corpus("austen").documents).split())
     moby = " ".join(load_corpus("moby-dick").documents[0].split())
@@ -136,6 +141,7 @@ def test_haystacks_and_needles_are_not_the_calibration_ones(prompts):
             assert not any(sample in austen for sample in samples)
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_prompts_are_reproducible_and_seeds_change_them(tokenizer):
     book = load_corpus("moby-dick")
     again = suite_prompts(book, tokenizer, ["multikey", "variable_tracking"], [1024], 2, seed=0)
@@ -144,6 +150,7 @@ def test_prompts_are_reproducible_and_seeds_change_them(tokenizer):
     assert all(a.expected != b.expected for a, b in zip(again, other))
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_a_task_with_its_own_count_spreads_its_own_depths(tokenizer):
     book = load_corpus("moby-dick")
     prompts = suite_prompts(book, tokenizer, ["passkey", "needle"], [1024], {"passkey": 3, "needle": 1}, seed=0)
@@ -165,6 +172,7 @@ def test_lengths_and_tasks_are_checked():
         suite_prompts(load_corpus("moby-dick"), None, ["ruler"], [1024], 1, 0)
 
 
+@pytest.mark.integration  # the default model's tokenizer
 def test_raw_prompts_for_base_models_carry_no_chat_markup(tokenizer):
     book = load_corpus("moby-dick")
     chat = suite_prompts(book, tokenizer, SUITE_TASKS, [1024], 1, seed=0, prompt_format="auto")

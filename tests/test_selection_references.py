@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compilerkv_runtime import BUDGETS, reference_kept, save_tables
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import kvruntime
@@ -32,14 +33,19 @@ MODELS = {
 LENGTH = 120
 
 
-@pytest.fixture(params=sorted(MODELS), scope="module")
-def model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    config_type, model_type = MODELS[request.param]
+def eight_head_model(kind: str) -> torch.nn.Module:
+    """A tiny model of `kind` (one of MODELS) with 8 query heads over 2 KV heads, 3 layers."""
+    config_type, model_type = MODELS[kind]
     torch.manual_seed(3)
-    config = config_type(**CONFIG, **({"head_dim": 8} if request.param == "qwen3" else {}))
+    config = config_type(**CONFIG, **({"head_dim": 8} if kind == "qwen3" else {}))
     built = model_type(config).eval()
     built.config.architectures = [model_type.__name__]
     return built
+
+
+@pytest.fixture(params=sorted(MODELS), scope="module")
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return eight_head_model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +299,130 @@ def test_distilled_uniform_keeps_each_heads_best_predicted_scores(model, ids, me
         scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
         for head in range(2):
             assert_best(got[layer][head], scores[head], count, window)
+
+
+def kvcompose_window_scores(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """KVCompose's token scores with the last 32 queries as the task [Hkv, N] per layer (eq. 14-16): each query
+    head's largest attention from them, averaged over the KV group, plus the average over the KV heads."""
+    grouped = [group(a.amax(dim=1), 2).mean(dim=1) for a in eager_window_attention(model, ids, 32)]
+    return [scores + scores.mean(dim=0, keepdim=True) for scores in grouped]
+
+
+# Compiled shares chosen to split exactly: at ratio 0.3 a head keeps 84 of 120 tokens on average (252 per KV head
+# over 3 layers, 504 over the 6 heads), at 0.5 it keeps 60 (180, 360). Shares are of the prompt's 120 tokens.
+COMPILED_LAYER_COUNTS = {0.3: (56, 84, 112), 0.5: (36, 60, 84)}
+COMPILED_HEAD_COUNTS = {0.3: ((40, 60), (84, 84), (116, 120)), 0.5: ((36, 48), (60, 36), (60, 120))}
+
+
+def kvcompose_stats(folder: Path, model: torch.nn.Module) -> Path:
+    ratios = sorted(COMPILED_LAYER_COUNTS)
+    layers = torch.tensor([COMPILED_LAYER_COUNTS[r] for r in ratios], dtype=torch.float64) / LENGTH
+    heads = torch.tensor([COMPILED_HEAD_COUNTS[r] for r in ratios], dtype=torch.float64) / LENGTH
+    ratios = torch.tensor(ratios, dtype=torch.float64)
+    return saved(folder, model, "kvcompose_stats", ratios=ratios, layer_fractions=layers, head_fractions=heads)
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+@pytest.mark.parametrize("ratio", sorted(COMPILED_LAYER_COUNTS))
+def test_kvcompose_compiled_keeps_each_heads_best_in_the_compiled_layer_shares(model, ids, memory, ratio, tmp_path):
+    """Composite tokens: each layer keeps its compiled share of the prompt, every KV head its own best entries
+    under the window-task scores, the window included."""
+    artifacts = [kvcompose_stats(tmp_path, model)]
+    got = runtime_kept(model, ids, "kvcompose", memory, ratio=ratio, artifacts=artifacts)
+    for layer, (scores, count) in enumerate(zip(kvcompose_window_scores(model, ids), COMPILED_LAYER_COUNTS[ratio])):
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], count, 32)
+
+
+@pytest.mark.parametrize("ratio", sorted(COMPILED_HEAD_COUNTS))
+def test_kvcompose_unstructured_keeps_each_heads_best_in_its_compiled_head_share(model, ids, ratio, tmp_path):
+    artifacts = [kvcompose_stats(tmp_path, model)]
+    options = {"unstructured": True}
+    got = runtime_kept(model, ids, "kvcompose", "masked", ratio=ratio, artifacts=artifacts, options=options)
+    for layer, scores in enumerate(kvcompose_window_scores(model, ids)):
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], COMPILED_HEAD_COUNTS[ratio][layer][head], 32)
+
+
+def second_pass_scores(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """KVCompose's task-agnostic scores [Hkv, N] per layer: the prompt fed again after itself, each context token's
+    largest attention from a token of the copy (per query head), averaged over the KV group, plus the average over
+    the KV heads."""
+    length = ids.shape[1]
+    attention = eager_window_attention(model, torch.cat([ids, ids], dim=1), length)  # the copy's rows, [Hq, N, 2N]
+    grouped = [group(a[..., :length].amax(dim=1), 2).mean(dim=1) for a in attention]
+    return [scores + scores.mean(dim=0, keepdim=True) for scores in grouped]
+
+
+def composite_layer_counts(scores: list[torch.Tensor], keep: int, floor: int = 0) -> list[int]:
+    """KVCompose's global allocation: composite token r of a layer scores the mean over its KV heads of their r-th
+    best scores; the first layer's composite scores are lifted to the best any layer has there; each layer's first
+    `floor` composite tokens are kept whatever they score; the keep * L best composite tokens of all layers win."""
+    curves = [s.sort(dim=-1, descending=True).values.mean(dim=0) for s in scores]
+    curves[0] = torch.stack(curves).amax(dim=0)
+    pool = [
+        (math.inf if r < floor else float(curve[r]), layer)
+        for layer, curve in enumerate(curves)
+        for r in range(len(curve))
+    ]
+    pool.sort(key=lambda entry: -entry[0])
+    return [sum(1 for _, layer in pool[: keep * len(scores)] if layer == index) for index in range(len(scores))]
+
+
+@pytest.mark.parametrize("memory, unstructured", [("padded", False), ("masked", False), ("masked", True)])
+def test_kvcompose_dynamic_keeps_the_second_passs_best_in_this_prompts_allocation(model, ids, memory, unstructured):
+    """The dynamic mode scores with a second pass and allocates on this prompt: per layer (composite tokens), or
+    per (layer, KV head) from one pool of every head's sorted scores (unstructured, served in masked memory)."""
+    ratio = 0.6
+    keep = kept(LENGTH, 32, ratio)
+    scores = second_pass_scores(model, ids)
+    if unstructured:  # appendix A: one pool of every (layer, KV head, token) score, no lift
+        counts = pooled_counts(scores, keep, 0)
+    else:
+        counts = [[n, n] for n in composite_layer_counts(scores, keep)]
+    assert len({n for layer in counts for n in layer}) > 1  # the allocation is not uniform here
+    options = {"mode": "dynamic", "unstructured": unstructured}
+    got = runtime_kept(model, ids, "kvcompose", memory, ratio=ratio, options=options)
+    assert [[len(head) for head in layer] for layer in got] == counts
+    for layer, layer_scores in enumerate(scores):
+        for head in range(2):
+            assert_best(got[layer][head], layer_scores[head], counts[layer][head], 0)  # no window kept by rule
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+def test_distilled_dynamic_keeps_each_heads_best_in_the_pooled_allocation_with_its_floor(model, ids, memory, tmp_path):
+    """Distilled's default allocation: KVCompose's global pool over the exponentiated predictions (the last 8
+    tokens always kept), after every layer's first quarter of the average count is granted."""
+    window, ratio = 8, 0.5
+    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(14))
+    weights[2, CONFIG["hidden_size"]] -= 30  # the last layer's bias: the pool alone would leave it its window
+    scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
+    got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer])
+    keep = kept(LENGTH, window, ratio)
+    scores = []
+    for layer, states in enumerate(attention_inputs(model, ids)):
+        predicted = (distilled_features(states) @ weights[layer].double()).T.exp()  # [Hkv, N]
+        predicted[:, -window:] = math.inf
+        scores.append(predicted)
+    counts = composite_layer_counts(scores, keep, floor=keep // 4)
+    assert counts[2] == keep // 4 > window and len(set(counts)) == 3  # the floor binds, the pool decides the rest
+    assert [[len(head) for head in layer] for layer in got] == [[n, n] for n in counts]
+    for layer, layer_scores in enumerate(scores):
+        for head in range(2):
+            assert_best(got[layer][head], layer_scores[head].log(), counts[layer], window)
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+@pytest.mark.parametrize("options", [{}, {"elastic": True}, {"utility": "head"}])
+def test_compilerkv_keeps_the_specs_selection_with_eight_query_heads(model, memory, options, tmp_path):
+    """CompilerKV's weighted max-pooling over 8 query heads (4 per KV head, so a head's weight within its group
+    counts under the head-aware utility), its risk bins and its gate, against the spec's selection from eager
+    attention (`test_compilerkv_runtime.reference_kept`), in either memory mode."""
+    prompt = torch.randint(3, CONFIG["vocab_size"], (1, 160), generator=torch.Generator().manual_seed(5))
+    utility = options.get("utility", "global")  # a property of the tables, not a method option
+    method_options = {key: value for key, value in options.items() if key != "utility"}
+    expected = reference_kept(model, prompt, 0, elastic=bool(options.get("elastic")), utility=utility)
+    tables = [save_tables(model, tmp_path, utility=utility)]
+    got = runtime_kept(model, prompt, "compilerkv", memory, budget=BUDGETS[0], artifacts=tables, options=method_options)
+    for layer, indices in enumerate(expected):
+        assert got[layer] == [indices.tolist(), indices.tolist()]  # one index set per layer, for both KV heads

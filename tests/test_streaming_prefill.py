@@ -226,6 +226,7 @@ def test_the_command_line_refuses_a_chunk_size_that_is_not_positive(tmp_path):
     assert result.output.strip().splitlines() == ["error: --prefill-chunk-size 0: give a positive number of tokens"]
 
 
+@pytest.mark.integration
 def test_the_default_model_streams_a_2k_prompt_at_ratio_0_9_within_its_budgets_and_one_chunk(default_model):
     from kvcompile.prompt_format import chat_frame
 

@@ -1,0 +1,99 @@
+"""`kvcompile eval`'s kvpress contestants with the real kvpress (the bench venv: `make test-bench`; skipped where
+kvpress is not installed): every compared press runs through the evaluation's prefill and answer path on a tiny
+model, holds the cache kvpress's compression ratio asks for, leaves no hook or mask behind, and answers from
+what it kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_selection_references import eight_head_model
+
+from kvcompile.evaluation import runner
+from kvcompile.evaluation.contestants import PRESSES, Contestant
+from kvcompile.evaluation.runner import prefilled, press_keep_masks
+from kvruntime import attention_modules, cache_bytes
+
+kvpress = pytest.importorskip("kvpress")
+
+LENGTH, RATIO = 160, 0.5
+# Presses that hide entries instead of removing them (the runner turns their masks into keep masks).
+MASKING = {"kvzip"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """The tiny Llama, named by a folder holding a character tokenizer of its 96 ids: KVzip loads the model's
+    tokenizer by name to build its repeat prompt."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    built = eight_head_model("llama")
+    characters = {chr(code): code - 31 for code in range(32, 127)}  # ids 1-95; 0 for anything else
+    tokenizer = Tokenizer(models.BPE({"[UNK]": 0, **characters}, merges=[], unk_token="[UNK]"))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    built.config.name_or_path = str(folder)
+    return built
+
+
+@pytest.fixture(scope="module")
+def context() -> torch.Tensor:
+    return torch.randint(3, 96, (1, LENGTH), generator=torch.Generator().manual_seed(8))
+
+
+def hook_counts(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def full_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    with torch.no_grad():
+        return cache_bytes(model(ids, use_cache=True).past_key_values)
+
+
+@pytest.mark.parametrize("press", sorted(PRESSES))
+def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(model, context, press, monkeypatch):
+    masks: dict[int, torch.Tensor] = {}
+
+    def keep_masks(*args) -> dict[int, torch.Tensor]:
+        masks.update(press_keep_masks(*args))
+        return masks
+
+    monkeypatch.setattr(runner, "press_keep_masks", keep_masks)
+    question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(9))
+    hooks = hook_counts(model)
+    with torch.no_grad():
+        before = model(torch.cat([context, question], dim=1)).logits[0, -1]
+    with prefilled(model, Contestant(f"kvpress-{press}", "kvpress", press), RATIO, context, []) as prefill:
+        output = prefill.generate(question, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert output.sequences.shape == (1, question.shape[1] + 2)
+    # kvpress's ratio is of the context's entries: half of them held. A masking press hides them per head; the
+    # bytes held count each layer's densest head (what a dense store of its kept entries would need).
+    held = prefill.cache_bytes / full_bytes(model, context)
+    assert bool(masks) == (press in MASKING)
+    if masks:
+        visible = sum(int(mask.sum()) for mask in masks.values()) / (len(masks) * masks[0].shape[1] * LENGTH)
+        assert visible == pytest.approx(1 - RATIO, abs=1 / LENGTH)
+        densest = [int(mask.sum(dim=-1).max()) / LENGTH for mask in masks.values()]
+        assert held == pytest.approx(sum(densest) / len(densest), abs=1e-6)
+    else:
+        assert held == pytest.approx(1 - RATIO, abs=1 / LENGTH), held
+    # The press's hooks are gone and no module keeps masks: the model is what it was.
+    assert hook_counts(model) == hooks
+    assert all(getattr(module, "masked_key_indices", None) is None for module in attention_modules(model))
+    with torch.no_grad():
+        after = model(torch.cat([context, question], dim=1)).logits[0, -1]
+    torch.testing.assert_close(after, before)
+
+
+def test_a_press_keeping_everything_answers_as_the_full_cache(model, context):
+    """At ratio 0 a press removes nothing: the evaluation's answer path over its cache gives the full model's
+    logits, so a difference at a real ratio comes from what the press removed, not from the plumbing."""
+    question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(10))
+    with prefilled(model, Contestant("kvpress-snapkv", "kvpress", "snapkv"), 0.0, context, []) as prefill:
+        output = prefill.generate(
+            question, max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    with torch.no_grad():
+        full = model(torch.cat([context, question], dim=1)).logits[0, -1]
+    torch.testing.assert_close(output.logits[0][0], full, atol=1e-4, rtol=1e-4)
