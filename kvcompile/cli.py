@@ -18,7 +18,7 @@ import typer
 
 from kvcompile import recipe
 from kvcompile.recipe import artifact_folder, claim_output, compile_artifact, default_artifact
-from kvruntime import KVRuntimeError
+from kvruntime import COMPARED_NAMES, KVRuntimeError, methods_help
 
 app = typer.Typer(
     help="Compile KV-cache compression artifacts for a model, and run compressed generation.",
@@ -107,8 +107,7 @@ def generate(
     method: Annotated[
         str | None,
         typer.Option(
-            help="snapkv, kvcompress, srh, compresskv (= srh+budgets), <method>+budgets, compilerkv, or kvcompose. "
-            "Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if "
+            help=f"{methods_help()}. Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if "
             "there is one, else kvcompress."
         ),
     ] = None,
@@ -305,7 +304,7 @@ MethodsOption = Annotated[
     str | None,
     typer.Option(
         help="Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress "
-        "(all presses; needs the bench extra). Default: full and kvcompile's five methods, plus kvpress if installed."
+        f"(all presses; needs the bench extra). Default: full, {', '.join(COMPARED_NAMES)}, and kvpress if installed."
     ),
 ]
 TasksOption = Annotated[
@@ -437,7 +436,7 @@ def tables(
         typer.Option(
             help="The stabilized utility the weights act on: global (the spec's: one attention mass for every head) "
             "or head (each query head's own window attention averaged with it, so every head's weight matters; "
-            "the default: more signal per probe and a lower loss, benchmarks/compilerkv_reward_noise.md)."
+            "the default: more signal per probe and a lower loss, benchmarks/compilerkv/compilerkv_reward_noise.md)."
         ),
     ] = "head",
     from_experience: Annotated[
@@ -633,7 +632,7 @@ def tune(
     ] = 0.02,
     methods: Annotated[
         str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")
-    ] = "compresskv,compilerkv,kvcompose,kvcompress,snapkv",
+    ] = ",".join(COMPARED_NAMES),
     ratios: Annotated[
         str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")
     ] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",

@@ -156,7 +156,9 @@ def test_the_elastic_gate_may_keep_fewer_entries_than_the_budget_and_says_so(tab
     artifacts = [kvruntime.read_artifact(tables)]
     method = kvruntime.get_method("compilerkv", artifacts, {"fixed_threshold": 0.9, "elastic": True})
     with torch.no_grad():  # as the engine calls it
-        selection = method.select(_heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200))
+        selection = method.select(
+            _heavy_hitter_statistics(200), kvruntime.Request(budget=100).plan(200, 64), _signals_prefill(200)
+        )
     assert selection.counts.tolist() == [[67, 67]] * 4  # the window and the three, not the budget of 100
     top = selection.scores[0][0, 0].topk(67).indices
     assert {3, 50, 77} <= set(top.tolist())
@@ -168,7 +170,7 @@ def test_the_ratio_honest_gate_holds_what_was_asked_and_gives_more_to_layers_wit
     the rest of the 400 entries asked for goes to the layer whose threshold the light tokens clear by most."""
     with torch.no_grad():
         selection = CompilerKV(tables=_flat_tables([0.9, 0.8, 1.0, 0.85], None)).select(
-            _heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200)
+            _heavy_hitter_statistics(200), kvruntime.Request(budget=100).plan(200, 64), _signals_prefill(200)
         )
     assert selection.counts[:, 0].tolist() == [67, 199, 67, 67]
     assert "the layers share the 400 entries asked for, ranked by score over their layer's threshold: 67-199" in (
@@ -203,7 +205,9 @@ def test_the_keep_rule_is_the_tables_own_unless_overridden_and_a_mismatch_is_rep
 ):
     method = CompilerKV(tables=_flat_tables([0.9] * 4, learned_elastic), elastic=option)
     with torch.no_grad():
-        selection = method.select(_heavy_hitter_statistics(200), kvruntime.Request(budget=100), _signals_prefill(200))
+        selection = method.select(
+            _heavy_hitter_statistics(200), kvruntime.Request(budget=100).plan(200, 64), _signals_prefill(200)
+        )
     assert selection.counts[:, 0].tolist() == counts
     notes = "\n".join(selection.notes)
     assert (mismatch in notes) if mismatch else ("rule   " not in notes)

@@ -19,7 +19,7 @@ from kvcompile.cli import app
 from kvcompile.evaluation.contestants import artifact_paths, check_contestants, parse_methods
 from kvcompile.recipes import RECIPES
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request, get_method, read_artifact
-from kvruntime.request import METHOD_NAMES, NEEDS
+from kvruntime.registry import METHOD_NAMES, METHODS
 
 ROOT = Path(__file__).parent.parent
 SHIPPED = ROOT / "artifacts" / "smollm2-135m-instruct"
@@ -47,7 +47,7 @@ def test_every_recipe_writes_a_known_kind_whose_command_is_its_own_and_every_app
         assert ARTIFACT_KINDS[kind].command.split()[1] in cli_commands()
         # merge finishes what can be split
         assert recipe_type.shardable == (recipe_type.finish is not recipe.Recipe.finish), kind
-    assert set(NEEDS.values()) <= set(RECIPES)
+    assert {spec.needs for spec in METHODS.values() if spec.needs} <= set(RECIPES)
 
 
 def test_the_compile_stage_imports_only_kvruntimes_declared_api():

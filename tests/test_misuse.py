@@ -348,10 +348,10 @@ def test_kvcompose_and_compilerkv_table_errors_name_the_file(tmp_path):
         kvruntime.get_method("kvcompose", [kvruntime.load_artifact(path, model=LLAMA)])
 
 
-def test_the_torch_free_request_module_names_the_methods_the_runtime_builds():
-    from kvruntime.methods import ARTIFACT_FREE
-    from kvruntime.request import ARTIFACT_FREE_NAMES
+def test_every_registered_method_that_needs_no_artifact_is_built_by_its_name():
+    from kvruntime.registry import METHODS
 
-    assert tuple(ARTIFACT_FREE) == ARTIFACT_FREE_NAMES
-    for name in ARTIFACT_FREE_NAMES:
+    free = [name for name, spec in METHODS.items() if spec.needs is None]
+    assert free == ["kvcompress", "snapkv"]
+    for name in free:
         assert kvruntime.get_method(name).name == name

@@ -1,8 +1,9 @@
-"""The wheel carries every package and the shipped folders (pyproject lists packages by hand to map the shipped
-folders into the package)."""
+"""The wheel carries every package and the shipped folders (setup.py finds the packages; pyproject maps the
+shipped folders into the package)."""
 
 from __future__ import annotations
 
+import runpy
 import tomllib
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def test_every_package_and_shipped_folder_is_in_the_wheel_list():
         for top, folder in folders.items()
         for init in folder.rglob("__init__.py")
     }
-    packages = set(setuptools["packages"])
+    packages = set(runpy.run_path(str(ROOT / "setup.py"), run_name="packages")["PACKAGES"])
     assert found <= packages
     mapped = {name: ROOT / path for name, path in setuptools["package-dir"].items()}
     for name in SHIPPED_FOLDERS:

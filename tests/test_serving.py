@@ -10,7 +10,8 @@ import pytest
 
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, check_method_serves, get_method, read_artifact
-from kvruntime.request import BUDGETABLE_NAMES, METHOD_NAMES, required_artifact_kinds
+from kvruntime.registry import BUDGETABLE_NAMES, METHOD_NAMES
+from kvruntime.request import required_artifact_kinds
 from kvruntime.serving import check_serves, method_facts
 
 ARTIFACTS = artifact_folder("default")

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile.cli import app
-from kvruntime import KVRuntimeError, LayerPrefill, Method, Request, Selection, SnapKV
+from kvruntime import KVRuntimeError, LayerPrefill, Method, Selection, SnapKV
 from kvruntime.engine import chunk_bounds
 from kvruntime.methods.distilled import running_state_sum, token_features
+from kvruntime.request import KeepPlan
 from kvruntime.selection import protect_window
 
 BUDGET, WINDOW = 24, 4
@@ -37,8 +38,8 @@ class FixedPriority(Method):
     def budgets_known_in_advance(self) -> bool:
         return True
 
-    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
-        return [request.kept_per_head(length, self.window)] * num_layers
+    def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
+        return [plan.keep] * num_layers
 
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
         return self.stream_scores(layer, None, None)[0]
@@ -48,7 +49,7 @@ class FixedPriority(Method):
         scores = fresh if held is None else torch.cat([held, fresh], dim=-1)
         return (protect_window(scores, self.window) if layer.final else scores), None
 
-    def select(self, statistics: list[torch.Tensor], request: Request, prefill: object) -> Selection:
+    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: object) -> Selection:
         raise AssertionError("a method whose budgets are known in advance is cut inside the prefill")
 
 

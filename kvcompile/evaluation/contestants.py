@@ -15,10 +15,11 @@ from pathlib import Path
 
 from kvruntime import (
     ARTIFACT_KINDS,
+    COMPARED_NAMES,
     KVRuntimeError,
     Request,
     check_method_options,
-    parse_method_name,
+    method_spec,
     parse_option_pairs,
     required_artifact_kinds,
 )
@@ -36,10 +37,7 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "keydiff": ("KeyDiffPress", {}),
     "kvzip": ("KVzipPress", {}),  # context reconstruction, two extra passes (FastKVzip needs gates from the hub)
 }
-KVCOMPILE_METHODS = ("compresskv", "compilerkv", "kvcompose", "kvcompress", "snapkv", "distilled")
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
-# A ratio maps to a budget that is rarely one of compilerkv's compiled budgets: take the nearest compiled tables.
-DEFAULT_OPTIONS: dict[str, dict[str, object]] = {"compilerkv": {"nearest_budget": True}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +65,7 @@ def kvpress_available() -> bool:
 
 
 def default_methods() -> str:
-    return ",".join([FULL, *KVCOMPILE_METHODS, *(["kvpress"] if kvpress_available() else [])])
+    return ",".join([FULL, *COMPARED_NAMES, *(["kvpress"] if kvpress_available() else [])])
 
 
 def parse_methods(text: str) -> list[Contestant]:
@@ -80,12 +78,12 @@ def parse_methods(text: str) -> list[Contestant]:
             contestants += _presses(entry)
             continue
         name, *pairs = entry.split(":")
-        parse_method_name(name)  # refuses an unknown method with the list of known ones
+        spec = method_spec(name)[0]  # refuses an unknown method with the list of known ones
         given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
         chunk = given.pop(CHUNK_OPTION, None)
         if chunk is not None and (not isinstance(chunk, float) or not chunk.is_integer() or chunk < 1):
             raise KVRuntimeError(f"--methods {entry!r}: {CHUNK_OPTION} must be a positive number of tokens")
-        options = {**DEFAULT_OPTIONS.get(name, {}), **check_method_options(name, given)}
+        options = {**spec.comparison_options, **check_method_options(name, given)}
         contestants.append(Contestant(entry, "kvcompile", name, options, None if chunk is None else int(chunk)))
     labels = [c.label for c in contestants]
     if len(set(labels)) != len(labels):

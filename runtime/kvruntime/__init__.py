@@ -11,7 +11,7 @@ line needs to parse its arguments and refuse bad ones) does not import torch and
 
 from __future__ import annotations
 
-import importlib
+from .lazy_exports import lazy_exports
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -19,7 +19,6 @@ _EXPORTS = {
     **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
     **dict.fromkeys(
         (
-            "METHOD_NAMES",
             "CompilerKV",
             "Distilled",
             "KVCompose",
@@ -69,7 +68,6 @@ _EXPORTS = {
             "check_method_options",
             "check_request",
             "kept_per_head",
-            "parse_method_name",
             "parse_option_pairs",
             "required_artifact_kinds",
         ),
@@ -82,7 +80,11 @@ _EXPORTS = {
     # Torch-free checks of what a command asks for: an artifact's header, the model's positions, what a method serves.
     **dict.fromkeys(("check_artifact_file", "header_kind", "header_params", "read_header"), "artifact_header"),
     **dict.fromkeys(("check_model_spec", "check_positions", "position_limit"), "model_spec"),
-    **dict.fromkeys(("UTILITIES", "WINDOWS", "MethodFacts", "check_serves", "method_facts"), "serving"),
+    **dict.fromkeys(("UTILITIES", "MethodFacts", "check_serves", "method_facts"), "serving"),
+    **dict.fromkeys(
+        ("COMPARED_NAMES", "METHOD_NAMES", "METHODS", "MethodSpec", "method_spec", "methods_help", "methods_table"),
+        "registry",
+    ),
     # What the compile stage measures exactly as the runtime applies it (the same functions, not copies).
     # cache_argument, hooked_cache, output_cache: the cache under either name transformers gives it.
     **dict.fromkeys(
@@ -105,15 +107,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvruntime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

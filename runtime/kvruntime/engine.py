@@ -43,7 +43,7 @@ from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
 from .report import CompressionReport
-from .request import DEFAULT_METHOD, Request
+from .request import DEFAULT_METHOD, KeepPlan, Request
 from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
 from .serving import check_memory
@@ -72,6 +72,7 @@ class _Prefill:
     length: int
     started: float
     input_ids: torch.Tensor | None
+    plan: KeepPlan  # what this prompt keeps: decided once, here
     statistics: dict[int, object] = dataclasses.field(default_factory=dict)
     scoring_seconds: float = 0.0
     budgets: list[int] | None = None  # tokens each layer keeps, when every layer is cut right after its attention
@@ -208,9 +209,10 @@ class CompressionSession:
             length, getattr(self.model.config, "max_position_embeddings", None), f"a prompt of {length} tokens"
         )
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
-        state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids)
+        plan = self.request.plan(length, self.method.window)
+        state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
         if self.method.budgets_known_in_advance:
-            state.budgets = self.method.layer_budgets(len(self._attention), self.request, length)
+            state.budgets = self.method.layer_budgets(len(self._attention), plan)
         self._prefill = state
         chunk = self.prefill_chunk_size
         if chunk is None or length <= chunk or cache is None:
@@ -353,13 +355,12 @@ class CompressionSession:
         self, cache: Cache, state: _Prefill, prefill: Prefill
     ) -> tuple[list[int], list[int], list[str]]:
         check_full_attention_cache(cache)
-        window = min(self.method.window, state.length)
-        keep = self.request.kept_per_head(state.length, window)
-        asked = self.request.kept_per_head(state.length, 1)
+        plan = state.plan
+        window, keep = plan.window, plan.keep
         # Why the cache held may differ from the request: the report says it rather than hide it.
         notes = (
-            [f"window              the last {window} tokens always stay: {keep} kept per layer, not {asked}"]
-            if keep > asked
+            [f"window              the last {window} tokens always stay: {keep} kept per layer, not {plan.asked}"]
+            if keep > plan.asked
             else []
         )
         self.kept_positions = []
@@ -373,7 +374,7 @@ class CompressionSession:
                 f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
             )
         statistics = [state.statistics[i] for i in range(len(cache.layers))]
-        selection = self.method.select(statistics, self.request, prefill)
+        selection = self.method.select(statistics, plan, prefill)
         counts = selection.counts
         if int(counts.max()) > state.length:
             raise KVRuntimeError(f"{self.method.name} selected more entries per head than the context holds")
@@ -408,7 +409,7 @@ class CompressionSession:
         self._keep_masks[cache] = {}
         slots = [int(positions.shape[-1]) for positions in self.kept_positions]
         entries = [count * layer.keys.shape[1] for count, layer in zip(slots, cache.layers)]
-        how = self.method.budgets_note(self.request, state.length)
+        how = self.method.budgets_note(state.plan)
         note = f"{self.method.name:<19} {f'{how}; ' if how else ''}tokens kept per layer {min(slots)}-{max(slots)} of {state.length}"
         return slots, entries, [*notes, note]
 

@@ -1,5 +1,5 @@
-"""What a compression request may ask for, checked without torch or a model: method names and the artifacts
-they need, memory modes, ratio and budget ranges. The command line refuses bad input with these before it imports
+"""What a compression request may ask for, checked without torch or a model: the artifacts and options of a method
+(from its registration, `registry`), memory modes, ratio and budget ranges. The command line refuses bad input with these before it imports
 the heavy runtime."""
 
 from __future__ import annotations
@@ -10,46 +10,17 @@ import numbers
 from collections.abc import Iterable, Mapping
 
 from .errors import KVRuntimeError, short_repr
+from .registry import LAYER_BUDGETS_KIND, method_spec
 
 MEMORY_MODES = ("padded", "masked")
-ARTIFACT_FREE_NAMES = ("snapkv", "kvcompress")
-BUDGETABLE_NAMES = (*ARTIFACT_FREE_NAMES, "srh", "distilled")  # those that take `+budgets` (error-aware layer shares)
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
-METHOD_NAMES = ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")
-# The options each method takes: a type (bool, float) or the tuple of its allowed words.
-OPTIONS: dict[str, dict[str, object]] = {
-    "compilerkv": {"nearest_budget": bool, "uniform_heads": bool, "fixed_threshold": float, "elastic": bool},
-    "kvcompose": {"mode": ("compiled", "dynamic"), "unstructured": bool},
-    "distilled": {"allocation": ("dynamic", "uniform"), "floor": float},
-}
-ALIASES = {"compresskv": "srh+budgets"}
-# Which artifact kind each name part needs (`artifact_kinds` says what compiles it).
-NEEDS = {
-    "srh": "srh_heads",
-    "budgets": "layer_budgets",
-    "compilerkv": "compilerkv_tables",
-    "kvcompose": "kvcompose_stats",
-    "distilled": "distilled_scorer",
-}
-
-
-def parse_method_name(name: str) -> list[str]:
-    """The parts of a method name ('compresskv' -> ['srh', 'budgets']); refuses unknown names."""
-    parts = ALIASES.get(name, name).split("+")
-    budgetable = parts[0] in BUDGETABLE_NAMES and parts[1:] in ([], ["budgets"])
-    if not budgetable and parts not in (["compilerkv"], ["kvcompose"]):
-        raise KVRuntimeError(
-            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
-            f"{', '.join(BUDGETABLE_NAMES)})"
-        )
-    return parts
 
 
 def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:
-    parts = parse_method_name(name)
-    if parts == ["kvcompose"] and options.get("mode") == "dynamic":
-        return []
-    return [NEEDS[part] for part in parts if part in NEEDS]
+    """The artifact kinds method `name` applies with these options (its own, then `+budgets`' layer_budgets)."""
+    spec, budgets = method_spec(name)
+    kinds = [spec.needs] if spec.needs and spec.needs_artifact(options) else []
+    return kinds + ([LAYER_BUDGETS_KIND] if budgets else [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +35,31 @@ class Request:
     def __post_init__(self) -> None:
         check_request(self.ratio, self.budget, self.memory)
 
-    def kept_per_head(self, length: int, window: int) -> int:
-        """Entries each (layer, KV head) keeps on average from a prompt of `length` tokens, the window included."""
-        return kept_per_head(length, window, self.ratio, self.budget)
+    def plan(self, length: int, window: int) -> KeepPlan:
+        """What a prompt of `length` tokens keeps under this request, for a method protecting `window` tokens."""
+        window = min(window, length)
+        keep = kept_per_head(length, window, self.ratio, self.budget)
+        return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget))
 
     def describe(self) -> str:
         return f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepPlan:
+    """What one prefill keeps, decided once from the request, the prompt and the method's window; every method and
+    the engine read it rather than derive it again."""
+
+    request: Request
+    length: int  # the prompt's tokens
+    window: int  # the recent tokens that always stay (the method's window, at most the prompt)
+    keep: int  # entries each (layer, KV head) keeps on average, the window included
+    asked: int  # what the request alone asks for: more is kept when the window outgrows it
+
+    @property
+    def ratio(self) -> float:
+        """The share of the prompt's entries removed: the request's ratio, or its budget's share of this prompt."""
+        return self.request.ratio if self.request.ratio is not None else 1.0 - self.keep / self.length
 
 
 def check_request(ratio: float | None, budget: int | None, memory: str) -> None:
@@ -113,25 +103,24 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
 
 def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
     """Refuse options the method does not take, and values of the wrong type; returns them as a dict."""
-    base, *suffixes = parse_method_name(name)
-    known = OPTIONS.get(base, {})
-    if base == "distilled" and suffixes and options:
+    spec, budgets = method_spec(name)
+    if budgets and options and not spec.options_with_budgets:
         raise KVRuntimeError(
             f"{name} takes its layer shares from the layer_budgets artifact: options {sorted(options)} do not apply"
         )
-    if options and not known:
+    if options and not spec.options:
         raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
-    unknown = sorted(set(options) - set(known))
+    unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        raise KVRuntimeError(f"unknown {base} options {unknown} (known: {sorted(known)})")
+        raise KVRuntimeError(f"unknown {spec.name} options {unknown} (known: {sorted(spec.options)})")
     for key, value in options.items():
-        kind = known[key]
+        kind = spec.options[key].kind
         if kind is bool and not isinstance(value, bool):
-            raise KVRuntimeError(f"{base} option {key}={value!r} is not a boolean (write true or false)")
+            raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a boolean (write true or false)")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise KVRuntimeError(f"{base} option {key}={value!r} is not a number")
+            raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a number")
         if isinstance(kind, tuple) and value not in kind:
-            raise KVRuntimeError(f"unknown {base} {key} {value!r} (use one of {', '.join(kind)})")
+            raise KVRuntimeError(f"unknown {spec.name} {key} {value!r} (use one of {', '.join(kind)})")
     return dict(options)
 
 

@@ -1,7 +1,7 @@
 """What a method can serve, decided without torch from its name, its options and its artifacts' headers: the
 refusals the command line makes before it imports anything heavy. The methods apply the same rules (compiled
 operating points, chunk size, memory mode) through these functions; their fixed facts (window, whether the prefill
-can stream, the memory mode they need) are declared here, and a test holds every method to them."""
+can stream, the memory mode they need) are their registrations' (`registry`), and a test holds every method to them."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from collections.abc import Collection, Mapping, Sequence
 from .artifact_header import read_header, small_tensor_values
 from .artifact_kinds import ARTIFACT_KINDS
 from .errors import KVRuntimeError
-from .request import NEEDS, Request, check_method_options, parse_method_name, required_artifact_kinds
+from .registry import canonical_name, method_spec
+from .request import Request, check_method_options, required_artifact_kinds
 
 UTILITIES = ("global", "head")  # compilerkv: the spec's stabilized utility, or the head-aware one
-# The protected recent window of each method's base, in tokens.
-WINDOWS = {"snapkv": 32, "kvcompress": 8, "srh": 8, "compilerkv": 64, "kvcompose": 32, "distilled": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,18 +27,11 @@ class MethodFacts:
 
 
 def method_facts(name: str, options: Mapping[str, object] = {}) -> MethodFacts:
-    base, *suffixes = parse_method_name(name)
-    unstructured = base == "kvcompose" and bool(options.get("unstructured", False))
-    if suffixes:  # error-aware layer shares: known from the artifact
-        streams = True
-    elif base == "kvcompose":
-        streams = options.get("mode", "compiled") == "compiled" and not unstructured
-    elif base == "distilled":
-        streams = options.get("allocation", "dynamic") == "uniform"
-    else:  # kvcompress's global pool and compilerkv's gate compare every layer's scores
-        streams = base in ("snapkv", "srh")
-    canonical = "compresskv" if [base, *suffixes] == ["srh", "budgets"] else "+".join([base, *suffixes])
-    return MethodFacts(canonical, WINDOWS[base], streams, "masked" if unstructured else None)
+    """What a method name with these options is, from its registration (`+budgets`' layer shares are known from
+    their artifact, so it streams)."""
+    spec, budgets = method_spec(name)
+    streams = budgets or spec.streams(options)
+    return MethodFacts(canonical_name(name), spec.window, streams, spec.memory(options))
 
 
 def check_chunk_size(name: str, window: int, streams: bool, size: int | None) -> None:
@@ -134,11 +126,11 @@ def check_serves(
     for kind in required_artifact_kinds(name, options):
         check_has_artifact(name, kind, by_kind)
     facts = method_facts(name, options)
-    base = parse_method_name(name)[0]
+    spec = method_spec(name)[0]
     # The compiled operating points, read once for every request.
-    budgets = [int(b) for b in small_tensor_values(by_kind[NEEDS[base]], "budgets")] if base == "compilerkv" else None
-    compiled = base == "kvcompose" and options.get("mode", "compiled") == "compiled"
-    ratios = compiled_ratios(small_tensor_values(by_kind[NEEDS[base]], "ratios")) if compiled else None
+    artifact = by_kind.get(spec.needs) if spec.needs_artifact(options) else None
+    budgets = [int(b) for b in small_tensor_values(artifact, "budgets")] if spec.name == "compilerkv" else None
+    ratios = compiled_ratios(small_tensor_values(artifact, "ratios")) if spec.name == "kvcompose" and artifact else None
     for request in requests:
         if budgets is not None:
             check_compilerkv_request(budgets, bool(options.get("nearest_budget", False)), request)

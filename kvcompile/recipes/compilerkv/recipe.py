@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile.recipe import Recipe
-from kvruntime import UTILITIES, WINDOWS, KVRuntimeError
+from kvruntime import METHODS, UTILITIES, KVRuntimeError
 
-WINDOW = WINDOWS["compilerkv"]  # the runtime method's observation window: the rollouts see what it sees
+WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
 
 
 @dataclasses.dataclass(frozen=True)

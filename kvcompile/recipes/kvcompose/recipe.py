@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile.recipe import CorpusRecipe
-from kvruntime import WINDOWS, KVRuntimeError
+from kvruntime import METHODS, KVRuntimeError
 
-WINDOW = WINDOWS["kvcompose"]  # the runtime's protected window: the least a layer keeps
+WINDOW = METHODS["kvcompose"].window  # the runtime's protected window: the least a layer keeps
 
 
 @dataclasses.dataclass(frozen=True)

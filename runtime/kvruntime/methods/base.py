@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import KVRuntimeError
-from ..request import Request
+from ..request import KeepPlan, Request
 from ..selection import protect_window
 from ..serving import check_chunk_size
 from ..window import window_attention
@@ -94,12 +94,12 @@ class Method(abc.ABC):
         """Whether `layer_budgets` can say what each layer keeps before any layer's scores are known."""
         return False
 
-    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
-        """Tokens each layer keeps from a prompt of `length` tokens (every KV head of a layer the same number:
-        composite tokens), from the request and compiled data alone (only when `budgets_known_in_advance`)."""
+    def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
+        """Tokens each layer keeps from the prompt (every KV head of a layer the same number: composite tokens), from
+        the keep plan and compiled data alone (only when `budgets_known_in_advance`)."""
         raise KVRuntimeError(f"{self.name}'s layer budgets need every layer's scores: they are not known in advance")
 
-    def budgets_note(self, request: Request, length: int) -> str | None:
+    def budgets_note(self, plan: KeepPlan) -> str | None:
         """How `layer_budgets` decided, for the compression report (None: the counts say it all)."""
         return None
 
@@ -115,14 +115,18 @@ class Method(abc.ABC):
         """The memory mode this method's per-head counts need (None: either)."""
         return None
 
+    def with_layer_budgets(self, layer_error: torch.Tensor) -> Method:
+        """This method with error-aware layer budgets from per-layer errors [L] (`<name>+budgets`)."""
+        raise KVRuntimeError(f"{self.name} takes no layer budgets")
+
     @abc.abstractmethod
     def layer_statistics(self, layer: LayerPrefill) -> Any:
         """What the method keeps from one layer at the end of prefill."""
 
     @abc.abstractmethod
-    def select(self, statistics: list[Any], request: Request, prefill: Prefill) -> Selection:
-        """Turn every layer's statistics into a selection that serves `request` on this prompt: on average at most
-        `request.kept_per_head(prefill.length, self.window)` entries per (layer, KV head)."""
+    def select(self, statistics: list[Any], plan: KeepPlan, prefill: Prefill) -> Selection:
+        """Turn every layer's statistics into a selection that serves the keep plan on this prompt: on average at
+        most `plan.keep` entries per (layer, KV head)."""
 
 
 @dataclasses.dataclass
@@ -147,16 +151,21 @@ class ScoringMethod(Method):
     def budgets_known_in_advance(self) -> bool:
         return True
 
-    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
-        return [request.kept_per_head(length, self.window)] * num_layers
+    def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
+        return [plan.keep] * num_layers
 
-    def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
-        return Selection(statistics, self.head_counts(statistics, request.kept_per_head(prefill.length, self.window)))
+    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: Prefill) -> Selection:
+        return Selection(statistics, self.head_counts(statistics, plan))
 
-    def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
-        """Entries kept per (layer, KV head), [L, Hkv], averaging `keep`. Scores already protect the window."""
-        num_layers, (_, num_kv_heads, length) = len(layer_scores), layer_scores[0].shape
-        budgets = self.layer_budgets(num_layers, Request(budget=keep), length)
+    def with_layer_budgets(self, layer_error: torch.Tensor) -> Method:
+        from .layer_budgets import WithLayerBudgets  # it is a ScoringMethod itself
+
+        return WithLayerBudgets(inner=self, layer_error=layer_error)
+
+    def head_counts(self, layer_scores: list[torch.Tensor], plan: KeepPlan) -> torch.Tensor:
+        """Entries kept per (layer, KV head), [L, Hkv], averaging `plan.keep`. Scores already protect the window."""
+        num_layers, num_kv_heads = len(layer_scores), layer_scores[0].shape[1]
+        budgets = self.layer_budgets(num_layers, plan)
         return torch.tensor(budgets)[:, None].expand(num_layers, num_kv_heads).clone()
 
 

@@ -1,19 +1,18 @@
-"""CompilerKV at run time: the method (`method.py`), its compiled tables (`tables.py`), the prompt signals it
-measures (`signals.py`) and their math (`stabilized_utility.py`, `risk_gate.py`)."""
+"""CompilerKV at run time: its registration (`spec.py`), the method (`method.py`), its compiled tables
+(`tables.py`), the prompt signals it measures (`signals.py`) and their math (`stabilized_utility.py`,
+`risk_gate.py`)."""
 
-from ...serving import UTILITIES
-from .method import CompilerKV
-from .signals import WINDOW, LayerSignals, PromptSignals, layer_scores, layer_signals, prompt_signals
-from .tables import CompilerKVTables
+from __future__ import annotations
 
-__all__ = [
-    "UTILITIES",
-    "WINDOW",
-    "LayerSignals",
-    "CompilerKV",
-    "CompilerKVTables",
-    "PromptSignals",
-    "layer_scores",
-    "layer_signals",
-    "prompt_signals",
-]
+from ...lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CompilerKV": "method",
+        "CompilerKVTables": "tables",
+        **dict.fromkeys(
+            ("WINDOW", "LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "signals"
+        ),
+    },
+)

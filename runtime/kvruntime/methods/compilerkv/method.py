@@ -20,11 +20,12 @@ not record one); `elastic=` overrides it, and the report says when the two diffe
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from ...errors import KVRuntimeError
-from ...request import Request
+from ...request import KeepPlan, Request
 from ...serving import check_compilerkv_request
 from ..base import LayerPrefill, Method, Prefill, Selection
 from .risk_gate import kept_counts, risk_bin
@@ -53,14 +54,14 @@ class CompilerKV(Method):
     def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
         return layer_signals(layer.queries, layer.keys, layer.values, layer.scaling)
 
-    def select(self, statistics: list[LayerSignals], request: Request, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[LayerSignals], plan: KeepPlan, prefill: Prefill) -> Selection:
         try:
             logprobs = prefill.token_logprobs(self.window - 1)
         except ValueError as exc:
             raise KVRuntimeError(f"compilerkv needs token ids: {exc}") from None
         signals = prompt_signals(statistics, logprobs)
         tables = self.tables.for_layers(len(statistics))
-        keep = request.kept_per_head(prefill.length, self.window)  # entries per layer asked for
+        keep = plan.keep  # entries per layer asked for
         index = tables.budget_index(keep, self.nearest_budget)
         budget = tables.budgets[index]
         entropy_bin = risk_bin(signals.entropy, tables.entropy_edges)
@@ -102,6 +103,10 @@ class CompilerKV(Method):
             )
         count_tensor = torch.tensor(counts, dtype=torch.long)[:, None].expand(-1, num_kv_heads).clone()
         return Selection([s[None, None].expand(1, num_kv_heads, -1) for s in scores], count_tensor, notes)
+
+
+def build(compiled: Any, options: dict[str, object]) -> CompilerKV:
+    return CompilerKV(tables=compiled, **options)
 
 
 def _rule_name(elastic: bool) -> str:

@@ -7,7 +7,7 @@ scores in one global pool, as KVCompose's dynamic mode does with its second pass
 `floor` times the average count; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
-the same), and a floor of a quarter answered more held-out prompts (`benchmarks/distilled_allocation.md`). The last
+the same), and a floor of a quarter answered more held-out prompts (`benchmarks/distilled/distilled_allocation.md`). The last
 `window` tokens always stay. A token's score depends only on its own inputs and the tokens before it, never on the
 tokens after it: with uniform or error-aware budgets each layer is cut inside the prefill, and a long prompt can
 stream in chunks with the same scores it would have had in one piece (given the same hidden states).
@@ -16,12 +16,13 @@ stream in chunks with the same scores it would have had in one piece (given the 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from ...allocation import error_aware_budgets
 from ...errors import KVRuntimeError
-from ...request import Request
+from ...request import KeepPlan
 from ...selection import protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
@@ -61,17 +62,19 @@ class Distilled(Method):
     def budgets_known_in_advance(self) -> bool:
         return self.allocation == "uniform" or self.layer_error is not None
 
-    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
-        keep = request.kept_per_head(length, self.window)
+    def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         if self.layer_error is not None:
-            return error_aware_budgets(self.layer_error.tolist(), keep, length=length)
+            return error_aware_budgets(self.layer_error.tolist(), plan.keep, length=plan.length)
         if self.allocation == "uniform":
-            return [keep] * num_layers
-        return super().layer_budgets(num_layers, request, length)
+            return [plan.keep] * num_layers
+        return super().layer_budgets(num_layers, plan)
 
-    def budgets_note(self, request: Request, length: int) -> str:
+    def budgets_note(self, plan: KeepPlan) -> str:
         how = "error-aware budgets (layer_budgets)" if self.layer_error is not None else "uniform allocation"
         return f"{how} over scores distilled from {self.scorer.oracle}"
+
+    def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
+        return dataclasses.replace(self, layer_error=layer_error)
 
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
         return self.stream_scores(layer, None, None)[0]
@@ -95,11 +98,11 @@ class Distilled(Method):
             scores = protect_window(scores, min(self.window, scores.shape[-1]))
         return scores, running_state_sum(layer.hidden_states, layer.start, carry)
 
-    def select(self, statistics: list[torch.Tensor], request: Request, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: Prefill) -> Selection:
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
-        keep = request.kept_per_head(length, self.window)
+        keep = plan.keep
         # Budgets known in advance are cut inside the prefill (`layer_budgets`); here the dynamic allocation. The
         # predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
         scores = torch.stack([s[0] for s in statistics]).exp()
@@ -107,3 +110,7 @@ class Distilled(Method):
         how = f"dynamic allocation (floor {self.floor:g}) over scores distilled from {self.scorer.oracle}"
         note = f"distilled           {how}; tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
+
+
+def build(compiled: Any, options: dict[str, object]) -> Distilled:
+    return Distilled(scorer=compiled, **options)

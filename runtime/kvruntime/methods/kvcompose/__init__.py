@@ -1,7 +1,8 @@
-"""KVCompose at run time: the method (`method.py`), its compiled statistics (`stats.py`) and the composite-token
-math both share with the compile stage (`composite_tokens.py`)."""
+"""KVCompose at run time: its registration (`spec.py`), the method (`method.py`), its compiled statistics
+(`stats.py`) and the composite-token math both share with the compile stage (`composite_tokens.py`)."""
 
-from .method import KVCompose
-from .stats import KVComposeStats
+from __future__ import annotations
 
-__all__ = ["KVCompose", "KVComposeStats"]
+from ...lazy_exports import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {"KVCompose": "method", "KVComposeStats": "stats"})

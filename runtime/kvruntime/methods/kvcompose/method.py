@@ -18,12 +18,13 @@ scores, stored with memory='masked' (no extra memory saving over the dense layou
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 from ...allocation import apportion
 from ...errors import KVRuntimeError
-from ...request import Request
+from ...request import KeepPlan, Request
 from ..base import LayerPrefill, Prefill, ScoringMethod, Selection
 from .composite_tokens import kv_head_scores, prompt_allocation
 from .stats import KVComposeStats
@@ -58,19 +59,17 @@ class KVCompose(ScoringMethod):
     def budgets_known_in_advance(self) -> bool:
         return self.mode == "compiled" and not self.unstructured
 
-    def layer_budgets(self, num_layers: int, request: Request, length: int) -> list[int]:
-        return self._compiled_counts(request, length)[0].tolist()
+    def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
+        return self._compiled_counts(plan)[0].tolist()
 
-    def budgets_note(self, request: Request, length: int) -> str:
-        return f"{self._compiled_counts(request, length)[1]}; composite tokens"
+    def budgets_note(self, plan: KeepPlan) -> str:
+        return f"{self._compiled_counts(plan)[1]}; composite tokens"
 
-    def _compiled_counts(self, request: Request, length: int) -> tuple[torch.Tensor, str]:
+    def _compiled_counts(self, plan: KeepPlan) -> tuple[torch.Tensor, str]:
         """The compiled shares as counts for this prompt ([L], or [L, Hkv] unstructured) and how they were had."""
-        keep = request.kept_per_head(length, self.window)
         # A budget is served as the ratio it is of this prompt, within 1/N of a compiled ratio by that ratio.
-        ratio = request.ratio if request.ratio is not None else 1.0 - keep / length
-        shares, how = self.stats.fractions(ratio, self.unstructured, tolerance=1.0 / length)
-        counts = apportion(shares, keep * shares.numel(), low=min(self.window, length), high=length)
+        shares, how = self.stats.fractions(plan.ratio, self.unstructured, tolerance=1.0 / plan.length)
+        counts = apportion(shares, plan.keep * shares.numel(), low=plan.window, high=plan.length)
         return counts, f"compiled allocation ({self.stats.task_mode} stats, {how})"
 
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
@@ -82,7 +81,7 @@ class KVCompose(ScoringMethod):
         batch, num_kv_heads, groups, _, length = attention.shape
         return kv_head_scores(attention.amax(dim=-2).reshape(batch, num_kv_heads * groups, length), num_kv_heads)
 
-    def select(self, statistics: list[torch.Tensor | None], request: Request, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:
         if self.mode == "dynamic":
             if prefill.input_ids is None:
                 raise KVRuntimeError("kvcompose's dynamic mode feeds the prompt again: give token ids, not embeddings")
@@ -92,12 +91,11 @@ class KVCompose(ScoringMethod):
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"kvcompose selects for batch size 1 only (got {batch})")
-        keep = request.kept_per_head(length, self.window)
         if self.mode == "dynamic":
-            counts = prompt_allocation(torch.stack([s[0] for s in statistics]), keep, self.unstructured)
+            counts = prompt_allocation(torch.stack([s[0] for s in statistics]), plan.keep, self.unstructured)
             how = "dynamic allocation (two-pass scores on this prompt)"
         else:
-            counts, how = self._compiled_counts(request, length)
+            counts, how = self._compiled_counts(plan)
         if not self.unstructured:
             counts = counts[:, None].expand(num_layers, num_kv_heads)
         layout = "per-head counts, masked" if self.unstructured else "composite tokens"
@@ -106,3 +104,7 @@ class KVCompose(ScoringMethod):
             f"-{int(counts.max(dim=1).values.max())} of {length}"
         )
         return Selection(statistics, counts.clone(), [note])
+
+
+def build(compiled: Any, options: dict[str, object]) -> KVCompose:
+    return KVCompose(stats=compiled, **options)

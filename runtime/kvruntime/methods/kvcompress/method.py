@@ -4,12 +4,14 @@ over each query group; one global pool over layers and KV heads decides how many
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from ..scores import kvcompress_scores
-from ..selection import global_head_counts
-from .base import ScoringMethod
+from ...request import KeepPlan
+from ...scores import kvcompress_scores
+from ...selection import global_head_counts
+from ..base import ScoringMethod
 
 
 @dataclasses.dataclass
@@ -25,5 +27,9 @@ class KVCompress(ScoringMethod):
     def budgets_known_in_advance(self) -> bool:
         return False  # the global pool compares every layer's scores
 
-    def head_counts(self, layer_scores: list[torch.Tensor], keep: int) -> torch.Tensor:
-        return global_head_counts(layer_scores, keep)
+    def head_counts(self, layer_scores: list[torch.Tensor], plan: KeepPlan) -> torch.Tensor:
+        return global_head_counts(layer_scores, plan.keep)
+
+
+def build(compiled: Any, options: dict[str, object]) -> KVCompress:
+    return KVCompress(**options)

@@ -8,11 +8,12 @@ window draws most of the attention; max-pooling over 7 lost 1 of 5 (measured on 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from ..scores import snapkv_scores
-from .base import ScoringMethod
+from ...scores import snapkv_scores
+from ..base import ScoringMethod
 
 
 @dataclasses.dataclass
@@ -23,3 +24,7 @@ class SnapKV(ScoringMethod):
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return snapkv_scores(attention, self.kernel)
+
+
+def build(compiled: Any, options: dict[str, object]) -> SnapKV:
+    return SnapKV(**options)

@@ -1,0 +1,20 @@
+"""CompilerKV's registration (`kvruntime.registry`)."""
+
+from ...registry import MethodSpec, Option
+
+SPEC = MethodSpec(
+    name="compilerkv",
+    summary="CompilerKV: compiled head-reliability weights and a risk-adaptive threshold gate, by compiled budget",
+    window=64,
+    needs="compilerkv_tables",
+    options={
+        "nearest_budget": Option(bool, False, "serve a budget that was not compiled with the nearest compiled one"),
+        "uniform_heads": Option(bool, False, "W_head = 1 (the paper's ablation)"),
+        "fixed_threshold": Option(float, None, "one threshold for every layer instead of T_gate (ablation)"),
+        "elastic": Option(
+            bool, None, "the paper's elastic gate (keeps less on low-risk prompts); default: the tables'"
+        ),
+    },
+    streams=lambda options: False,  # the gate compares every layer's scores
+    comparison_options={"nearest_budget": True},  # a ratio's budget is rarely a compiled one
+)

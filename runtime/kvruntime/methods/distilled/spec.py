@@ -1,0 +1,17 @@
+"""Distilled's registration (`kvruntime.registry`)."""
+
+from ...registry import MethodSpec, Option
+
+SPEC = MethodSpec(
+    name="distilled",
+    summary="kvcompile's own: a compiled one-pass scorer of what a second pass over the context would find",
+    window=8,
+    needs="distilled_scorer",
+    options={
+        "allocation": Option(("dynamic", "uniform"), "dynamic", "layer shares: one global pool, or the same count"),
+        "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
+    },
+    streams=lambda options: options.get("allocation", "dynamic") == "uniform",
+    budgetable=True,
+    options_with_budgets=False,  # the layer shares come from the layer_budgets artifact
+)

@@ -1,0 +1,1 @@
+"""KV-Compress: its registration (`spec.py`) and the method (`method.py`)."""

@@ -1,0 +1,1 @@
+"""SnapKV: its registration (`spec.py`) and the method (`method.py`)."""

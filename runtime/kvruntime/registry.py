@@ -1,0 +1,115 @@
+"""The runtime's methods, each registered once in its own folder: `methods/<name>/spec.py` declares a `SPEC`
+(`MethodSpec`), `methods/<name>/method.py` builds the method (`build(artifact, options)`). Everything that lists
+methods (names and aliases, options, the artifacts they need, windows, whether they stream, the command line's help,
+`eval`'s and `tune`'s defaults, the docs' table) reads it from here. Torch-free: the command line refuses bad input
+with it before importing torch.
+
+A method `<name>+budgets` is the method with CompressKV's error-aware layer budgets (a `layer_budgets` artifact),
+for the methods that declare `budgetable`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from .errors import KVRuntimeError
+
+LAYER_BUDGETS = "budgets"  # the name suffix: error-aware layer budgets
+LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
+
+
+def _always(options: Mapping[str, object]) -> bool:
+    return True
+
+
+def _either_memory(options: Mapping[str, object]) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One method option: its type (bool, float) or the tuple of its allowed words, its default and what it does."""
+
+    kind: type | tuple[str, ...]
+    default: object
+    help: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    name: str  # the folder's name, and the method's on the command line
+    summary: str  # one line: what it does (help, docs table)
+    window: int  # the protected recent window, in tokens
+    options: Mapping[str, Option] = dataclasses.field(default_factory=dict)  # the method dataclass's public fields
+    needs: str | None = None  # the artifact kind it applies (`artifact_kinds`)
+    needs_artifact: Callable[[Mapping[str, object]], bool] = _always  # with these options (kvcompose dynamic: no)
+    streams: Callable[[Mapping[str, object]], bool] = _always  # layer budgets known before any layer's scores
+    memory: Callable[[Mapping[str, object]], str | None] = _either_memory  # the memory mode these options need
+    budgetable: bool = False  # takes `+budgets`
+    options_with_budgets: bool = True  # whether its options still apply with `+budgets`
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other names: alias -> full name
+    compared: tuple[str, ...] | None = None  # what `eval` and `tune` compare by default (None: the name)
+    comparison_options: Mapping[str, object] = dataclasses.field(default_factory=dict)  # and with which options
+
+    @property
+    def compared_names(self) -> tuple[str, ...]:
+        return (self.name,) if self.compared is None else self.compared
+
+
+def discover(folder: Path, package: str) -> dict[str, MethodSpec]:
+    """The SPEC of every method folder under `folder` (a subpackage `package.<name>` with a `spec.py`)."""
+    specs = {}
+    for entry in sorted(folder.iterdir()):
+        if not (entry / "spec.py").is_file():
+            continue
+        spec = importlib.import_module(f"{package}.{entry.name}.spec").SPEC
+        if spec.name != entry.name:
+            raise RuntimeError(f"method folder {entry.name} registers {spec.name!r}: a method's name is its folder's")
+        specs[spec.name] = spec
+    return specs
+
+
+METHODS: dict[str, MethodSpec] = discover(Path(__file__).with_name("methods"), f"{__package__}.methods")
+ALIASES: dict[str, str] = {alias: full for spec in METHODS.values() for alias, full in spec.aliases.items()}
+METHOD_NAMES: tuple[str, ...] = tuple(sorted([*METHODS, *ALIASES]))
+BUDGETABLE_NAMES: tuple[str, ...] = tuple(name for name, spec in METHODS.items() if spec.budgetable)
+COMPARED_NAMES: tuple[str, ...] = tuple(name for spec in METHODS.values() for name in spec.compared_names)
+
+
+def method_spec(name: str) -> tuple[MethodSpec, bool]:
+    """The registration of a method name and whether it asks for error-aware layer budgets; refuses unknown names
+    ('compresskv' -> srh's, True)."""
+    base, plus, suffix = ALIASES.get(name, name).partition("+")
+    spec = METHODS.get(base)
+    if spec is None or (plus and (suffix != LAYER_BUDGETS or not spec.budgetable)):
+        raise KVRuntimeError(
+            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
+            f"{', '.join(BUDGETABLE_NAMES)})"
+        )
+    return spec, bool(plus)
+
+
+def canonical_name(name: str) -> str:
+    """The name a method goes by in reports: its alias where it has one ('srh+budgets' -> 'compresskv')."""
+    spec, budgets = method_spec(name)
+    full = f"{spec.name}+{LAYER_BUDGETS}" if budgets else spec.name
+    return next((alias for alias, target in spec.aliases.items() if target == full), full)
+
+
+def methods_help() -> str:
+    """The methods in one line, for the command line's help."""
+    budgetable = ", ".join(BUDGETABLE_NAMES)
+    return f"{', '.join(METHOD_NAMES)}; <method>+budgets for {budgetable} (error-aware layer budgets)"
+
+
+def methods_table() -> str:
+    """The docs' table of methods (README.md, between its methods markers)."""
+    rows = ["| method | what it does | needs | docs |", "| --- | --- | --- | --- |"]
+    for spec in METHODS.values():
+        needs = f"`{spec.needs}`" if spec.needs else "nothing"
+        names = ", ".join(f"`{n}`" for n in (spec.name, *spec.aliases))
+        rows.append(f"| {names} | {spec.summary} | {needs} | [docs](docs/methods/{spec.name}.md) |")
+    return "\n".join(rows)

@@ -1,0 +1,161 @@
+"""One registration per method (issue #32): every method folder registers itself (`spec.py`) and builds itself
+(`method.py`), its declared options are its dataclass's fields, and every list of methods (the command line's help,
+`eval`'s and `tune`'s defaults, the README's table) comes from the registry. Adding a method touches its own folder
+only: a small example method is added, used by name everywhere, and removed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import kvruntime
+from kvcompile.evaluation.contestants import default_methods
+from kvruntime.registry import COMPARED_NAMES, METHOD_NAMES, METHODS, methods_table
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS_FOLDER = ROOT / "runtime" / "kvruntime" / "methods"
+
+
+def test_every_method_folder_registers_itself_and_every_registration_has_its_method():
+    folders = {entry.name for entry in METHODS_FOLDER.iterdir() if (entry / "method.py").is_file()}
+    registered = {entry.name for entry in METHODS_FOLDER.iterdir() if (entry / "spec.py").is_file()}
+    assert folders == registered == set(METHODS)
+    for name in METHODS:
+        assert callable(importlib.import_module(f"kvruntime.methods.{name}.method").build), name
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_declared_options_are_the_methods_own_fields_with_their_defaults(name):
+    spec = METHODS[name]
+    built = importlib.import_module(f"kvruntime.methods.{name}.method").build
+    method_type = inspect.signature(built).return_annotation
+    method_type = getattr(importlib.import_module(f"kvruntime.methods.{name}.method"), method_type)
+    fields = {field.name: field for field in dataclasses.fields(method_type)}
+    for option, declared in spec.options.items():
+        assert option in fields, (name, option)
+        assert fields[option].default == declared.default, (name, option)
+    assert fields["window"].default == spec.window
+
+
+def test_the_readmes_method_table_is_the_registrys():
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- methods:start -->\n", "\n<!-- methods:end -->"
+    assert start in readme and end in readme, "README.md holds the methods table between its markers"
+    table = readme[readme.index(start) + len(start) : readme.index(end)].strip()
+    assert table == methods_table(), f"README.md's methods table is not the registry's; write:\n{methods_table()}"
+
+
+def test_the_command_line_and_eval_name_the_registered_methods():
+    help_text = run_cli("generate", "--help")
+    assert all(name in help_text for name in METHOD_NAMES)
+    assert default_methods().split(",")[1 : 1 + len(COMPARED_NAMES)] == list(COMPARED_NAMES)
+    assert set(COMPARED_NAMES) <= set(METHOD_NAMES)
+
+
+def run_cli(*args: str) -> str:
+    """`kvcompile ARGS` in a fresh interpreter (a fresh registry), its output unwrapped."""
+    code = "import sys; from kvcompile.cli import main; sys.argv = ['kvcompile', *sys.argv[1:]]; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split())
+
+
+EXAMPLE_SPEC = '''
+"""An example method: keeps the most recent tokens."""
+
+from ...registry import MethodSpec, Option
+
+SPEC = MethodSpec(
+    name="recent_tail",
+    summary="keeps the most recent tokens",
+    window=4,
+    options={"reverse": Option(bool, False, "keep the oldest tokens instead")},
+    budgetable=True,
+)
+'''
+EXAMPLE_METHOD = '''
+"""The example method."""
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..base import ScoringMethod
+
+
+@dataclasses.dataclass
+class RecentTail(ScoringMethod):
+    name = "recent_tail"
+    window: int = 4
+    reverse: bool = False
+
+    def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
+        batch, kv_heads, _, _, length = attention.shape
+        order = torch.arange(length, dtype=attention.dtype)
+        return (-order if self.reverse else order).expand(batch, kv_heads, length).clone()
+
+
+def build(compiled: Any, options: dict[str, object]) -> RecentTail:
+    return RecentTail(**options)
+'''
+EXAMPLE_USE = """
+import torch
+from conftest import tiny_model
+
+import kvruntime
+from kvruntime.registry import METHOD_NAMES
+
+model = tiny_model("llama")
+ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+for name, options in (("recent_tail", {}), ("recent_tail", {"reverse": True})):
+    with kvruntime.compress(model, name, ratio=0.5, options=options) as session:
+        session.prefill(ids)
+    print(name, options, session.kept_positions[0][0, 0].tolist())
+print("recent_tail" in METHOD_NAMES, kvruntime.method_facts("recent_tail+budgets").streams)
+"""
+
+
+def test_a_method_added_in_its_own_folder_is_known_everywhere_and_gone_when_removed(tmp_path):
+    folder = METHODS_FOLDER / "recent_tail"
+    assert not folder.exists()
+    try:
+        folder.mkdir()
+        (folder / "__init__.py").write_text('"""An example method."""\n')
+        (folder / "spec.py").write_text(textwrap.dedent(EXAMPLE_SPEC).lstrip())
+        (folder / "method.py").write_text(textwrap.dedent(EXAMPLE_METHOD).lstrip())
+        script = tmp_path / "use.py"
+        script.write_text(EXAMPLE_USE)
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0] == f"recent_tail {{}} {list(range(20, 40))}"  # the newest half
+        assert lines[1] == f"recent_tail {{'reverse': True}} {[*range(16), *range(36, 40)]}"  # the oldest, window kept
+        assert lines[2] == "True True"
+        assert "recent_tail" in run_cli("generate", "--help")
+        assert "recent_tail" in run_cli("eval", "--help")  # eval's default methods
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert "recent_tail" not in run_cli("generate", "--help")
+    assert "recent_tail" not in kvruntime.METHOD_NAMES
