@@ -243,7 +243,7 @@ def test_a_budget_that_was_not_compiled_is_refused_unless_the_nearest_is_asked_f
 def test_method_options_are_checked(tiny, tables):
     with pytest.raises(KVRuntimeError, match="unknown compilerkv options"):
         kvruntime.get_method("compilerkv", [kvruntime.read_artifact(tables)], {"budget_nearest": True})
-    with pytest.raises(KVRuntimeError, match="takes no options"):
+    with pytest.raises(KVRuntimeError, match=r"unknown snapkv options \['nearest_budget'\] \(known: \['window'\]\)"):
         kvruntime.get_method("snapkv", [], {"nearest_budget": True})
     with pytest.raises(KVRuntimeError, match="unknown method 'compilerkv\\+budgets'"):
         kvruntime.get_method("compilerkv+budgets", [])

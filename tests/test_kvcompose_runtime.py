@@ -151,8 +151,8 @@ def test_bad_kvcompose_requests_are_refused_with_clear_messages(stats_path, tmp_
         kvruntime.compress(model, "kvcompose", ratio=0.5).__enter__()
     with pytest.raises(KVRuntimeError, match="unknown kvcompose mode 'fast'"):
         kvruntime.compress(model, "kvcompose", ratio=0.5, options={"mode": "fast"}, artifacts=[stats_path]).__enter__()
-    with pytest.raises(KVRuntimeError, match=r"unknown kvcompose options \['window'\]"):
-        kvruntime.compress(model, "kvcompose", ratio=0.5, options={"window": 8}).__enter__()
+    with pytest.raises(KVRuntimeError, match=r"unknown kvcompose options \['kernel'\]"):
+        kvruntime.compress(model, "kvcompose", ratio=0.5, options={"kernel": 8}).__enter__()
     with pytest.raises(ArtifactError, match="compiled for another model"):  # another architecture: even with force
         kvruntime.compress(tiny_model("qwen2"), "kvcompose", ratio=0.5, artifacts=[stats_path], force=True).__enter__()
     with pytest.raises(KVRuntimeError, match="compiled ratios"):  # a budget is checked once the prompt length is known

@@ -426,3 +426,21 @@ def test_compilerkv_keeps_the_specs_selection_with_eight_query_heads(model, memo
     got = runtime_kept(model, prompt, "compilerkv", memory, budget=BUDGETS[0], artifacts=tables, options=method_options)
     for layer, indices in enumerate(expected):
         assert got[layer] == [indices.tolist(), indices.tolist()]  # one index set per layer, for both KV heads
+
+
+@pytest.mark.parametrize("memory", ["padded", "masked"])
+def test_the_window_option_sets_the_observation_window_and_what_always_stays(model, ids, memory, tmp_path):
+    """`window` is an option of every method: SnapKV with window=48 scores from the last 48 queries and keeps them;
+    distilled with window=40 keeps its last 40 tokens whatever they score."""
+    got = runtime_kept(model, ids, "snapkv", memory, ratio=0.7, options={"window": 48})
+    for layer, scores in enumerate(snapkv_scores(model, ids, 48)):
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], kept(LENGTH, 48, 0.7), 48)
+    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(15))
+    scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
+    options = {"allocation": "uniform", "window": 40}
+    got = runtime_kept(model, ids, "distilled", memory, ratio=0.7, artifacts=[scorer], options=options)
+    for layer, states in enumerate(attention_inputs(model, ids)):
+        scores = (distilled_features(states) @ weights[layer].double()).T
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], kept(LENGTH, 40, 0.7), 40)

@@ -23,6 +23,9 @@ COMBOS = [
     ),
     *(("distilled", {"allocation": a}) for a in ("dynamic", "uniform")),
     *((f"{name}+budgets", {}) for name in BUDGETABLE_NAMES),
+    # every method takes the window as an option
+    *((name, {"window": 16}) for name in ("snapkv", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")),
+    ("distilled+budgets", {"window": 128}),
 ]
 
 

@@ -33,7 +33,7 @@ def _either_memory(options: Mapping[str, object]) -> str | None:
 class Option:
     """One method option: its type (bool, float) or the tuple of its allowed words, its default and what it does."""
 
-    kind: type | tuple[str, ...]
+    kind: type | tuple[str, ...]  # bool, int, float, or the allowed words
     default: object
     help: str
 
@@ -42,7 +42,7 @@ class Option:
 class MethodSpec:
     name: str  # the folder's name, and the method's on the command line
     summary: str  # one line: what it does (help, docs table)
-    window: int  # the protected recent window, in tokens
+    window: int  # the protected recent window, in tokens: the default of every method's `window` option
     options: Mapping[str, Option] = dataclasses.field(default_factory=dict)  # the method dataclass's public fields
     needs: str | None = None  # the artifact kind it applies (`artifact_kinds`)
     needs_artifact: Callable[[Mapping[str, object]], bool] = _always  # with these options (kvcompose dynamic: no)
@@ -53,6 +53,12 @@ class MethodSpec:
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other names: alias -> full name
     compared: tuple[str, ...] | None = None  # what `eval` and `tune` compare by default (None: the name)
     comparison_options: Mapping[str, object] = dataclasses.field(default_factory=dict)  # and with which options
+
+    @property
+    def all_options(self) -> dict[str, Option]:
+        """Its options, with the `window` every method takes (issue #33: the rule around the scores matters)."""
+        window = Option(int, self.window, "the most recent tokens, always kept")
+        return {"window": window, **self.options}
 
     @property
     def compared_names(self) -> tuple[str, ...]:

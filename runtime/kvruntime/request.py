@@ -104,24 +104,32 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
 def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
     """Refuse options the method does not take, and values of the wrong type; returns them as a dict."""
     spec, budgets = method_spec(name)
-    if budgets and options and not spec.options_with_budgets:
-        raise KVRuntimeError(
-            f"{name} takes its layer shares from the layer_budgets artifact: options {sorted(options)} do not apply"
-        )
-    if options and not spec.options:
-        raise KVRuntimeError(f"method {name!r} takes no options (got {sorted(options)})")
-    unknown = sorted(set(options) - set(spec.options))
+    known = spec.all_options
+    if budgets and not spec.options_with_budgets:
+        known = {"window": known["window"]}
+        if set(options) - set(known):
+            raise KVRuntimeError(
+                f"{name} takes its layer shares from the layer_budgets artifact: options "
+                f"{sorted(set(options) - set(known))} do not apply"
+            )
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise KVRuntimeError(f"unknown {spec.name} options {unknown} (known: {sorted(spec.options)})")
+        raise KVRuntimeError(f"unknown {spec.name} options {unknown} (known: {sorted(known)})")
+    checked = dict(options)
     for key, value in options.items():
-        kind = spec.options[key].kind
+        kind = known[key].kind
         if kind is bool and not isinstance(value, bool):
             raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a boolean (write true or false)")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a number")
+        if kind is int:
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if isinstance(value, bool) or not whole or value < 1:
+                raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a positive whole number")
+            checked[key] = int(value)  # the command line reads numbers as floats
         if isinstance(kind, tuple) and value not in kind:
             raise KVRuntimeError(f"unknown {spec.name} {key} {value!r} (use one of {', '.join(kind)})")
-    return dict(options)
+    return checked
 
 
 def parse_option_pairs(pairs: Iterable[str], where: str = "--option") -> dict[str, object]:

@@ -31,7 +31,8 @@ def method_facts(name: str, options: Mapping[str, object] = {}) -> MethodFacts:
     their artifact, so it streams)."""
     spec, budgets = method_spec(name)
     streams = budgets or spec.streams(options)
-    return MethodFacts(canonical_name(name), spec.window, streams, spec.memory(options))
+    window = int(options.get("window", spec.window))
+    return MethodFacts(canonical_name(name), window, streams, spec.memory(options))
 
 
 def check_chunk_size(name: str, window: int, streams: bool, size: int | None) -> None:
