@@ -80,29 +80,29 @@ lock: setup $(BENCH_VENV)/bin/.installed
 	{ echo "$(LOCK_HEADER)"; $(BIN)/pip freeze --exclude-editable | grep -v -i -E '$(UNLOCKED)'; } > constraints.txt
 	{ echo "$(LOCK_HEADER)"; $(BENCH_VENV)/bin/pip freeze --exclude-editable | grep -v -i -E '$(UNLOCKED)'; } > constraints-bench.txt
 bench: setup
-	$(BIN)/python benchmarks/prefill_overhead.py
+	$(BIN)/python -m benchmarks.performance.prefill_overhead
 
 bench-distributed: setup
-	$(BIN)/python benchmarks/distributed_calibration.py
+	$(BIN)/python -m benchmarks.calibration.distributed
 
 corpus-memory: setup
-	$(BIN)/python benchmarks/corpus_memory.py
+	$(BIN)/python -m benchmarks.calibration.corpus_memory
 
 # The same against kvpress's presses as well, in the bench venv.
 bench-overhead: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/python benchmarks/prefill_overhead.py
+	$(BENCH_VENV)/bin/python -m benchmarks.performance.prefill_overhead
 
 # Peak memory and time with the cache cut inside the prefill (per layer, streamed in chunks) at 2k/4k/8k tokens,
 # beside kvpress's per-layer presses (about 25 minutes on 2 CPU cores).
 bench-memory: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/python benchmarks/prefill_memory.py
+	$(BENCH_VENV)/bin/python -m benchmarks.performance.prefill_memory
 
 # What streaming the prefill in chunks of 256 tokens costs in answers: each streamable method one-shot and chunked,
-# on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/eval_streaming/.
+# on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/performance/eval_streaming/.
 STREAMED = distilled+budgets snapkv compresskv kvcompose
 bench-streaming: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/kvcompile eval --methods full,$(subst $(space),$(comma),$(foreach m,$(STREAMED),$(m),$(m):prefill_chunk_size=256)) \
-		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/eval_streaming $(if $(RESUME),--resume)
+		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/performance/eval_streaming $(if $(RESUME),--resume)
 
 # CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
 compresskv: setup
@@ -110,15 +110,15 @@ compresskv: setup
 	$(BIN)/kvcompile budgets
 
 bench-compresskv: setup
-	$(BIN)/python benchmarks/compresskv_accuracy.py --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95
+	$(BIN)/python -m benchmarks.compresskv.accuracy --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95
 
 # CompilerKV's tables for the default model (about 38 minutes on 2 CPU cores), with the experience they were learned from.
 compilerkv: setup
 	$(BIN)/kvcompile tables
 
 bench-compilerkv: setup
-	$(BIN)/python benchmarks/compilerkv_table_stability.py
-	$(BIN)/python benchmarks/compilerkv_ablation.py
+	$(BIN)/python -m benchmarks.compilerkv.table_stability
+	$(BIN)/python -m benchmarks.compilerkv.ablation
 
 # KVCompose's attention statistics for the default model (about 7 minutes on 2 CPU cores), with their picture.
 kvcompose: setup
@@ -126,13 +126,13 @@ kvcompose: setup
 
 distilled: setup
 	$(BIN)/kvcompile distill
-	$(BIN)/python benchmarks/distilled_fit.py
+	$(BIN)/python -m benchmarks.distilled.fit
 
 # Against kvpress's KVComposePress, in the bench venv (about 45 minutes).
 bench-kvcompose: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/python benchmarks/kvcompose_comparison.py
+	$(BENCH_VENV)/bin/python -m benchmarks.kvcompose.comparison
 
 # The evaluation suite on the default model, kvcompile's methods against kvpress's presses in one run, in the bench
-# venv (about 90 minutes on 2 CPU cores); results, tables and plots in benchmarks/eval/.
+# venv (about 90 minutes on 2 CPU cores); results, tables and plots in benchmarks/eval/suite/.
 bench-eval: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/kvcompile eval --lengths 1k,2k --samples 2 --out benchmarks/eval $(if $(RESUME),--resume)
+	$(BENCH_VENV)/bin/kvcompile eval --lengths 1k,2k --samples 2 --out benchmarks/eval/suite $(if $(RESUME),--resume)

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import csv
+import shlex
+import sys
 from pathlib import Path
 
 from kvcompile.evaluation.measure import machine  # noqa: F401  (re-exported for the benchmark scripts)
+
+
+def command_line(in_venv: bool = False) -> str:
+    """The command that ran this script, as it reruns from the repository root: `python -m benchmarks.<study>.<script>
+    <arguments>` (with `in_venv`, the venv's python: `.venv-bench/bin/python -m ...`)."""
+    python = f"{Path(sys.executable).parent.parent.name}/bin/python" if in_venv else "python"
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    target = ["-m", spec.name] if spec is not None and spec.name else [sys.argv[0]]
+    return " ".join([python, *target, shlex.join(sys.argv[1:])]).rstrip()
 
 
 def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = False) -> None:

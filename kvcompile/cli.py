@@ -18,7 +18,8 @@ import typer
 
 from kvcompile import recipe
 from kvcompile.recipe import artifact_folder, claim_output, compile_artifact, default_artifact
-from kvruntime import COMPARED_NAMES, KVRuntimeError, methods_help
+from kvruntime import KVRuntimeError
+from kvruntime.registry import COMPARED_NAMES, methods_help
 
 app = typer.Typer(
     help="Compile KV-cache compression artifacts for a model, and run compressed generation.",
@@ -146,20 +147,11 @@ def generate(
     is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
         from kvcompile.prompt_format import check_prompt_format
-        from kvruntime import (
-            ARTIFACT_KINDS,
-            Request,
-            check_artifact_file,
-            check_method_options,
-            check_model_spec,
-            check_positions,
-            check_serves,
-            header_kind,
-            header_params,
-            parse_option_pairs,
-            position_limit,
-            required_artifact_kinds,
-        )
+        from kvruntime import ARTIFACT_KINDS, Request
+        from kvruntime.artifact_header import check_artifact_file, header_kind, header_params
+        from kvruntime.model_spec import check_model_spec, check_positions, position_limit
+        from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
+        from kvruntime.serving import check_serves
 
         prompt = _read_prompt(prompt_file)
         check_prompt_format(prompt_format)
@@ -210,7 +202,7 @@ def generate(
             # A request the method cannot serve is refused here, before torch loads.
             check_serves(*served, [request] if request else [], prefill_chunk_size, memory)
         if method is not None:
-            from kvruntime import check_method_serves
+            from kvruntime.methods import check_method_serves
 
             # The artifacts' tensors are checked too before the model loads.
             check_method_serves(method, paths, options, [request], prefill_chunk_size)
@@ -378,7 +370,8 @@ def heads(
     seed: SeedOption = 0,
 ) -> tuple:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
-    from kvcompile.recipes.compresskv.recipe import HeadsRecipe, HeadsSettings
+    from kvcompile.recipes.compresskv.recipe import HeadsRecipe
+    from kvcompile.recipes.compresskv.settings import HeadsSettings
 
     if prompt_format not in ("chat", "raw"):
         raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
@@ -401,7 +394,8 @@ def budgets(
     seed: SeedOption = 0,
 ) -> tuple:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
-    from kvcompile.recipes.compresskv.recipe import BudgetsRecipe, BudgetsSettings
+    from kvcompile.recipes.compresskv.recipe import BudgetsRecipe
+    from kvcompile.recipes.compresskv.settings import BudgetsSettings
 
     heads = heads_artifact or default_artifact(model, "srh_heads")
     return BudgetsRecipe(corpus, heads), BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
@@ -444,7 +438,8 @@ def tables(
     ] = None,
 ) -> tuple:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
-    from kvcompile.recipes.compilerkv.recipe import TablesRecipe, TablesSettings
+    from kvcompile.recipes.compilerkv.recipe import TablesRecipe
+    from kvcompile.recipes.compilerkv.settings import TablesSettings
 
     settings = TablesSettings(
         budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
@@ -471,7 +466,8 @@ def stats(
     seed: SeedOption = 0,
 ) -> tuple:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
-    from kvcompile.recipes.kvcompose.recipe import StatsRecipe, StatsSettings
+    from kvcompile.recipes.kvcompose.recipe import StatsRecipe
+    from kvcompile.recipes.kvcompose.settings import StatsSettings
 
     settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
     return StatsRecipe(corpus, task_set), settings
@@ -494,7 +490,8 @@ def distill(
 ) -> tuple:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
     from kvcompile.calibration.corpus import REPEATING_CORPUS
-    from kvcompile.recipes.distilled.recipe import DistillRecipe, DistillSettings
+    from kvcompile.recipes.distilled.recipe import DistillRecipe
+    from kvcompile.recipes.distilled.settings import DistillSettings
 
     settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
     return DistillRecipe(corpus or REPEATING_CORPUS), settings
@@ -577,7 +574,7 @@ def eval_(
 
         from kvcompile.evaluation.contestants import artifact_paths, check_contestants, default_methods, parse_methods
         from kvcompile.evaluation.store import RunStore
-        from kvruntime import check_model_spec, position_limit
+        from kvruntime.model_spec import check_model_spec, position_limit
 
         check_model_spec(model)
         settings = _suite_settings(
@@ -646,7 +643,8 @@ def tune(
 ) -> tuple:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
-    from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe, TuneSettings
+    from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
+    from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 
     suite = _suite_settings(
         tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
@@ -668,7 +666,7 @@ def merge(
         import time
 
         from kvcompile.recipe import PARTIAL_KIND, claim_artifact
-        from kvruntime import header_params, read_header
+        from kvruntime.artifact_header import header_params, read_header
 
         started = time.perf_counter()
         if out.resolve() in {path.resolve() for path in partials}:
@@ -696,10 +694,11 @@ def merge(
 def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors).")]) -> None:
     """Print an artifact's kind, model, tensors and metadata; refuse a file that is not a valid artifact."""
     with clear_errors():
-        from kvruntime import read_header
+        from kvruntime.artifact_header import read_header
 
         read_header(path)  # a missing file or one that is not an artifact is refused before torch loads
-        from kvruntime import check_tensors, read_artifact
+        from kvruntime import read_artifact
+        from kvruntime.artifact import check_tensors
 
         artifact = read_artifact(path)
         check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept

@@ -119,7 +119,7 @@ def claim_output(
 ) -> Path:
     """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
     for the rest of the command, so that two runs never write the same output at once."""
-    from kvruntime import check_output_file, check_output_folder, path_lock
+    from kvruntime.files import check_output_file, check_output_folder, path_lock
 
     (check_output_folder if folder else check_output_file)(path, option)
     if lock:
@@ -138,7 +138,7 @@ def claim_artifact(
     """`claim_output` for an artifact and its picture: the name ends in .safetensors (so the picture never takes
     its place), and what is already there is replaced only when it is an artifact of one of `kinds` (a picture: a
     PNG). A command never writes over a file it did not make."""
-    from kvruntime import header_kind
+    from kvruntime.artifact_header import header_kind
 
     claim_output(resources, path, lock=lock, option=option)  # a folder, or a folder nothing can be written in
     if path.suffix != ARTIFACT_SUFFIX:
@@ -242,7 +242,7 @@ def compile_artifact(
     """Run a compile command end to end: refuse bad input before torch loads (settings, model, device, shard,
     positions, outputs, inputs), run the recipe on the model, then write the artifact (`write_result`)."""
     from kvcompile.calibration.shards import Shard, planned_shard
-    from kvruntime import check_model_spec, check_positions, position_limit
+    from kvruntime.model_spec import check_model_spec, check_positions, position_limit
 
     started = time.perf_counter()
     recipe.check(settings)

@@ -9,6 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import kvruntime
 import kvruntime.model_loading
+from kvruntime.cache_ops import hooked_cache
+from kvruntime.methods.distilled import feature_count
 
 TINY = dict(
     vocab_size=96,
@@ -92,9 +94,7 @@ def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.
 def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> kvruntime.Artifact:
     """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
     fingerprint = kvruntime.model_fingerprint(model)
-    weights = torch.zeros(
-        fingerprint.num_layers, kvruntime.feature_count(model.config.hidden_size), fingerprint.num_kv_heads
-    )
+    weights = torch.zeros(fingerprint.num_layers, feature_count(model.config.hidden_size), fingerprint.num_kv_heads)
     weights[:, feature] = sign
     return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
 
@@ -112,7 +112,7 @@ class LargestCache:
     def seen(self, module, args, kwargs, output) -> None:
         if kwargs["hidden_states"].shape[1] == 1:
             return
-        cache = kvruntime.hooked_cache(kwargs)
+        cache = hooked_cache(kwargs)
         held = sum(layer.keys.untyped_storage().nbytes() * 2 for layer in cache.layers if layer.is_initialized)
         self.largest = max(self.largest, held)
 

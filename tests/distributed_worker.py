@@ -14,14 +14,14 @@ from conftest import CharTokenizer, tiny_model
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.distributed import Shard, process_group_shard
 from kvcompile.calibration.job import CompileJob
-from kvcompile.recipes.compilerkv.recipe import CQLSettings, ExperienceDesign, TablesSettings
+from kvcompile.recipes.compilerkv.settings import CQLSettings, ExperienceDesign, TablesSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables
 from kvcompile.recipes.compresskv.budgets import compile_layer_errors
-from kvcompile.recipes.compresskv.recipe import BudgetsSettings
+from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvcompile.recipes.distilled.distill import compile_distilled_scorer
-from kvcompile.recipes.distilled.recipe import DistillSettings
+from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint

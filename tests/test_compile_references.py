@@ -25,8 +25,8 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
 from kvcompile.recipes.compresskv.budgets import PROBE_BUDGET, layer_errors_of_prompt
 from kvcompile.recipes.kvcompose.attention_stats import RANK_QUANTILES, compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings, TaskSet
-from kvruntime import SemanticRetrievalHeads
+from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet
+from kvruntime.methods import SemanticRetrievalHeads
 
 NEW_TOKENS = 6
 

@@ -31,7 +31,7 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
 from kvcompile.recipes.compilerkv.experience_collection import stratified_choice
 from kvcompile.recipes.compilerkv.offline_cql import fit_greedy_table, one_hot
-from kvcompile.recipes.compilerkv.recipe import CQLSettings
+from kvcompile.recipes.compilerkv.settings import CQLSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
 from kvruntime.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention

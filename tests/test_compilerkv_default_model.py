@@ -25,7 +25,7 @@ def test_shipped_tables_choose_what_their_experience_favours_and_random_tables_d
     table that is noise, or flat at the neutral action, or a learner that ignores its records, fails. This is in
     sample: it checks that the tables are learned from their experience, not that what was learned holds on other
     prompts. That is measured, not asserted (on the shipped experience it does not yet hold): the held-out advantage
-    of `benchmarks/compilerkv_table_stability.py` and the ablation."""
+    of `benchmarks/compilerkv/table_stability.py` and the ablation."""
     model, _ = default_model
     tables = kvruntime.load_artifact(TABLES, model=model, kind="compilerkv_tables").tensors
     experience = Experience.from_artifact(kvruntime.load_artifact(EXPERIENCE, model=model))

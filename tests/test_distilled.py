@@ -25,10 +25,12 @@ from kvcompile.recipes.distilled.distill import (
     held_out_error,
     ridge,
 )
-from kvcompile.recipes.distilled.recipe import HELD_OUT_EVERY
-from kvruntime import Artifact, DistilledScorer, KVRuntimeError, model_fingerprint, save_artifact, token_features
+from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY
+from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
 from kvruntime.allocation import error_aware_budgets
-from kvruntime.methods.distilled import likeness_to_earlier
+from kvruntime.methods import Distilled
+from kvruntime.methods.distilled import DistilledScorer, feature_count, likeness_to_earlier, token_features
+from kvruntime.request import kept_per_head
 
 runner = CliRunner()
 
@@ -73,7 +75,7 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
 def test_token_features_are_the_input_its_position_the_first_token_and_its_likeness_to_earlier_tokens():
     hidden = torch.randn(1, 5, 4)
     features = token_features(hidden)
-    assert features.shape == (1, 5, kvruntime.feature_count(4)) == (1, 5, 8) and features.dtype == torch.float32
+    assert features.shape == (1, 5, feature_count(4)) == (1, 5, 8) and features.dtype == torch.float32
     torch.testing.assert_close(features[0, :, :4], hidden[0])
     assert features[0, :, 4].tolist() == [1.0] * 5
     torch.testing.assert_close(features[0, :, 5], torch.arange(5, dtype=torch.float32).log1p())
@@ -141,7 +143,7 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
     scorer, tmp_path, monkeypatch
 ):
     whole = kvruntime.read_artifact(scorer)
-    assert whole.kind == "distilled_scorer" and whole.tensors["weights"].shape == (4, kvruntime.feature_count(64), 2)
+    assert whole.kind == "distilled_scorer" and whole.tensors["weights"].shape == (4, feature_count(64), 2)
     assert DISTILL.prompts // HELD_OUT_EVERY == 1 and whole.tensors["held_out_r2"].shape == (4, len(distill.ALPHAS))
     model = tiny_model("llama")
     parts = [
@@ -194,11 +196,11 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
         with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"floor": floor}) as s:
             s.prefill(tokens)
         slots[floor] = s.report.slots_per_layer
-    keep = kvruntime.kept_per_head(tokens.shape[1], 8, ratio=0.75)
+    keep = kept_per_head(tokens.shape[1], 8, ratio=0.75)
     assert sum(slots[0.5]) == sum(slots[0.0]) == keep * len(slots[0.0])
     assert min(slots[0.5]) >= keep // 2 > min(slots[0.0])
     with pytest.raises(kvruntime.KVRuntimeError, match="floor"):
-        kvruntime.Distilled(scorer=kvruntime.DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5)
+        Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5)
 
 
 def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):

@@ -5,6 +5,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import kvruntime
+from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import KVRuntimeError, UnsupportedModelError
 
 GREEDY = dict(do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -79,7 +80,7 @@ def answer_and_reference(model, tokens, question, method, memory="padded", artif
         kept.append(mask)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(tokens, **kvruntime.cache_argument(model, cache))  # full, uncompressed context
+        model(tokens, **cache_argument(model, cache))  # full, uncompressed context
     answer = got.sequences[:, question.shape[1] :]
     fed = torch.cat([question, answer[:, :-1]], dim=1)
     AttentionInterface.register("kvruntime_test_reference", _reference_attention(kept, length))
@@ -88,7 +89,7 @@ def answer_and_reference(model, tokens, question, method, memory="padded", artif
     try:
         with torch.no_grad():
             positions = torch.arange(length, length + fed.shape[1])[None]
-            logits = model(fed, **kvruntime.cache_argument(model, cache), position_ids=positions).logits
+            logits = model(fed, **cache_argument(model, cache), position_ids=positions).logits
     finally:
         model.set_attn_implementation(implementation)
     reference = logits[0, question.shape[1] - 1 :]

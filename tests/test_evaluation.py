@@ -29,6 +29,8 @@ from kvcompile.evaluation.suite_run import run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
 from kvcompile.tasks.grid import parse_tasks, suite_cells
 from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.attention import per_layer_attention
+from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 
@@ -368,14 +370,14 @@ def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its
         model(input_ids=question_ids, past_key_values=caches[0], use_cache=True)  # a scoring pass left behind
     hidden = torch.arange(10, 40)
     heads = caches[0].layers[0].keys.shape[1]
-    for module in kvruntime.attention_modules(model):
+    for module in attention_modules(model):
         module.masked_key_indices = (
             torch.zeros(heads * 30, dtype=torch.long),
             torch.arange(heads).repeat_interleave(30),
             hidden.repeat(heads),
         )
     masks = press_keep_masks(model, caches[0], 70)
-    assert all(not hasattr(m, "masked_key_indices") for m in kvruntime.attention_modules(model))
+    assert all(not hasattr(m, "masked_key_indices") for m in attention_modules(model))
     full_bytes = cache_bytes(caches[1])
     assert cache_bytes(caches[0]) == full_bytes  # the scoring pass's entries are freed
     assert held_bytes(caches[0], masks) == pytest.approx(full_bytes * 40 / 70, rel=1e-3)
@@ -387,7 +389,7 @@ def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its
         keep_entries(layer, kept.expand(1, heads, -1))
     logits = []
     for cache, layer_masks in zip(caches, (masks, {})):
-        with kvruntime.per_layer_attention(model), keep_mask_hooks(model, layer_masks):
+        with per_layer_attention(model), keep_mask_hooks(model, layer_masks):
             out = kvruntime.generate_after_context(
                 model, cache, 70, question_ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True
             )

@@ -13,7 +13,7 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
 from kvcompile.recipes.kvcompose import attention_stats
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings, TaskSet, load_task_set
+from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet, load_task_set
 from kvruntime.errors import KVRuntimeError
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 3 + j * j * 7) % 26) for j in range(6000)) for i in range(2)))

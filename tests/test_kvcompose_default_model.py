@@ -12,7 +12,7 @@ from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.prompt_format import chat_frame
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvruntime.allocation import apportion
 from kvruntime.artifact import save_artifact
 from kvruntime.errors import ArtifactError, KVRuntimeError

@@ -12,7 +12,7 @@ from test_selection_references import eight_head_model
 from kvcompile.evaluation import runner
 from kvcompile.evaluation.contestants import PRESSES, Contestant
 from kvcompile.evaluation.runner import prefilled, press_keep_masks
-from kvruntime import attention_modules, cache_bytes
+from kvruntime.cache_ops import attention_modules, cache_bytes
 
 kvpress = pytest.importorskip("kvpress")
 

@@ -50,19 +50,30 @@ def test_every_recipe_writes_a_known_kind_whose_command_is_its_own_and_every_app
     assert {spec.needs for spec in METHODS.values() if spec.needs} <= set(RECIPES)
 
 
-def test_the_compile_stage_imports_only_kvruntimes_declared_api():
+def test_the_compile_stage_imports_kvruntimes_api_or_its_modules_never_a_private_name():
+    """kvcompile takes kvruntime's public names from the package and anything else by its module path (what the
+    compile stage measures exactly as the runtime applies it), never a private (`_`) name or module."""
     offending = []
     for path in (ROOT / "kvcompile").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvruntime":
+                private = any(part.startswith("_") for part in node.module.split("."))
                 offending += [
                     f"{path}: from {node.module} import {a.name}"
                     for a in node.names
-                    if node.module != "kvruntime" or a.name not in kvruntime.__all__
+                    if private
+                    or a.name.startswith("_")
+                    or (node.module == "kvruntime" and a.name not in kvruntime.__all__)
                 ]
-            if isinstance(node, ast.Import):
-                offending += [f"{path}: import {a.name}" for a in node.names if a.name.startswith("kvruntime.")]
+                if node.module != "kvruntime":
+                    importlib.import_module(node.module)  # a module that exists
     assert offending == []
+
+
+def test_kvruntimes_public_api_is_small_and_every_name_resolves():
+    assert len(kvruntime.__all__) <= 25
+    for name in kvruntime.__all__:
+        assert getattr(kvruntime, name) is not None, name
 
 
 def test_the_engines_hooks_and_selection_name_no_method():
@@ -100,3 +111,47 @@ def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
     (strict,) = parse_methods("compilerkv:nearest_budget=false")[1:]
     with pytest.raises(KVRuntimeError, match="nearest_budget=True"):
         check_contestants([strict], artifact_paths([strict], SHIPPED), (0.5,))
+
+
+def imported_modules(path: Path, package: str, known: set[str]) -> set[str]:
+    """The project's modules that `path` (module of package `package`) imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            name = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:
+                found |= {candidate for candidate in (f"{name}.{alias.name}", name) if candidate in known}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+    return found
+
+
+def test_no_module_of_the_project_imports_itself_back():
+    roots = {"kvcompile": ROOT / "kvcompile", "kvruntime": ROOT / "runtime" / "kvruntime"}
+    paths = {}
+    for top, folder in roots.items():
+        for path in folder.rglob("*.py"):
+            parts = [top, *path.relative_to(folder).with_suffix("").parts]
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    known = set(paths)
+    edges = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        # a package's own __init__ is not an edge back: it is what the import of a submodule runs first
+        edges[module] = {m for m in imported_modules(path, package, known) if not module.startswith(m + ".")}
+    visiting, done = [], set()
+
+    def visit(module: str) -> None:
+        assert module not in visiting, f"import loop: {' -> '.join(visiting[visiting.index(module) :] + [module])}"
+        if module in done:
+            return
+        visiting.append(module)
+        for other in sorted(edges[module]):
+            visit(other)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module)

@@ -13,7 +13,7 @@ from kvcompile.calibration.distributed import Shard, parse_shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
 from kvcompile.recipes.compresskv.budgets import compile_layer_errors
-from kvcompile.recipes.compresskv.recipe import BudgetsSettings
+from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError

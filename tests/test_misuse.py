@@ -119,7 +119,7 @@ def _partial(folder: Path, index: int) -> Path:
     from kvcompile.calibration.corpus import load_corpus
     from kvcompile.calibration.distributed import parse_shard
     from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-    from kvcompile.recipes.kvcompose.recipe import StatsSettings
+    from kvcompile.recipes.kvcompose.settings import StatsSettings
 
     out = folder / f"s{index}.safetensors"
     settings = StatsSettings(ratios=(0.5,), prompts=2, prompt_tokens=96)

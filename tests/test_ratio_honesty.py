@@ -16,9 +16,10 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.recipe import StatsSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.fingerprint import model_fingerprint
+from kvruntime.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 RATIOS = (0.1, 0.25, 0.5, 0.6, 0.75, 0.8, 0.9, 0.95)
@@ -135,7 +136,7 @@ def test_the_default_model_holds_the_requested_ratio(default_model, method):
     model, tokenizer = default_model
     ids = tokenizer((ROOT / "calibration_data/prompts/passkey_2k.txt").read_text(), return_tensors="pt").input_ids
     folder = ROOT / "artifacts/smollm2-135m-instruct"
-    paths = [folder / f"{kind}.safetensors" for kind in kvruntime.required_artifact_kinds(method)]
+    paths = [folder / f"{kind}.safetensors" for kind in required_artifact_kinds(method)]
     for ratio in (0.1, 0.25, 0.5, 0.75, 0.9, 0.95):
         _, removed, freed = removed_and_freed(model, paths, method, "padded", {}, ratio, ids)
         assert abs(removed - ratio) < 0.01 and abs(freed - ratio) < 0.01, (method, ratio, removed, freed)

@@ -120,6 +120,7 @@ from conftest import tiny_model
 
 import kvruntime
 from kvruntime.registry import METHOD_NAMES
+from kvruntime.serving import method_facts
 
 model = tiny_model("llama")
 ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -127,7 +128,7 @@ for name, options in (("recent_tail", {}), ("recent_tail", {"reverse": True})):
     with kvruntime.compress(model, name, ratio=0.5, options=options) as session:
         session.prefill(ids)
     print(name, options, session.kept_positions[0][0, 0].tolist())
-print("recent_tail" in METHOD_NAMES, kvruntime.method_facts("recent_tail+budgets").streams)
+print("recent_tail" in METHOD_NAMES, method_facts("recent_tail+budgets").streams)
 """
 
 

@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from kvcompile.recipe import artifact_folder
-from kvruntime import KVRuntimeError, Request, check_method_serves, get_method, read_artifact
+from kvruntime import KVRuntimeError, Request, get_method, read_artifact
+from kvruntime.methods import check_method_serves
 from kvruntime.registry import BUDGETABLE_NAMES, METHOD_NAMES
 from kvruntime.request import required_artifact_kinds
 from kvruntime.serving import check_serves, method_facts

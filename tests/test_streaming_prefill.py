@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile.cli import app
-from kvruntime import KVRuntimeError, LayerPrefill, Method, Selection, SnapKV
+from kvruntime import KVRuntimeError, Method
 from kvruntime.engine import chunk_bounds
+from kvruntime.methods import LayerPrefill, Selection, SnapKV
 from kvruntime.methods.distilled import running_state_sum, token_features
-from kvruntime.request import KeepPlan
+from kvruntime.request import KeepPlan, kept_per_head
 from kvruntime.selection import protect_window
 
 BUDGET, WINDOW = 24, 4
@@ -198,7 +199,7 @@ def test_streamed_distilled_at_ratio_0_9_never_holds_more_than_its_budget_and_on
             tiny.generate(tokens, do_sample=False, max_new_tokens=3, pad_token_id=0)
     finally:
         largest.remove()
-    budget = kvruntime.kept_per_head(length, 8, ratio=0.9)
+    budget = kept_per_head(length, 8, ratio=0.9)
     assert session.report.slots_per_layer == [budget] * tiny.config.num_hidden_layers
     assert largest.largest <= entry_bytes(tiny) * (tiny.config.num_hidden_layers * budget + chunk)
 

@@ -1,5 +1,5 @@
-"""The README's torchrun commands, run on the CPU with 2 ranks on the default model (smaller grids): the artifacts
-equal those of one process, and every rank's checkpoint is gone afterwards."""
+"""The torchrun commands of docs/calibration.md, run on the CPU with 2 ranks on the default model (smaller grids):
+the artifacts equal those of one process, and every rank's checkpoint is gone afterwards."""
 
 import os
 import re
@@ -14,7 +14,7 @@ import torch
 from kvruntime.artifact import read_artifact
 
 pytestmark = pytest.mark.integration
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "calibration.md"
 SMALLER = {
     "heads": ["--lengths", "320", "--depths", "0.2,0.8"],
     "stats": ["--prompts", "4", "--prompt-tokens", "384"],
@@ -23,7 +23,7 @@ SMALLER = {
 
 
 def readme_torchrun_commands() -> list[list[str]]:
-    return [shlex.split(line) for line in re.findall(r"^torchrun .*$", README.read_text(), flags=re.M)]
+    return [shlex.split(line) for line in re.findall(r"^torchrun --.*$", README.read_text(), flags=re.M)]
 
 
 def run(args: list[str], folder: Path) -> None:

@@ -23,7 +23,8 @@ import kvcompile.cli as cli
 import kvruntime
 from kvcompile import recipe
 from kvcompile.evaluation.store import discard_run_records
-from kvcompile.recipes.compilerkv.recipe import TablesRecipe, experience_path
+from kvcompile.recipes.compilerkv.recipe import TablesRecipe
+from kvcompile.recipes.compilerkv.settings import experience_path
 from kvruntime import KVRuntimeError, read_artifact
 from kvruntime.files import cache_root, path_lock
 

@@ -1,6 +1,6 @@
 import torch
 
-import kvruntime
+from kvruntime.cache_ops import output_cache
 from kvruntime.window import window_attention, window_queries
 
 
@@ -21,7 +21,7 @@ def test_window_attention_equals_eager_rows(tiny, tokens):
     window = 8
     for index, layer in enumerate(layers):
         queries = window_queries(layer.self_attn, *captured[index], window)
-        keys = kvruntime.output_cache(output).layers[index].keys
+        keys = output_cache(output).layers[index].keys
         got = window_attention(queries, keys, layer.self_attn.scaling)
         expected = output.attentions[index][:, :, -window:, :]
         batch, kv_heads, groups, _, length = got.shape

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from kvcompile.calibration.distributed import Shard, differing_settings
-from kvruntime import KVRuntimeError, write_safetensors_atomically
+from kvruntime import KVRuntimeError
+from kvruntime.artifact import write_safetensors_atomically
 
 
 def checkpoint_path(out: Path, shard: Shard = Shard()) -> Path:

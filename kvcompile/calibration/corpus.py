@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcompile.shipped import shipped_folder
-from kvruntime import KVRuntimeError, first_line
+from kvruntime import KVRuntimeError
+from kvruntime.errors import first_line
 
 if TYPE_CHECKING:
     import datasets

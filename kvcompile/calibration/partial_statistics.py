@@ -24,7 +24,8 @@ from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
 from kvcompile.calibration.distributed import agree_on_settings, differing_settings, gather_dicts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipe import PARTIAL_KIND
-from kvruntime import Artifact, KVRuntimeError, ModelFingerprint
+from kvruntime import Artifact, KVRuntimeError
+from kvruntime.fingerprint import ModelFingerprint
 
 DONE = "items_done"
 ERROR = ".error"

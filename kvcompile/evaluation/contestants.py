@@ -13,16 +13,9 @@ import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvruntime import (
-    ARTIFACT_KINDS,
-    COMPARED_NAMES,
-    KVRuntimeError,
-    Request,
-    check_method_options,
-    method_spec,
-    parse_option_pairs,
-    required_artifact_kinds,
-)
+from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
+from kvruntime.registry import COMPARED_NAMES, method_spec
+from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -123,7 +116,7 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
 def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
     """Let each kvcompile method refuse a ratio it cannot serve from its artifacts' headers, before torch loads (the
     artifacts' tensors are checked when the methods are built, and against the model when they are applied)."""
-    from kvruntime import check_serves
+    from kvruntime.serving import check_serves
 
     requests = [Request(ratio=ratio) for ratio in ratios]
     for contestant in contestants:

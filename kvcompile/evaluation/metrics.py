@@ -6,7 +6,8 @@ cache's first greedy tokens reproduced before the first difference."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -69,3 +70,11 @@ def bootstrap_interval(
     means = array[np.random.default_rng(seed).integers(0, len(array), size=(resamples, len(array)))].mean(axis=1)
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+def grouped(records: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
+    """Records by `key(record)`, in the order they came."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[key(record)].append(record)
+    return groups

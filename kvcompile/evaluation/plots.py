@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcompile.evaluation.contestants import FULL
-from kvcompile.evaluation.report import grouped
+from kvcompile.evaluation.metrics import grouped
 from kvcompile.plotting import plt, save_figure
 
 

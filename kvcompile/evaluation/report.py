@@ -8,11 +8,11 @@ import csv
 import io
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvcompile.evaluation.contestants import FULL
-from kvcompile.evaluation.metrics import accuracy_auc, bootstrap_interval
+from kvcompile.evaluation.metrics import accuracy_auc, bootstrap_interval, grouped
 from kvcompile.evaluation.store import write_text_atomically
 
 GROUP_COLUMNS = ("method", "ratio", "task", "length")
@@ -53,13 +53,6 @@ def _summary(records: list[dict]) -> dict:
         peak_vs_full=_round(_median(r.get("peak_vs_full") for r in records), 3),
         cache_kept=round(statistics.mean(r["cache_kept"] for r in records), 4),
     )
-
-
-def grouped(records: list[dict], key: Callable[[dict], tuple]) -> dict[tuple, list[dict]]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for record in records:
-        groups[key(record)].append(record)
-    return groups
 
 
 def results_table(records: list[dict]) -> list[dict]:

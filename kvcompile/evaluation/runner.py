@@ -21,7 +21,9 @@ import kvruntime
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.measure import PeakMemory
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvruntime import KEEP_MASK_KEYWORD, attention_modules, cache_bytes, generate_after_context, per_layer_attention
+from kvruntime import generate_after_context
+from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes
 
 
 @dataclasses.dataclass
@@ -87,7 +89,7 @@ def prefilled(
             torch.no_grad(),
             contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext(),
         ):
-            model(input_ids=context_ids, **kvruntime.cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+            model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - started
     masks = press_keep_masks(model, cache, context_ids.shape[1])
 

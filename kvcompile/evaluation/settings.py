@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from kvcompile.prompt_format import check_prompt_format
 from kvcompile.tasks.grid import check_tasks
-from kvruntime import KVRuntimeError, check_positions
+from kvruntime import KVRuntimeError
+from kvruntime.model_spec import check_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -9,7 +9,8 @@ import contextlib
 import json
 from pathlib import Path
 
-from kvruntime import KVRuntimeError, write_atomically
+from kvruntime import KVRuntimeError
+from kvruntime.files import write_atomically
 
 RUN_FILES = ("run.json", "runs.jsonl")
 

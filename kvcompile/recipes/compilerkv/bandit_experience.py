@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from kvcompile.recipes.compilerkv.recipe import check_experience_format
+from kvcompile.recipes.compilerkv.settings import check_experience_format
 from kvruntime import Artifact, KVRuntimeError
 
 HEAD_ACTIONS = torch.linspace(0.8, 1.5, 29)

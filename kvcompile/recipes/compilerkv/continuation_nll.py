@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvruntime import KEEP_MASK_KEYWORD, cache_argument, per_layer_attention
+from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.cache_ops import cache_argument
 
 
 class KeptEntriesCache:

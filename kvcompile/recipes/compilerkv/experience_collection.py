@@ -21,22 +21,13 @@ from transformers import DynamicCache
 
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Records
 from kvcompile.recipes.compilerkv.continuation_nll import BaseRollout, ContinuationScorer, PrefilledPrompt
-from kvcompile.recipes.compilerkv.recipe import WINDOW, ExperienceDesign
-from kvruntime import (
-    KVRuntimeError,
-    LayerSignals,
-    PromptSignals,
-    cache_argument,
-    candidate_count,
-    kept_counts,
-    layer_scores,
-    layer_signals,
-    prompt_signals,
-    quantile_edges,
-    query_hooks,
-    risk_bin,
-    top_indices,
-)
+from kvcompile.recipes.compilerkv.settings import WINDOW, ExperienceDesign
+from kvruntime import KVRuntimeError
+from kvruntime.cache_ops import cache_argument
+from kvruntime.methods.compilerkv import LayerSignals, PromptSignals, layer_scores, layer_signals, prompt_signals
+from kvruntime.methods.compilerkv.risk_gate import candidate_count, kept_counts, quantile_edges, risk_bin
+from kvruntime.selection import top_indices
+from kvruntime.window import query_hooks
 
 
 @dataclasses.dataclass(frozen=True)

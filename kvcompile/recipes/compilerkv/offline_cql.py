@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 
-from kvcompile.recipes.compilerkv.recipe import CQLSettings
+from kvcompile.recipes.compilerkv.settings import CQLSettings
 from kvruntime import KVRuntimeError
 
 

@@ -51,15 +51,10 @@ from kvcompile.recipes.compilerkv.offline_cql import (
     gate_state_features,
     head_state_features,
 )
-from kvcompile.recipes.compilerkv.recipe import WINDOW, CQLSettings, TablesSettings
-from kvruntime import (
-    Artifact,
-    KVRuntimeError,
-    ModelFingerprint,
-    model_fingerprint,
-    quantile_edges,
-    risk_bin,
-)
+from kvcompile.recipes.compilerkv.settings import WINDOW, CQLSettings, TablesSettings
+from kvruntime import Artifact, KVRuntimeError, model_fingerprint
+from kvruntime.fingerprint import ModelFingerprint
+from kvruntime.methods.compilerkv.risk_gate import quantile_edges, risk_bin
 
 PHASES = ("head", "gate")
 

@@ -16,15 +16,12 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import attention_output
-from kvcompile.recipes.compresskv.recipe import BudgetsSettings
-from kvruntime import (
-    Artifact,
-    SemanticRetrievalHeads,
-    model_fingerprint,
-    query_hooks,
-    tensors_checksum,
-    top_indices,
-)
+from kvcompile.recipes.compresskv.settings import BudgetsSettings
+from kvruntime import Artifact, model_fingerprint
+from kvruntime.artifact import tensors_checksum
+from kvruntime.methods import SemanticRetrievalHeads
+from kvruntime.selection import top_indices
+from kvruntime.window import query_hooks
 
 PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
 

@@ -10,7 +10,7 @@ from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, 
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
 from kvcompile.recipes.compresskv.head_scores import copy_retrieval_score, rouge1_recall, semantic_retrieval_score
-from kvcompile.recipes.compresskv.recipe import HeadsSettings
+from kvcompile.recipes.compresskv.settings import HeadsSettings
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, probe_grid
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvcompile.plotting import plt, save_figure
-from kvruntime import Artifact, error_aware_budgets
+from kvruntime import Artifact
+from kvruntime.allocation import error_aware_budgets
 
 
 def plot_head_scores(artifact: Artifact, path: Path) -> str:

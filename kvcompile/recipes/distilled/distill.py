@@ -22,19 +22,12 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipes.distilled.recipe import HELD_OUT_EVERY, DistillSettings
-from kvruntime import (
-    Artifact,
-    KVRuntimeError,
-    attention_modules,
-    cache_argument,
-    feature_count,
-    kv_head_scores,
-    model_fingerprint,
-    oracle_targets,
-    task_attention_maxima,
-    token_features,
-)
+from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
+from kvruntime import Artifact, KVRuntimeError, model_fingerprint
+from kvruntime.cache_ops import attention_modules, cache_argument
+from kvruntime.methods.distilled import feature_count, oracle_targets, token_features
+from kvruntime.methods.kvcompose.composite_tokens import kv_head_scores
+from kvruntime.second_pass import task_attention_maxima
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X

@@ -20,19 +20,18 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipes.kvcompose.recipe import WINDOW, StatsSettings, TaskSet
-from kvruntime import (
-    Artifact,
-    cache_argument,
+from kvcompile.recipes.kvcompose.settings import WINDOW, StatsSettings, TaskSet
+from kvruntime import Artifact, model_fingerprint
+from kvruntime.cache_ops import cache_argument
+from kvruntime.methods.kvcompose.composite_tokens import (
     composite_curve,
-    kept_per_head,
     kv_head_scores,
-    model_fingerprint,
     prompt_allocation,
     rank_quantile_values,
     sorted_head_scores,
-    task_attention_maxima,
 )
+from kvruntime.request import kept_per_head
+from kvruntime.second_pass import task_attention_maxima
 
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.
 RANK_QUANTILES = torch.cat([torch.zeros(1), torch.logspace(-3, 0, 96)])

@@ -3,58 +3,11 @@ before anything heavy loads; the work is in `attention_stats.py`."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from kvcompile.recipe import CorpusRecipe
-from kvruntime import METHODS, KVRuntimeError
-
-WINDOW = METHODS["kvcompose"].window  # the runtime's protected window: the least a layer keeps
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSet:
-    """Downstream prompts for the task-aware mode, one per line of a UTF-8 text file."""
-
-    name: str
-    prompts: tuple[str, ...]
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256("\n".join(self.prompts).encode()).hexdigest()
-
-
-def load_task_set(path: Path) -> TaskSet:
-    if not path.is_file():
-        raise KVRuntimeError(f"task set {path} does not exist (a text file with one task prompt per line)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise KVRuntimeError(f"task set {path} is not UTF-8 text") from None
-    prompts = tuple(line.strip() for line in lines if line.strip())
-    if not prompts:
-        raise KVRuntimeError(f"task set {path} holds no prompts (one task prompt per line)")
-    return TaskSet(name=str(path), prompts=prompts)
-
-
-@dataclasses.dataclass(frozen=True)
-class StatsSettings:
-    ratios: tuple[float, ...]
-    prompts: int = 24
-    prompt_tokens: int = 2048
-    seed: int = 0
-
-    def check(self) -> None:
-        if not self.ratios or any(not 0 < r < 1 for r in self.ratios):
-            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give ratios strictly between 0 and 1")
-        if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):
-            raise KVRuntimeError(f"--ratios {list(self.ratios)}: give them in increasing order, each once")
-        if self.prompts < 1:
-            raise KVRuntimeError("--prompts must be at least 1")
-        if self.prompt_tokens < 2 * WINDOW:
-            raise KVRuntimeError(f"--prompt-tokens must be at least {2 * WINDOW} (twice the protected window)")
+from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet, load_task_set
 
 
 class StatsRecipe(CorpusRecipe):

@@ -7,21 +7,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import check_run_folder, discard_run_records
 from kvcompile.recipe import Recipe
+from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 from kvruntime import KVRuntimeError
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneSettings:
-    suite: SuiteSettings  # the validation prompts and the ratios tried, in increasing order
-    tolerance: float = 0.02  # the largest accuracy loss against the full cache accepted (0.02 = 2 points)
-
-    def check(self) -> None:
-        self.suite.check()
-        if not 0.0 <= self.tolerance < 1.0:
-            raise KVRuntimeError(f"--tolerance {self.tolerance}: give an accuracy difference in [0, 1)")
 
 
 class TuneRecipe(Recipe):

@@ -20,8 +20,8 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.calibration.provenance import provenance
 from kvcompile.evaluation.contestants import Contestant
-from kvcompile.evaluation.metrics import largest_ratio_within, within_tolerance
-from kvcompile.evaluation.report import grouped, method_curves
+from kvcompile.evaluation.metrics import grouped, largest_ratio_within, within_tolerance
+from kvcompile.evaluation.report import method_curves
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, reference_answer, run_prompt

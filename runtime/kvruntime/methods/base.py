@@ -115,9 +115,10 @@ class Method(abc.ABC):
         """The memory mode this method's per-head counts need (None: either)."""
         return None
 
-    def with_layer_budgets(self, layer_error: torch.Tensor) -> Method:
-        """This method with error-aware layer budgets from per-layer errors [L] (`<name>+budgets`)."""
-        raise KVRuntimeError(f"{self.name} takes no layer budgets")
+    def with_layer_budgets(self, layer_error: torch.Tensor) -> Method | None:
+        """This method with error-aware layer budgets from per-layer errors [L] (`<name>+budgets`), where it applies
+        them itself; None: a scoring method gets them from `layer_budgets.WithLayerBudgets`."""
+        return None
 
     @abc.abstractmethod
     def layer_statistics(self, layer: LayerPrefill) -> Any:
@@ -156,11 +157,6 @@ class ScoringMethod(Method):
 
     def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: Prefill) -> Selection:
         return Selection(statistics, self.head_counts(statistics, plan))
-
-    def with_layer_budgets(self, layer_error: torch.Tensor) -> Method:
-        from .layer_budgets import WithLayerBudgets  # it is a ScoringMethod itself
-
-        return WithLayerBudgets(inner=self, layer_error=layer_error)
 
     def head_counts(self, layer_scores: list[torch.Tensor], plan: KeepPlan) -> torch.Tensor:
         """Entries kept per (layer, KV head), [L, Hkv], averaging `plan.keep`. Scores already protect the window."""

@@ -13,6 +13,7 @@ from ..registry import LAYER_BUDGETS_KIND, method_spec
 from ..request import Request, check_method_options, required_artifact_kinds
 from ..serving import check_has_artifact, check_memory
 from .base import Method, check_prefill_chunk_size
+from .layer_budgets import WithLayerBudgets
 
 
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
@@ -30,8 +31,9 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
         applied[kind] = applied_form(by_kind[kind])
     build = importlib.import_module(f"{__package__}.{spec.name}.method").build
     method = build(applied.get(spec.needs), options)
-    if budgets:
-        method = method.with_layer_budgets(applied[LAYER_BUDGETS_KIND].tensors["layer_error"])
+    if budgets:  # registered `budgetable`: a scoring method, or one that applies the budgets itself
+        layer_error = applied[LAYER_BUDGETS_KIND].tensors["layer_error"]
+        method = method.with_layer_budgets(layer_error) or WithLayerBudgets(inner=method, layer_error=layer_error)
     return method
 
 

@@ -1,0 +1,1 @@
+"""Calibration study: corpus memory and distributed calibration (README.md)."""

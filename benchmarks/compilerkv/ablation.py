@@ -1,0 +1,221 @@
+"""The CompilerKV ablation on held-out prompts (none used for calibration), at equal cache held: the learned tables
+against W_head = 1, against one fixed threshold, and against random tables of the same value range, with paired
+bootstrap 95% intervals; snapkv at the same budget and the paper's elastic gate for reference.
+
+    python -m benchmarks.compilerkv.ablation [--budgets 256,512] [--depths 0.05,0.275,0.5,0.725,0.95]
+        [--passages 32] [--random-draws 4] [--tables artifacts/.../compilerkv_tables.safetensors]
+
+Every compilerkv variant but the elastic one holds exactly budget x layers entries (the ratio-honest rule), so the
+comparisons are at equal cache by construction; the table says what each really held. Two measures per prompt:
+the increase in mean NLL of a 128-token continuation of ~2k-token Moby-Dick passages over the full cache (the
+tables' own objective, on text they never saw), and retrieval (pass key in filler, a needle and multi-key needles
+in Moby-Dick, ~2k tokens, question-aware: the prompt holds the question, compressed after prefill, greedy, exact
+match). Random tables: each prompt gets one of `--random-draws` tables drawn uniformly from the action grids, with
+the learned tables' bin edges. Intervals: the per-prompt difference (variant minus learned) averaged, 10,000
+bootstrap resamples over prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+import kvruntime
+from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from kvcompile.calibration.corpus import calibration_prompts, load_corpus
+from kvcompile.evaluation.metrics import bootstrap_interval
+from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS
+from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
+from kvruntime.cache_ops import cache_argument
+from kvruntime.methods import CompilerKV
+from kvruntime.methods.compilerkv import CompilerKVTables
+
+TABLES = Path("artifacts/smollm2-135m-instruct/compilerkv_tables.safetensors")
+FIXED_THRESHOLD = 0.9  # the middle of the threshold grid [0.8, 1.0]
+LEARNED, RANDOM = "learned tables", "random tables"
+VARIANTS = {  # label -> compilerkv options (RANDOM: other tables, the options of LEARNED)
+    LEARNED: {},
+    "W_head = 1": {"uniform_heads": True},
+    f"threshold {FIXED_THRESHOLD} everywhere": {"fixed_threshold": FIXED_THRESHOLD},
+    RANDOM: {},
+    "learned tables, elastic gate": {"elastic": True},
+}
+SNAPKV = "snapkv"
+COMPARED = ("W_head = 1", f"threshold {FIXED_THRESHOLD} everywhere", RANDOM)
+
+
+def random_tables(learned: CompilerKVTables, seed: int) -> CompilerKVTables:
+    """Tables of the learned ones' shapes and bin edges, each entry drawn uniformly from its action grid."""
+    g = torch.Generator().manual_seed(seed)
+    return dataclasses.replace(
+        learned,
+        head_reliability=HEAD_ACTIONS[torch.randint(len(HEAD_ACTIONS), learned.head_reliability.shape, generator=g)],
+        risk_thresholds=GATE_ACTIONS[torch.randint(len(GATE_ACTIONS), learned.risk_thresholds.shape, generator=g)],
+    )
+
+
+def compressed(model, label: str, budget: int | None, tables: CompilerKVTables):
+    if budget is None:  # the full cache: nothing removed
+        return kvruntime.compress(model, "snapkv", ratio=0.0)
+    if label == SNAPKV:
+        return kvruntime.compress(model, "snapkv", budget=budget)
+    method = CompilerKV(tables=tables, nearest_budget=True, **VARIANTS[label])
+    return kvruntime.compress(model, method, budget=budget)
+
+
+def retrieval_run(model, tokenizer, ids, prompt, session_factory, new_tokens) -> tuple[float, object]:
+    with session_factory() as session:
+        output = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    text = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+    return float(prompt.score(text)), session.report
+
+
+def continuation_run(model, context, continuation, session_factory) -> tuple[float, object]:
+    """Mean NLL of continuation tokens 1.. given the compressed context (token 0 comes from the prefill alone)."""
+    with session_factory() as session:
+        cache = session.prefill(context).cache
+        start = context.shape[1]
+        positions = torch.arange(start, start + continuation.shape[1] - 1)[None]
+        with torch.no_grad():
+            logits = model(
+                input_ids=continuation[:, :-1], **cache_argument(model, cache), position_ids=positions
+            ).logits
+    return float(F.cross_entropy(logits[0].float(), continuation[0, 1:])), session.report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", default="256,512")
+    parser.add_argument("--depths", default="0.05,0.275,0.5,0.725,0.95")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--passages", type=int, default=32)
+    parser.add_argument("--random-draws", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--tables", type=Path, default=TABLES)
+    parser.add_argument("--out", default="benchmarks/compilerkv/compilerkv_ablation.md")
+    args = parser.parse_args()
+    budgets = [int(x) for x in args.budgets.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    model, tokenizer = kvruntime.load_model()
+    learned = CompilerKVTables.from_artifact(kvruntime.load_artifact(args.tables, model=model))
+    draws = [random_tables(learned, seed) for seed in range(args.random_draws)]
+    haystack = load_corpus("moby-dick")
+    jobs = [
+        ("retrieval", p.task, p, tokenizer(p.prompt, return_tensors="pt", add_special_tokens=False).input_ids)
+        for p in (
+            retrieval_prompt(task, haystack, tokenizer, args.length, depth, seed=index)
+            for task in TASKS
+            for index, depth in enumerate(depths)
+        )
+    ]
+    # Held-out continuation passages: Moby-Dick, seeds apart from every calibration run (which reads Austen).
+    jobs += [
+        ("nll", "moby-dick", None, ids)
+        for _, ids in calibration_prompts(haystack, tokenizer, args.passages, args.length + 128, seed=7919)
+    ]
+    settings = [("full cache", None)] + [(label, b) for b in budgets for label in [*VARIANTS, SNAPKV]]
+    rows = []
+    bar = tqdm(total=len(jobs) * len(settings), desc="ablation", unit="run")
+    for job, (kind, task, prompt, ids) in enumerate(jobs):
+        for label, budget in settings:
+            tables = draws[job % len(draws)] if label == RANDOM else learned
+
+            def session_factory(label=label, budget=budget, tables=tables):
+                return compressed(model, label, budget, tables)
+
+            if kind == "retrieval":
+                value, report = retrieval_run(model, tokenizer, ids, prompt, session_factory, args.new_tokens)
+            else:
+                context, continuation = ids[:, : args.length], ids[:, args.length :]
+                value, report = continuation_run(model, context, continuation, session_factory)
+            rows.append(
+                dict(
+                    job=job,
+                    kind=kind,
+                    task=task,
+                    label=label,
+                    budget=budget or 0,
+                    value=value,
+                    cache_kept=round(1.0 - report.entries_removed_fraction, 4),
+                )
+            )
+            bar.update()
+    bar.close()
+    write_results(rows, Path(args.out), render(rows, args, budgets))
+
+
+def paired_rows(rows: list[dict], budgets: list[int]) -> list[dict]:
+    """Each compared variant minus the learned tables, per prompt, with a bootstrap interval."""
+    value = {(r["job"], r["label"], r["budget"]): r["value"] for r in rows}
+    out = []
+    for budget in budgets:
+        for kind, measure in (("nll", "NLL increase (lower is better)"), ("retrieval", "retrieval accuracy")):
+            jobs = sorted({r["job"] for r in rows if r["kind"] == kind})
+            for label in (*COMPARED, SNAPKV):
+                differences = [value[(j, label, budget)] - value[(j, LEARNED, budget)] for j in jobs]
+                low, high = bootstrap_interval(differences)
+                sign = 1 if kind == "nll" else -1  # the learned tables are ahead where sign * difference > 0
+                out.append(
+                    {
+                        "budget": budget,
+                        "measure": measure,
+                        "variant": label,
+                        "variant minus learned": f"{statistics.mean(differences):+.4f}",
+                        "95% interval": f"{low:+.4f} to {high:+.4f}",
+                        "prompts": len(jobs),
+                        "learned ahead": sum(sign * d > 0 for d in differences),
+                        "variant ahead": sum(sign * d < 0 for d in differences),
+                    }
+                )
+    return out
+
+
+def render(rows: list[dict], args: argparse.Namespace, budgets: list[int]) -> str:
+    full_nll = {r["job"]: r["value"] for r in rows if r["kind"] == "nll" and r["label"] == "full cache"}
+    summary = []
+    for label, budget in [("full cache", 0)] + [(label, b) for b in budgets for label in [*VARIANTS, SNAPKV]]:
+        cell = [r for r in rows if (r["label"], r["budget"]) == (label, budget)]
+        retrieval = [r["value"] for r in cell if r["kind"] == "retrieval"]
+        per_task = {t: [r["value"] for r in cell if r["task"] == t] for t in TASKS}
+        nll = [r["value"] - full_nll[r["job"]] for r in cell if r["kind"] == "nll"]
+        summary.append(
+            {
+                "budget": budget or "full",
+                "method": label,
+                **{t: f"{int(sum(v))}/{len(v)}" for t, v in per_task.items()},
+                "retrieval": f"{int(sum(retrieval))}/{len(retrieval)}",
+                "NLL increase": f"{statistics.mean(nll):+.4f}",
+                "cache held": f"{np.mean([r['cache_kept'] for r in cell]):.1%}",
+            }
+        )
+    retrieval_prompts = len({r["job"] for r in rows if r["kind"] == "retrieval"})
+    lines = [
+        "# CompilerKV ablation on held-out prompts, at equal cache held (default model)",
+        "",
+        f"Command: `{command_line()}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Tables: `{args.tables}`. Retrieval: "
+        f"{retrieval_prompts} prompts of ~{args.length} tokens (question-aware, greedy, {args.new_tokens} new tokens, "
+        f"exact match). NLL: increase in mean token NLL of a 128-token continuation over the full cache, "
+        f"{args.passages} Moby-Dick passages of {args.length} tokens. Random tables: {args.random_draws} draws, one "
+        "per prompt in turn. Cache held: share of the full cache's entries attended after compression (mean).",
+        "",
+        *markdown_table(summary),
+        "",
+        "## Paired differences against the learned tables (95% bootstrap intervals over prompts)",
+        "",
+        *markdown_table(paired_rows(rows, budgets)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Performance study: prefill time and memory, the streamed prefill, refusal latency (README.md)."""

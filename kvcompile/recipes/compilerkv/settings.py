@@ -1,0 +1,105 @@
+"""The settings of `compilerkv`'s compile command and what they are checked against, torch-free: `recipe.py`
+checks them before the work is imported, and the work modules read them from here (not from `recipe.py`, which
+imports the work)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kvruntime import KVRuntimeError
+from kvruntime.registry import METHODS
+from kvruntime.serving import UTILITIES
+
+WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceDesign:
+    """How much is probed per (prompt, budget): (layer, KV group) pairs x weights for the head table (every query
+    head of a probed group gets the same weights), layers x thresholds for the gate."""
+
+    head_groups: int = 2  # (layer, KV group) pairs probed for the head table
+    head_actions: int = 8  # weight settings tried on each
+    gate_layers: int = 4  # layers probed for the gate table
+    gate_actions: int = 7  # thresholds tried on each
+    action_stride: int = 1  # actions are drawn from every `action_stride`-th grid point (more records per action)
+
+
+@dataclasses.dataclass(frozen=True)
+class CQLSettings:
+    """Defaults from the authors' code (alpha, AdamW, weight decay); steps and batch sized for our data."""
+
+    alpha: float = 0.75  # weight of the conservative penalty on unseen actions
+    learning_rate: float = 3e-4  # AdamW
+    weight_decay: float = 0.01  # AdamW
+    batch_size: int = 256  # records per gradient step
+    steps: int = 2000  # gradient steps per fit
+    epochs: int = 10  # learning-curve points per fit (steps are split evenly)
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesSettings:
+    budgets: tuple[int, ...] = (256, 512)
+    prompts: int = 32
+    candidates: int = 64  # prompts whose risk is measured; `prompts` of them are chosen across the risk strata
+    strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
+    context: int = 2048
+    continuation: int = 128
+    rounds: int = 2
+    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
+    entropy_bins: int = 20
+    perplexity_bins: int = 4
+    penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
+    elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
+    utility: str = "head"  # the stabilized utility the tables weight (kvruntime.serving.UTILITIES)
+    design: ExperienceDesign = ExperienceDesign()
+    cql: CQLSettings = CQLSettings()
+    seed: int = 0
+    batch_size: int = 8  # variants decoded together
+
+    def check(self) -> None:
+        if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
+            raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
+        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
+            raise KVRuntimeError(
+                f"--budgets must lie between the {WINDOW}-token window and the {self.context}-token context "
+                f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
+                "nothing is compressed"
+            )
+        if self.candidates < self.prompts:
+            raise KVRuntimeError(
+                f"--candidates {self.candidates}: give at least as many candidate prompts as --prompts {self.prompts}"
+            )
+        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
+            raise KVRuntimeError(
+                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
+                f"more than the {WINDOW}-token window"
+            )
+        if self.entropy_bins < 1 or self.perplexity_bins < 1:
+            raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
+        if self.utility not in UTILITIES:
+            raise KVRuntimeError(f"--utility {self.utility!r}: choose one of {', '.join(UTILITIES)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_experience_format(path: object, kind: str | None, params: dict) -> None:
+    """Refuse experience of another kind, or collected before the keep rule was recorded: its rewards were measured
+    under the elastic gate with absolute head weights, which the tables learned now would not be run under. Called
+    before the tensors' schema check, so an old artifact gets this line rather than a missing tensor's name."""
+    if kind != "compilerkv_experience":
+        raise KVRuntimeError(f"{path}: a {kind} artifact, not compilerkv_experience")
+    if "elastic" not in params:
+        raise KVRuntimeError(
+            f"{path}: experience from an older kvcompile (collected under the elastic gate with absolute "
+            "head weights, before the keep rule was recorded): collect it again with `kvcompile tables`"
+        )
+
+
+def experience_path(tables: Path) -> Path:
+    """Where the experience behind the tables at `tables` is written: `<stem>.experience.safetensors` beside them
+    (its own name for every --out, so runs into one folder never share it)."""
+    return tables.with_name(f"{tables.stem}.experience.safetensors")
