@@ -22,7 +22,8 @@ from kvruntime import KVRuntimeError
 from kvruntime.registry import COMPARED_NAMES, methods_help
 
 app = typer.Typer(
-    help="Compile KV-cache compression artifacts for a model, and run compressed generation.",
+    help="Compile KV-cache compression artifacts for a model, and run compressed generation. "
+    f"Runtime methods: {methods_help()}.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -55,8 +55,9 @@ def test_the_readmes_method_table_is_the_registrys():
 
 
 def test_the_command_line_and_eval_name_the_registered_methods():
-    help_text = run_cli("generate", "--help")
-    assert all(name in help_text for name in METHOD_NAMES)
+    for command in (["--help"], ["generate", "--help"]):
+        help_text = run_cli(*command)
+        assert all(name in help_text for name in METHOD_NAMES), command
     assert default_methods().split(",")[1 : 1 + len(COMPARED_NAMES)] == list(COMPARED_NAMES)
     assert set(COMPARED_NAMES) <= set(METHOD_NAMES)
 
@@ -154,6 +155,7 @@ def test_a_method_added_in_its_own_folder_is_known_everywhere_and_gone_when_remo
         assert lines[0] == f"recent_tail {{}} {list(range(20, 40))}"  # the newest half
         assert lines[1] == f"recent_tail {{'reverse': True}} {[*range(16), *range(36, 40)]}"  # the oldest, window kept
         assert lines[2] == "True True"
+        assert "recent_tail" in run_cli("--help")
         assert "recent_tail" in run_cli("generate", "--help")
         assert "recent_tail" in run_cli("eval", "--help")  # eval's default methods
     finally:
