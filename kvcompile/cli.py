@@ -109,8 +109,8 @@ def generate(
     method: Annotated[
         str | None,
         typer.Option(
-            help=f"{methods_help()}. Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if "
-            "there is one, else kvcompress."
+            help=f"{methods_help()}. Default: the method and ratio of "
+            "artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if there is one, else kvcompress."
         ),
     ] = None,
     ratio: Annotated[

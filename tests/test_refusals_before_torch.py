@@ -1,7 +1,8 @@
 """Every refusal of a bad argument, a bad option, a missing file or folder, an unknown task or oracle comes before
 torch or transformers is imported (issue #31): each command runs in a subprocess whose import system refuses
 torch and transformers, so a refusal that came after importing them would end in an ImportError traceback (exit 1)
-instead of its one line (exit 2). The refusals' time is measured in benchmarks/performance/refusal_latency.py, not here."""
+instead of its one line (exit 2). The refusals' time is measured in benchmarks/performance/refusal_latency.py, not
+here."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ _EXPORTS = {
     # Applying compression.
     **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
     "CompressionReport": "report",
-    **dict.fromkeys(("DEFAULT_MODEL",), "default_model"),
+    "DEFAULT_MODEL": "default_model",
     "load_model": "model_loading",
     # Methods and requests.
     "METHOD_NAMES": "registry",

@@ -4,6 +4,7 @@ torch-free, so that the torch-free parts under it (the method registrations, req
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 
@@ -14,8 +15,9 @@ def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str],
     def getattr_(name: str) -> object:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module = importlib.import_module(f"{package}.{exports[name]}")
-        return getattr(module, name)
+        value = getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+        vars(sys.modules[package])[name] = value  # later look-ups find it without this function
+        return value
 
     def dir_() -> list[str]:
         return sorted(exports)

@@ -1,6 +1,6 @@
 """What a compression request may ask for, checked without torch or a model: the artifacts and options of a method
-(from its registration, `registry`), memory modes, ratio and budget ranges. The command line refuses bad input with these before it imports
-the heavy runtime."""
+(from its registration, `registry`), memory modes, ratio and budget ranges. The command line refuses bad input with
+these before it imports the heavy runtime."""
 
 from __future__ import annotations
 

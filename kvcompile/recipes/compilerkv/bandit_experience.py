@@ -11,7 +11,8 @@ current tables (the unit's base rollout) minus its NLL with the action:
 Its mean over prompts estimates Q(s, a) - Q(s, current tables): the same ranking of actions as the spec's
 -(NLL_a - NLL_full), since NLL_base is fixed within a unit, but prompt difficulty cancels: its variance is
 Var_p(NLL_a - NLL_base) / prompts instead of Var_p(NLL_a - NLL_full) / prompts. On the default model one record's
-standard deviation is about 0.0013 nats paired (benchmarks/compilerkv/compilerkv_reward_noise.md) against 0.027 unpaired.
+standard deviation is about 0.0013 nats paired (benchmarks/compilerkv/compilerkv_reward_noise.md) against 0.027
+unpaired.
 """
 
 from __future__ import annotations

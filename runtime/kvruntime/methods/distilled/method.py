@@ -7,8 +7,8 @@ scores in one global pool, as KVCompose's dynamic mode does with its second pass
 `floor` times the average count; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
-the same), and a floor of a quarter answered more held-out prompts (`benchmarks/distilled/distilled_allocation.md`). The last
-`window` tokens always stay. A token's score depends only on its own inputs and the tokens before it, never on the
+the same), and a floor of a quarter answered more held-out prompts
+(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens always stay. A token's score depends only on its own inputs and the tokens before it, never on the
 tokens after it: with uniform or error-aware budgets each layer is cut inside the prefill, and a long prompt can
 stream in chunks with the same scores it would have had in one piece (given the same hidden states).
 """
