@@ -9,7 +9,7 @@ import torch
 import kvruntime
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.prompt_format import chat_frame
-from kvcompile.recipes.distilled.distill import oracle_task, prompt_features_and_targets
+from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvruntime.methods.distilled import DistilledScorer, predicted_scores
 
 pytestmark = pytest.mark.integration
@@ -38,7 +38,7 @@ def test_the_student_ranks_a_held_out_passage_like_its_oracle(default_model):
     model, tokenizer = default_model
     scorer = DistilledScorer.from_artifact(kvruntime.load_artifact(SCORER, model=model))
     ((_, ids),) = calibration_prompts(load_corpus("moby-dick"), tokenizer, 1, 512, seed=11)
-    features, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, scorer.oracle))
+    features, targets = prompt_features_and_targets(model, tokenizer, ids, scorer.oracle)
     for layer in (0, 15, 29):
         predicted = predicted_scores(features[layer][None], scorer.weights[layer].double())[0]
         ranks = lambda t: t.argsort(dim=-1).argsort(dim=-1).double()  # noqa: E731

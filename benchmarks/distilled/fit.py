@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.reporting import machine, write_results
 from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
-from kvcompile.recipes.distilled.distill import oracle_task, prompt_features_and_targets
+from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvruntime.methods import KVCompose
 from kvruntime.methods.distilled import DistilledScorer, predicted_scores
 from kvruntime.window import query_hooks, window_attention
@@ -53,7 +53,7 @@ def window_scores(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """kvcompose's compiled-mode token scores from one prefill: [L, Hkv, N]."""
     method, layers = KVCompose(mode="dynamic"), {}
 
-    def keep(module, queries, keys, values, _):
+    def keep(module, queries, keys, values, *_):
         attention = window_attention(queries, keys, module.scaling)
         layers[module.layer_idx] = method.token_scores(attention, module.layer_idx)[0]
 
@@ -81,7 +81,7 @@ def main() -> None:
     ]
     metrics: dict[tuple[str, str, int], list[list[float]]] = {}
     for text, ids in tqdm(prompts, desc="held-out prompts", unit="prompt"):
-        features, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, scorer.oracle))
+        features, targets = prompt_features_and_targets(model, tokenizer, ids, scorer.oracle)
         student = torch.stack(
             [predicted_scores(x[None], scorer.weights[i].double())[0] for i, x in enumerate(features)]
         )

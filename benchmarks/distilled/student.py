@@ -30,7 +30,7 @@ from kvcompile.calibration.corpus import (
     load_corpus,
     repeating_documents,
 )
-from kvcompile.recipes.distilled.distill import ALPHAS, oracle_task, prompt_features_and_targets, ridge
+from kvcompile.recipes.distilled.distill import ALPHAS, prompt_features_and_targets, ridge
 from kvruntime.methods.distilled import DistilledScorer
 
 
@@ -40,7 +40,7 @@ def training_sample(model, tokenizer, prompts: int, per_prompt: int, oracle: str
     xs, ys = [], []
     calibration = calibration_prompts(load_corpus(REPEATING_CORPUS), tokenizer, prompts, 2048, seed=0)
     for _, ids in tqdm(calibration, desc="training prompts", unit="prompt"):
-        features, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, oracle))
+        features, targets = prompt_features_and_targets(model, tokenizer, ids, oracle)
         chosen = torch.randperm(ids.shape[1], generator=generator)[:per_prompt]
         xs.append(torch.stack([x[chosen].float() for x in features]))
         ys.append(targets[:, :, chosen].transpose(1, 2).float())
@@ -124,7 +124,7 @@ def main() -> None:
     ]
     metrics: dict[tuple[str, str, int], list[list[float]]] = {}
     for text, ids in tqdm(held_out_prompts, desc="held-out prompts", unit="prompt"):
-        features, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, scorer.oracle))
+        features, targets = prompt_features_and_targets(model, tokenizer, ids, scorer.oracle)
         for name, layers in students.items():
             for layer, student in enumerate(layers):
                 scores, target = predict(student, features[layer].float()), targets[layer].float()

@@ -3,7 +3,8 @@
 
 `--methods` takes comma-separated entries: `full`; a runtime method name (`compresskv`, `kvcompose`, `snapkv`,
 `kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
-`:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`);
+`:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`),
+and `:artifacts=DIR` to take its artifacts from another folder than `--artifacts` (two compiles side by side);
 `kvpress-<press>` for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "kvzip": ("KVzipPress", {}),  # context reconstruction, two extra passes (FastKVzip needs gates from the hub)
 }
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
+ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts come from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Contestant:
     method: str = ""  # runtime method name, or press name
     options: Mapping[str, object] = dataclasses.field(default_factory=dict)
     prefill_chunk_size: int | None = None  # stream the context in chunks of this many tokens
+    artifacts: Path | None = None  # its artifacts' folder, when not --artifacts
 
     def artifact_kinds(self) -> list[str]:
         return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
@@ -76,8 +79,20 @@ def parse_methods(text: str) -> list[Contestant]:
         chunk = given.pop(CHUNK_OPTION, None)
         if chunk is not None and (not isinstance(chunk, float) or not chunk.is_integer() or chunk < 1):
             raise KVRuntimeError(f"--methods {entry!r}: {CHUNK_OPTION} must be a positive number of tokens")
+        folder = given.pop(ARTIFACTS_OPTION, None)
+        if folder is not None and not Path(str(folder)).is_dir():
+            raise KVRuntimeError(f"--methods {entry!r}: {ARTIFACTS_OPTION}={folder} is not a folder")
         options = {**spec.comparison_options, **check_method_options(name, given)}
-        contestants.append(Contestant(entry, "kvcompile", name, options, None if chunk is None else int(chunk)))
+        contestants.append(
+            Contestant(
+                entry,
+                "kvcompile",
+                name,
+                options,
+                None if chunk is None else int(chunk),
+                None if folder is None else Path(str(folder)),
+            )
+        )
     labels = [c.label for c in contestants]
     if len(set(labels)) != len(labels):
         raise KVRuntimeError(f"--methods names a method twice: {text!r}")
@@ -99,11 +114,12 @@ def _presses(entry: str) -> list[Contestant]:
 
 
 def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
-    """Each kvcompile contestant's artifacts in `folder` (`<kind>.safetensors`); a missing one is refused with the
-    command that compiles it, before any model work."""
+    """Each kvcompile contestant's artifacts in `folder` (or its own `artifacts=` folder, `<kind>.safetensors`); a
+    missing one is refused with the command that compiles it, before any model work."""
     paths = {}
     for contestant in contestants:
-        paths[contestant.label] = [folder / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
+        own = contestant.artifacts or folder
+        paths[contestant.label] = [own / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
         for path in paths[contestant.label]:
             if not path.exists():
                 command = ARTIFACT_KINDS[path.name.removesuffix(".safetensors")].command

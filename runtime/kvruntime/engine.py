@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 import weakref
@@ -48,7 +49,7 @@ from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
 from .serving import check_memory
 from .tuned_defaults import TunedDefaults
-from .window import hooked_window_queries
+from .window import hooked_input, hooked_window_queries
 
 # Attribute a model carries while a compression block is attached to it (blocks do not nest).
 _ACTIVE_SESSION = "_kvruntime_session"
@@ -252,7 +253,7 @@ class CompressionSession:
         started = time.perf_counter()
         with torch.no_grad():
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
-            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+            hidden_states = hooked_input(args, kwargs)
             layer = LayerPrefill(
                 module.layer_idx,
                 queries,
@@ -311,7 +312,7 @@ class CompressionSession:
             input_ids=state.input_ids,
             hidden_states=output.last_hidden_state,
             output_embeddings=self.model.get_output_embeddings(),
-            second_pass_attention=lambda: self._second_pass(cache, state),
+            second_pass_attention=functools.partial(self._second_pass, cache, state),
         )
         with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
             slots, entries, notes = self._compress_cache(cache, state, prefill)
@@ -342,13 +343,17 @@ class CompressionSession:
             return None
         return args, {**kwargs, KEEP_MASK_KEYWORD: mask}
 
-    def _second_pass(self, cache: Cache, state: _Prefill) -> list[torch.Tensor]:
+    def _second_pass(
+        self, cache: Cache, state: _Prefill, prefix: tuple[int, ...] = (), target: str = "attention"
+    ) -> list[torch.Tensor]:
         """The prompt fed again after itself (`Prefill.second_pass_attention`), timed as part of the scoring."""
         if state.input_ids is None:
             raise KVRuntimeError(
                 f"{self.method.name}'s scoring pass feeds the prompt again: give token ids, not embeddings"
             )
-        return task_attention_maxima(self.model, cache, state.input_ids, state.length)
+        ids = state.input_ids
+        task = torch.cat([torch.tensor([prefix], dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1), ids], 1)
+        return task_attention_maxima(self.model, cache, task, state.length, target=target)
 
     # -- selection -----------------------------------------------------------------------------------------
     def _compress_cache(

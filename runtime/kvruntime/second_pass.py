@@ -6,6 +6,12 @@ The task goes through the model a chunk at a time; after every attention layer t
 from the layer's input (as for window attention) and attended against the cached keys: the largest probability
 any task token gives each context token is kept, and nothing quadratic in the context is held. The cache is cut
 back to the context afterwards.
+
+Two targets: `attention`, the probability itself (KVCompose, KVzip), and `kvzip_plus` (KVzap, arXiv 2601.07891):
+what the token adds to the attending token's residual stream, relative to its size, max_j a_ji / |h_j| x
+|W_O^h v_i| (h_j the attention input of the task token j, v_i the context token's value, W_O^h the output
+projection's block of query head h), so that a token attended to but carrying little, or attended to by a token
+whose state is large, counts less.
 """
 
 from __future__ import annotations
@@ -17,17 +23,25 @@ from transformers import Cache
 from .cache_ops import cache_argument, truncate
 from .window import query_hooks
 
+TARGETS = ("attention", "kvzip_plus")
+
 QUERY_CHUNK = 256  # task queries whose attention rows are held at once: memory linear in the context, not quadratic
 
 
 def context_attention_max(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, context_length: int, chunk: int = QUERY_CHUNK
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    context_length: int,
+    chunk: int = QUERY_CHUNK,
+    query_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 14 with Agg_task = max: the largest attention probability any task query gives each context token.
 
     queries [B, Hq, m, D] are the last m positions of keys [B, Hkv, K, D] (post-RoPE, causal among themselves);
     the context is the first `context_length` keys. Probabilities are normalised over every key a query sees,
-    as in the model's own attention. Returns [B, Hq, context_length] in float32.
+    as in the model's own attention, then multiplied by `query_weights` [B, m] when given (KVzip+'s 1 / |h_j|).
+    Returns [B, Hq, context_length] in float32.
     """
     batch, num_query_heads, task_length, head_dim = queries.shape
     num_kv_heads, key_length = keys.shape[1], keys.shape[2]
@@ -44,26 +58,59 @@ def context_attention_max(
         future = torch.arange(visible, device=keys.device)[None, :] > positions[:, None]
         logits.masked_fill_(future, float("-inf"))
         probabilities = logits.softmax(dim=-1)[..., :context_length]
+        if query_weights is not None:
+            probabilities = probabilities * query_weights[:, None, None, start:stop, None].float()
         best = torch.maximum(best, probabilities.amax(dim=-2))
     return best.view(batch, num_query_heads, context_length)
+
+
+def output_norms(values: torch.Tensor, output_weight: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """|W_O^h v_i| for every query head h and token i: values [B, Hkv, N, D] and the output projection's weight
+    [hidden, Hq * D] -> [B, Hq, N] in float32 (query head h reads KV head h // (Hq // Hkv))."""
+    batch, num_kv_heads, length, head_dim = values.shape
+    blocks = output_weight.float().view(-1, num_query_heads, head_dim).transpose(0, 1)  # [Hq, hidden, D]
+    grams = blocks.transpose(1, 2) @ blocks  # [Hq, D, D]: |W v|^2 = v^T (W^T W) v
+    grouped = values.float().repeat_interleave(num_query_heads // num_kv_heads, dim=1)  # [B, Hq, N, D]
+    return torch.einsum("bhnd,hde,bhne->bhn", grouped, grams, grouped).clamp(min=0).sqrt()
+
+
+def kv_head_max(task_max: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """KVzap's per-KV-head score: the largest of its query heads', [B, Hq, N] -> [B, Hkv, N]."""
+    batch, num_query_heads, length = task_max.shape
+    return task_max.view(batch, num_kv_heads, num_query_heads // num_kv_heads, length).amax(dim=2)
 
 
 TASK_CHUNK = 512  # task tokens per forward: bounds the attention scores of the scoring pass (sdpa with a mask)
 
 
 def task_attention_maxima(
-    model: nn.Module, cache: Cache, task_ids: torch.Tensor, context_length: int, chunk: int = TASK_CHUNK
+    model: nn.Module,
+    cache: Cache,
+    task_ids: torch.Tensor,
+    context_length: int,
+    chunk: int = TASK_CHUNK,
+    target: str = "attention",
 ) -> list[torch.Tensor]:
-    """Per layer, [B, Hq, context_length]: each context token's largest attention from a token of `task_ids`
-    [B, m], fed after the `context_length` tokens held in `cache` (the task-agnostic mode feeds the context
-    again). The task goes in `chunk` tokens at a time, so that no attention layer ever holds a (task x context)
-    score matrix. The cache holds only the context again on return."""
+    """Per layer, [B, Hq, context_length]: each context token's largest `target` score (`TARGETS`) from a token
+    of `task_ids` [B, m], fed after the `context_length` tokens held in `cache` (the task-agnostic mode feeds the
+    context again). The task goes in `chunk` tokens at a time, so that no attention layer ever holds a (task x
+    context) score matrix. The cache holds only the context again on return."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown second-pass target {target!r} (use one of {', '.join(TARGETS)})")
     maxima: dict[int, torch.Tensor] = {}
+    factors: dict[int, torch.Tensor] = {}  # kvzip_plus: |W_O^h v_i|, one factor per context token, after the max
 
-    def keep_maxima(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, _: int) -> None:
-        layer_max = context_attention_max(queries, keys, module.scaling, context_length)
+    def keep_maxima(
+        module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, _: int, inputs: torch.Tensor
+    ) -> None:
+        weights = inputs.float().norm(dim=-1).reciprocal() if target == "kvzip_plus" else None
+        layer_max = context_attention_max(queries, keys, module.scaling, context_length, query_weights=weights)
         seen = maxima.get(module.layer_idx)
         maxima[module.layer_idx] = layer_max if seen is None else torch.maximum(seen, layer_max)
+        if target == "kvzip_plus" and module.layer_idx not in factors:
+            factors[module.layer_idx] = output_norms(
+                values[:, :, :context_length], module.o_proj.weight, queries.shape[1]
+            )
 
     try:
         with query_hooks(model, keep_maxima, window=chunk), torch.no_grad():
@@ -73,4 +120,4 @@ def task_attention_maxima(
                 )
     finally:
         truncate(cache, context_length)
-    return [maxima[layer] for layer in sorted(maxima)]
+    return [maxima[layer] * factors[layer] if factors else maxima[layer] for layer in sorted(maxima)]

@@ -41,12 +41,17 @@ def window_queries(
     return queries * cos + _rotate_half(queries) * sin
 
 
+def hooked_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states an attention module was called with (its input, after the layer's input norm)."""
+    return kwargs.get("hidden_states", args[0] if args else None)
+
+
 def hooked_window_queries(
     attention: nn.Module, args: tuple, kwargs: dict, window: int
 ) -> tuple[torch.Tensor, object, int]:
     """From a forward hook's call of an attention module: the post-RoPE queries of the last `window` positions
     (at most the query length), the layer's cache layer (keys and values already updated), and the query length."""
-    hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+    hidden_states = hooked_input(args, kwargs)
     cache_layer = hooked_cache(kwargs).layers[attention.layer_idx]
     query_length = hidden_states.shape[1]
     queries = window_queries(attention, hidden_states, kwargs["position_embeddings"], min(window, query_length))
@@ -68,8 +73,9 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     return logits.softmax(dim=-1)
 
 
-# Called with (attention module, the last queries [B, Hq, w, D], the layer's cached keys and values, query length).
-QueryHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+# Called with (attention module, the last queries [B, Hq, w, D], the layer's cached keys and values, query length,
+# the layer's input at those positions [B, w, hidden]).
+QueryHook = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], None]
 
 
 @contextlib.contextmanager
@@ -79,7 +85,8 @@ def query_hooks(model: nn.Module, callback: QueryHook, window: int = 1) -> Itera
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         with torch.no_grad():
             queries, layer, query_length = hooked_window_queries(module, args, kwargs, window)
-            callback(module, queries, layer.keys, layer.values, query_length)
+            inputs = hooked_input(args, kwargs)[:, -queries.shape[2] :]
+            callback(module, queries, layer.keys, layer.values, query_length, inputs)
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in attention_modules(model)]
     try:

@@ -57,7 +57,7 @@ def prefill_with_signals(
     and the log-probabilities after the context's last token [vocab]."""
     layers: dict[int, LayerSignals] = {}
 
-    def gather(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, _: int) -> None:
+    def gather(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object) -> None:
         layers[module.layer_idx] = layer_signals(queries, keys, values, module.scaling)
 
     cache = DynamicCache(config=model.config)

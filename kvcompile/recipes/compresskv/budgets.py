@@ -46,7 +46,9 @@ def layer_errors_of_prompt(
     kept: dict[int, torch.Tensor] = {}
     errors = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)  # on the CPU, with the sums
 
-    def measure(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int) -> None:
+    def measure(
+        module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int, _: object
+    ) -> None:
         layer = module.layer_idx
         if q_len > 1:  # prefill: remember what the SRH selection keeps at the probe budget
             scores = selection.window_scores(queries, keys, module.scaling, layer)

@@ -1,9 +1,10 @@
 """`kvcompile distill`: a one-pass student of what a second pass over the context finds.
 
-Oracle (offline, per calibration prompt): the prompt is prefilled, then fed again after itself (`reconstruction`,
-KVCompose's task-agnostic pass; `repeat` puts "repeat the text" before the copy), and each context token's score
-per (layer, KV head) is the largest attention any token of the copy gives it (mean over the KV head's query heads,
-plus the mean over the layer's KV heads: `kv_head_scores`, what `kvcompose:mode=dynamic` ranks by).
+Oracle (offline, per calibration prompt): the prompt is prefilled, then fed again after itself, and each context
+token is scored per (layer, KV head) by what the copy gives it (`kvruntime.methods.distilled.oracle`: attention as
+KVCompose's task-agnostic pass for `reconstruction`, KVzap's output-weighted attention for `kvzip_plus`; `repeat`
+and `kvzip_plus` put "repeat the text" before the copy, and the artifact records those token ids so that the
+runtime can replay the oracle, `distilled:scores=oracle`).
 Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position,
 its likeness to the tokens before it) to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y
 summed over tokens), which add up exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
@@ -25,8 +26,14 @@ from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 from kvruntime.cache_ops import attention_modules, cache_argument
-from kvruntime.methods.distilled import feature_count, oracle_targets, token_features
-from kvruntime.methods.kvcompose.composite_tokens import kv_head_scores
+from kvruntime.methods.distilled import (
+    PREFIXED,
+    feature_count,
+    oracle_scores,
+    oracle_targets,
+    second_pass_target,
+    token_features,
+)
 from kvruntime.second_pass import task_attention_maxima
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
@@ -34,11 +41,13 @@ ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the
 
 
 def prompt_features_and_targets(
-    model: nn.Module, context_ids: torch.Tensor, task_ids: torch.Tensor
+    model: nn.Module, tokenizer: object, context_ids: torch.Tensor, oracle: str
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each layer's token features [N, F] (float64) from the prefill, and the oracle's log-scores [L, Hkv, N] from
-    the second pass (`task_ids` fed after the context); on the CPU, whatever the model's device."""
-    context_ids, task_ids = context_ids.to(model.device), task_ids.to(model.device)
+    its second pass (the context again, after `oracle_prefix`); on the CPU, whatever the model's device."""
+    prefix = torch.tensor([oracle_prefix(tokenizer, oracle)], dtype=context_ids.dtype)
+    context_ids = context_ids.to(model.device)
+    task_ids = torch.cat([prefix.to(model.device), context_ids], dim=1)
     length = context_ids.shape[1]
     inputs: dict[int, torch.Tensor] = {}
 
@@ -54,18 +63,17 @@ def prompt_features_and_targets(
     finally:
         for handle in handles:
             handle.remove()
-    maxima = task_attention_maxima(model, cache, task_ids, length)
+    maxima = task_attention_maxima(model, cache, task_ids, length, target=second_pass_target(oracle))
     num_kv_heads = cache.layers[0].keys.shape[1]
-    scores = torch.stack([kv_head_scores(task_max, num_kv_heads)[0] for task_max in maxima])
+    scores = torch.stack([oracle_scores(task_max, num_kv_heads, oracle)[0] for task_max in maxima])
     return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
 
 
-def oracle_task(tokenizer: object, context_ids: torch.Tensor, oracle: str) -> torch.Tensor:
-    """What the second pass feeds after the context: the context again, behind the instruction for `repeat`."""
-    if oracle == "reconstruction":
-        return context_ids
-    instruction = tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False).input_ids
-    return torch.cat([torch.tensor([instruction]), context_ids], dim=1)
+def oracle_prefix(tokenizer: object, oracle: str) -> list[int]:
+    """The token ids the second pass feeds before the copy of the context: the repeat instruction, or nothing."""
+    if oracle not in PREFIXED:
+        return []
+    return list(tokenizer(REPEAT_INSTRUCTION, add_special_tokens=False).input_ids)
 
 
 def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillSettings) -> Artifact:
@@ -77,7 +85,12 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
     run = StatisticsRun(
         kind="distilled_scorer",
         model=fingerprint,
-        settings={"corpus_sha256": corpus.sha256, **dataclasses.asdict(settings), "alphas": list(ALPHAS)},
+        settings={
+            "corpus_sha256": corpus.sha256,
+            **dataclasses.asdict(settings),
+            "alphas": list(ALPHAS),
+            "task_prefix": oracle_prefix(tokenizer, settings.oracle),
+        },
         items=len(calibration),
         provenance=provenance(corpus, settings.seed),
     )
@@ -93,7 +106,7 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
 
     def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
         _, ids = calibration[index]
-        inputs, targets = prompt_features_and_targets(model, ids, oracle_task(tokenizer, ids, settings.oracle))
+        inputs, targets = prompt_features_and_targets(model, tokenizer, ids, settings.oracle)
         part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
         for layer, x in enumerate(inputs):
             y = targets[layer].T  # [N, Hkv]
@@ -150,6 +163,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
         provenance=run.provenance,
         params={
             "oracle": run.settings["oracle"],
+            "task_prefix": run.settings.get("task_prefix", []),  # token ids fed before the copy (runtime replay)
             "prompts": run.items,
             "prompt_tokens": run.settings["prompt_tokens"],
             "held_out_every": HELD_OUT_EVERY,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvruntime import KVRuntimeError
+from kvruntime.methods.distilled.oracle import ORACLES
 
-ORACLES = ("reconstruction", "repeat")
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
 
 

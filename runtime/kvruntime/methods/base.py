@@ -39,9 +39,10 @@ class Prefill:
     input_ids: torch.Tensor | None  # [B, N]
     hidden_states: torch.Tensor  # [B, N, hidden]
     output_embeddings: torch.nn.Module
-    # Feeds the prompt again after itself in the filled cache: per layer, each token's largest attention from the
-    # copy [B, Hq, N] (`kvruntime.second_pass`). Costs a second prefill: only methods that score this way call it.
-    second_pass_attention: Callable[[], list[torch.Tensor]]
+    # Feeds the prompt again after itself (after the token ids `prefix`) in the filled cache: per layer, each
+    # token's largest `target` score from the copy [B, Hq, N] (`kvruntime.second_pass`: attention, or kvzip_plus).
+    # Costs a second prefill: only methods that score this way call it.
+    second_pass_attention: Callable[..., list[torch.Tensor]]
 
     def token_logprobs(self, last: int) -> torch.Tensor:
         """log p(x_j | x_<j) of the last `last` prompt tokens (teacher-forced, from the prefill): [B, last]."""

@@ -1,5 +1,5 @@
 """Distilled at run time: its registration (`spec.py`), the method (`method.py`), the compiled scorer's reader
-(`scorer.py`) and the token features and predictions it shares with `kvcompile distill` (`features.py`)."""
+(`scorer.py`), what it was distilled from (`oracle.py`) and the token features and predictions it shares with `kvcompile distill` (`features.py`)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ __getattr__, __dir__ = lazy_exports(
             (
                 "feature_count",
                 "likeness_to_earlier",
-                "oracle_targets",
                 "predicted_scores",
                 "running_state_sum",
                 "token_features",
             ),
             "features",
         ),
+        **dict.fromkeys(("ORACLES", "PREFIXED", "oracle_scores", "oracle_targets", "second_pass_target"), "oracle"),
     },
 )

@@ -67,12 +67,6 @@ def token_features(
     )
 
 
-def oracle_targets(scores: torch.Tensor, floor: float = 1e-6) -> torch.Tensor:
-    """What the student regresses on: the log of the oracle's scores (a token's largest attention from the second
-    pass, in (0, 1]), so that the fit spreads over the whole ranking instead of the few largest values."""
-    return scores.double().clamp(min=floor).log()
-
-
 def predicted_scores(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One layer's scores per KV head [B, Hkv, N] from its token features [B, N, F] and weights [F, Hkv]."""
     return (features.to(weights.dtype) @ weights).transpose(1, 2)

@@ -8,9 +8,13 @@ scores in one global pool, as KVCompose's dynamic mode does with its second pass
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts
-(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens always stay. A token's score depends only on its own inputs and the tokens before it, never on the
-tokens after it: with uniform or error-aware budgets each layer is cut inside the prefill, and a long prompt can
-stream in chunks with the same scores it would have had in one piece (given the same hidden states).
+(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens always stay. A token's score depends
+only on its own inputs and the tokens before it, never on the tokens after it: with uniform or error-aware budgets
+each layer is cut inside the prefill, and a long prompt can stream in chunks with the same scores it would have had
+in one piece (given the same hidden states).
+
+`scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) instead of
+the student's predictions, under the same selection rule, to measure what the student could reach.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from ...selection import protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
 from .features import predicted_scores, running_state_sum, token_features
+from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
 
 ALLOCATIONS = ("dynamic", "uniform")
+SCORES = ("predicted", "oracle")
 
 
 @dataclasses.dataclass
@@ -39,6 +45,7 @@ class Distilled(Method):
     allocation: str = "dynamic"
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
     layer_error: torch.Tensor | None = None  # [L] from a layer_budgets artifact: error-aware layer budgets instead
+    scores: str = "predicted"  # or "oracle": the teacher, replayed on the prompt by a second pass
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -57,10 +64,17 @@ class Distilled(Method):
             )
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
+        if self.scores not in SCORES:
+            raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
+        if self.scores == "oracle" and self.scorer.oracle in PREFIXED and not self.scorer.task_prefix:
+            raise KVRuntimeError(
+                f"this distilled_scorer does not record its {self.scorer.oracle} oracle's instruction: "
+                "recompile it with `kvcompile distill` to replay its oracle"
+            )
 
     @property
     def budgets_known_in_advance(self) -> bool:
-        return self.allocation == "uniform" or self.layer_error is not None
+        return self.scores == "predicted" and (self.allocation == "uniform" or self.layer_error is not None)
 
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         if self.layer_error is not None:
@@ -70,14 +84,17 @@ class Distilled(Method):
         return super().layer_budgets(num_layers, plan)
 
     def budgets_note(self, plan: KeepPlan) -> str:
-        how = "error-aware budgets (layer_budgets)" if self.layer_error is not None else "uniform allocation"
-        return f"{how} over scores distilled from {self.scorer.oracle}"
+        return f"{self._fixed_budgets()} over scores distilled from {self.scorer.oracle}"
+
+    def _fixed_budgets(self) -> str:
+        return "error-aware budgets (layer_budgets)" if self.layer_error is not None else "uniform allocation"
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
 
-    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
-        return self.stream_scores(layer, None, None)[0]
+    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
+        # The teacher scores in its second pass (`select`).
+        return None if self.scores == "oracle" else self.stream_scores(layer, None, None)[0]
 
     def stream_scores(
         self, layer: LayerPrefill, held: torch.Tensor | None, carry: torch.Tensor | None
@@ -98,18 +115,39 @@ class Distilled(Method):
             scores = protect_window(scores, min(self.window, scores.shape[-1]))
         return scores, running_state_sum(layer.hidden_states, layer.start, carry)
 
-    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:
+        if self.scores == "oracle":
+            statistics = self._oracle_scores(plan, prefill)
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
         keep = plan.keep
-        # Budgets known in advance are cut inside the prefill (`layer_budgets`); here the dynamic allocation. The
-        # predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
-        scores = torch.stack([s[0] for s in statistics]).exp()
-        counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
-        how = f"dynamic allocation (floor {self.floor:g}) over scores distilled from {self.scorer.oracle}"
-        note = f"distilled           {how}; tokens kept per layer {int(counts.min())}-{int(counts.max())} of {length}"
+        if self.allocation == "dynamic" and self.layer_error is None:
+            # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
+            scores = torch.stack([s[0] for s in statistics]).exp()
+            counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
+            how = f"dynamic allocation (floor {self.floor:g})"
+        else:  # the teacher under budgets the student would have cut inside the prefill
+            counts = torch.tensor(self.layer_budgets(num_layers, plan))
+            how = self._fixed_budgets()
+        if self.scores == "oracle":
+            source = f"the {self.scorer.oracle} oracle (two passes)"
+        else:
+            source = f"scores distilled from {self.scorer.oracle}"
+        note = (
+            f"{self.name:<19} {how} over {source}; tokens kept per layer {int(counts.min())}-{int(counts.max())} "
+            f"of {length}"
+        )
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
+
+    def _oracle_scores(self, plan: KeepPlan, prefill: Prefill) -> list[torch.Tensor]:
+        """The teacher's log-scores per layer [B, Hkv, N], the window protected as the student's are."""
+        oracle = self.scorer.oracle
+        maxima = prefill.second_pass_attention(prefix=self.scorer.task_prefix, target=second_pass_target(oracle))
+        return [
+            protect_window(oracle_targets(oracle_scores(m, prefill.num_kv_heads, oracle)).float(), plan.window)
+            for m in maxima
+        ]
 
 
 def build(compiled: Any, options: dict[str, object]) -> Distilled:

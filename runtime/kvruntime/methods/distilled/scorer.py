@@ -17,11 +17,16 @@ from ...artifact import ArtifactReader
 class DistilledScorer(ArtifactReader):
     kind = "distilled_scorer"
     weights: torch.Tensor  # [layers, features, KV heads]
-    oracle: str  # what the scores were distilled from (the second pass `kvcompile distill` ran)
+    oracle: str  # what the scores were distilled from (the second pass `kvcompile distill` ran, `oracle.py`)
+    task_prefix: tuple[int, ...] = ()  # the token ids that second pass fed before the copy of the context
 
     def __post_init__(self) -> None:
         self.check_schema({"weights": self.weights})
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> DistilledScorer:
-        return cls(weights=tensors["weights"].float(), oracle=str(params.get("oracle", "unknown")))
+        return cls(
+            weights=tensors["weights"].float(),
+            oracle=str(params.get("oracle", "unknown")),
+            task_prefix=tuple(int(i) for i in params.get("task_prefix", ())),
+        )

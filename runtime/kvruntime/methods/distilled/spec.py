@@ -10,8 +10,11 @@ SPEC = MethodSpec(
     options={
         "allocation": Option(("dynamic", "uniform"), "dynamic", "layer shares: one global pool, or the same count"),
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
+        "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
-    streams=lambda options: options.get("allocation", "dynamic") == "uniform",
+    streams=lambda options: (
+        options.get("allocation", "dynamic") == "uniform" and options.get("scores", "predicted") == "predicted"
+    ),
     budgetable=True,
     options_with_budgets=False,  # the layer shares come from the layer_budgets artifact
 )
