@@ -480,9 +480,17 @@ def distill(
     oracle: Annotated[
         str,
         typer.Option(
-            help="The second pass distilled: reconstruction (the context again) or repeat (behind an instruction)."
+            help="The second pass distilled: reconstruction (the context again), repeat (behind an instruction) "
+            "or kvzip_plus (KVzap's output-weighted attention, behind the instruction)."
         ),
     ] = "reconstruction",
+    student: Annotated[
+        str,
+        typer.Option(
+            help="The features the student reads: all (attention input, position, first token, likeness) or hidden "
+            "(KVzap's: the attention input and a bias; exportable to kvpress's KVzapModel)."
+        ),
+    ] = "all",
     prompts: Annotated[
         int, typer.Option(help="Calibration prompts (every 4th held out to choose the ridge strength).")
     ] = 32,
@@ -494,7 +502,7 @@ def distill(
     from kvcompile.recipes.distilled.recipe import DistillRecipe
     from kvcompile.recipes.distilled.settings import DistillSettings
 
-    settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, seed=seed)
+    settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, student=student, seed=seed)
     return DistillRecipe(corpus or REPEATING_CORPUS), settings
 
 
@@ -714,6 +722,25 @@ def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors)
             typer.echo(f"  {name}: {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
         typer.echo("provenance: " + json.dumps(artifact.provenance, indent=2, sort_keys=True))
         typer.echo("params: " + json.dumps(artifact.params, indent=2, sort_keys=True))
+
+
+@app.command(name="export-kvzap")
+def export_kvzap(
+    path: Annotated[Path, typer.Argument(help="A distilled_scorer artifact distilled with --student hidden.")],
+    out: Annotated[Path, typer.Option(help="The checkpoint folder to write (config.json, model.safetensors).")],
+) -> None:
+    """Write a distilled scorer as a KVzap checkpoint that kvpress's KVzapModel.from_pretrained loads."""
+    with clear_errors():
+        from kvruntime.artifact_header import read_header
+
+        kind = read_header(path).get("kind")  # a missing file or one that is not an artifact is refused here
+        if kind != "distilled_scorer":
+            raise KVRuntimeError(f"{path} is a {kind} artifact: export-kvzap takes a distilled_scorer")
+        from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
+        from kvruntime import read_artifact
+
+        write_kvzap_checkpoint(read_artifact(path), out)
+        typer.echo(f"wrote {out} (kvpress: KVzapModel.from_pretrained({str(out)!r}))")
 
 
 if __name__ == "__main__":

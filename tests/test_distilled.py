@@ -72,6 +72,35 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
     assert bool((artifact.tensors["held_out_r2"][:, 0] > 0.999).all())
 
 
+def test_kvzaps_student_is_the_least_squares_fit_on_the_hidden_state_and_bias_alone():
+    """`--student hidden`: the fit reads features 0..hidden (the attention input and the bias) and nothing else; it
+    equals a direct least-squares fit on those columns (the weakest ridge, near zero), the others weigh 0."""
+    rng = np.random.default_rng(2)
+    layers, features, heads, hidden = 2, 7, 2, 3  # 3 hidden features + 4 extras
+    w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
+    sums, xs, ys = {"tokens_held_out": torch.tensor([100.0])}, [], []
+    for part, count in (("fit", 300), ("held_out", 100)):
+        x = torch.tensor(rng.normal(size=(layers, count, features)))
+        y = x @ w_true  # the extras matter: a fit that read them would differ
+        xs.append(x), ys.append(y)
+        sums[f"xtx_{part}"], sums[f"xty_{part}"] = x.transpose(1, 2) @ x, x.transpose(1, 2) @ y
+        if part == "held_out":
+            sums["yty_held_out"], sums["ysum_held_out"] = (y * y).sum(dim=1), y.sum(dim=1)
+    run = distill.StatisticsRun(
+        "distilled_scorer",
+        model_fingerprint(tiny_model("llama")),
+        {"oracle": "kvzip_plus", "prompt_tokens": 1, "student": "hidden"},
+        8,
+        {},
+    )
+    weights = finish_distilled_scorer(sums, run).tensors["weights"].double()
+    x, y = torch.cat(xs, dim=1), torch.cat(ys, dim=1)
+    for layer in range(layers):
+        direct = torch.linalg.lstsq(x[layer, :, : hidden + 1], y[layer]).solution
+        torch.testing.assert_close(weights[layer, : hidden + 1], direct, atol=1e-3, rtol=1e-3)
+    assert bool((weights[:, hidden + 1 :] == 0).all())
+
+
 def test_token_features_are_the_input_its_position_the_first_token_and_its_likeness_to_earlier_tokens():
     hidden = torch.randn(1, 5, 4)
     features = token_features(hidden)
@@ -273,3 +302,24 @@ def test_question_mode_answers_from_exactly_the_entries_distilled_kept(tiny, tok
     got, reference, report, _ = answer_and_reference(tiny, tokens, question, "distilled", artifacts=[path], ratio=0.75)
     assert len(set(report.slots_per_layer)) > 1  # the dynamic allocation gave the layers different counts
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_export_kvzap_writes_kvzaps_linear_layers_and_refuses_other_artifacts_in_one_line(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tiny_model("llama")
+    scorer = scorer_that_prefers(model, 0)
+    scorer.tensors["weights"][:, 64] = 0.5  # the bias
+    path = save_artifact(scorer, tmp_path / "distilled_scorer.safetensors")
+    result = runner.invoke(app, ["export-kvzap", str(path), "--out", str(tmp_path / "kvzap")])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(tmp_path / "kvzap" / "model.safetensors")
+    assert len(tensors) == 2 * 4
+    assert torch.equal(tensors["layers.2.weight"], scorer.tensors["weights"][2, :64].T)
+    assert torch.equal(tensors["layers.2.bias"], torch.full((2,), 0.5))
+    other = save_artifact(
+        Artifact("layer_budgets", {"layer_error": torch.ones(4)}, model_fingerprint(model), {}, {}), tmp_path / "b"
+    )
+    result = runner.invoke(app, ["export-kvzap", str(other), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "takes a distilled_scorer" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

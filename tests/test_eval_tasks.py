@@ -64,6 +64,7 @@ def first_fact(prompt) -> str:
         return next(q.evidence for q in MOBY_DICK_QUESTIONS if q.answer == value)
     return {
         "passkey": f"The pass key is {value}",
+        "passkey_prose": f"The pass key is {value}",
         "needle": value,
         "multikey": f"is: {value}.",
         "multivalue": f"is: {value}.",
@@ -92,7 +93,7 @@ def test_the_depths_of_a_task_cover_the_context():
 
 @pytest.mark.integration  # the default model's tokenizer
 def test_expected_answers_are_the_inserted_values(prompts):
-    for prompt in of(prompts, "passkey"):
+    for prompt in [*of(prompts, "passkey"), *of(prompts, "passkey_prose")]:
         assert context(prompt).count(prompt.expected[0]) == 2  # "The pass key is K. ... K is the pass key."
     for prompt in of(prompts, "multikey"):
         sentences = re.findall(r"special magic numbers for (\w+) is: (\d+)\.", context(prompt))

@@ -9,10 +9,13 @@ import pytest
 import torch
 from test_selection_references import eight_head_model
 
+import kvruntime
 from kvcompile.evaluation import runner
-from kvcompile.evaluation.contestants import PRESSES, Contestant
+from kvcompile.evaluation.contestants import CHECKPOINTS, PRESSES, Contestant
 from kvcompile.evaluation.runner import prefilled, press_keep_masks
+from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
 from kvruntime.cache_ops import attention_modules, cache_bytes
+from kvruntime.methods.distilled import feature_count, predicted_scores, token_features
 
 kvpress = pytest.importorskip("kvpress")
 
@@ -37,6 +40,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     return built
 
 
+def hidden_only_scorer(model: torch.nn.Module) -> kvruntime.Artifact:
+    """A distilled scorer that reads the attention input and the bias only (random weights), as `--student hidden`
+    fits one."""
+    fingerprint = kvruntime.model_fingerprint(model)
+    hidden = model.config.hidden_size
+    weights = torch.zeros(fingerprint.num_layers, feature_count(hidden), fingerprint.num_kv_heads)
+    weights[:, : hidden + 1] = torch.randn(fingerprint.num_layers, hidden + 1, fingerprint.num_kv_heads)
+    return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "kvzip_plus"})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
+    folder = tmp_path_factory.mktemp("artifacts") / CHECKPOINTS["kvzap"]
+    return {"kvzap": [write_kvzap_checkpoint(hidden_only_scorer(model), folder)]}
+
+
 @pytest.fixture(scope="module")
 def context() -> torch.Tensor:
     return torch.randint(3, 96, (1, LENGTH), generator=torch.Generator().manual_seed(8))
@@ -52,7 +71,9 @@ def full_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("press", sorted(PRESSES))
-def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(model, context, press, monkeypatch):
+def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(
+    model, context, press, checkpoints, monkeypatch
+):
     masks: dict[int, torch.Tensor] = {}
 
     def keep_masks(*args) -> dict[int, torch.Tensor]:
@@ -64,7 +85,8 @@ def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(model, c
     hooks = hook_counts(model)
     with torch.no_grad():
         before = model(torch.cat([context, question], dim=1)).logits[0, -1]
-    with prefilled(model, Contestant(f"kvpress-{press}", "kvpress", press), RATIO, context, []) as prefill:
+    contestant = Contestant(f"kvpress-{press}", "kvpress", press)
+    with prefilled(model, contestant, RATIO, context, checkpoints.get(press, [])) as prefill:
         output = prefill.generate(question, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert output.sequences.shape == (1, question.shape[1] + 2)
     # kvpress's ratio is of the context's entries: half of them held. A masking press hides them per head; the
@@ -97,3 +119,26 @@ def test_a_press_keeping_everything_answers_as_the_full_cache(model, context):
     with torch.no_grad():
         full = model(torch.cat([context, question], dim=1)).logits[0, -1]
     torch.testing.assert_close(output.logits[0][0], full, atol=1e-4, rtol=1e-4)
+
+
+def test_kvpress_loads_an_exported_scorer_and_scores_as_kvruntime_does(model, tmp_path):
+    """`kvcompile export-kvzap`'s checkpoint in kvpress's own KVzapModel gives, per layer, the log-scores the
+    runtime's distilled method computes from the same scorer on the same attention inputs."""
+    from kvpress.presses.kvzap_press import KVzapModel
+
+    scorer = hidden_only_scorer(model)
+    loaded = KVzapModel.from_pretrained(write_kvzap_checkpoint(scorer, tmp_path / "kvzap"))
+    hidden = torch.randn(1, LENGTH, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    for layer in range(scorer.tensors["weights"].shape[0]):
+        ours = predicted_scores(token_features(hidden), scorer.tensors["weights"][layer])
+        with torch.no_grad():
+            theirs = loaded.layers[layer](hidden).transpose(1, 2)
+        torch.testing.assert_close(theirs, ours.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scorer_reading_position_features_is_not_exported(model, tmp_path):
+    scorer = hidden_only_scorer(model)
+    scorer.tensors["weights"][:, -1] = 1.0  # likeness to the earlier tokens: KVzap's model cannot read it
+    with pytest.raises(kvruntime.KVRuntimeError, match="--student hidden"):
+        write_kvzap_checkpoint(scorer, tmp_path / "kvzap")
+    assert not (tmp_path / "kvzap").exists()

@@ -30,7 +30,11 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "compactor": ("CompactorPress", {}),
     "keydiff": ("KeyDiffPress", {}),
     "kvzip": ("KVzipPress", {}),  # context reconstruction, two extra passes (FastKVzip needs gates from the hub)
+    # KVzap's linear scorer, its checkpoint compiled here (`kvcompile distill --oracle kvzip_plus --student hidden`,
+    # then `kvcompile export-kvzap`): not in `kvpress` (all), since it needs that checkpoint.
+    "kvzap": ("KVzapPress", {"model_type": "linear"}),
 }
+CHECKPOINTS = {"kvzap": "kvzap_linear"}  # presses that load a checkpoint: its folder in the artifacts folder
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
 ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts come from
 
@@ -47,12 +51,20 @@ class Contestant:
     def artifact_kinds(self) -> list[str]:
         return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
 
-    def press(self, ratio: float) -> object:
-        """A kvpress press at this compression ratio (kvpress is imported only here, when a press is run)."""
+    def press(self, ratio: float, model: object = None, checkpoints: list[Path] = ()) -> object:
+        """A kvpress press at this compression ratio (kvpress is imported only here, when a press is run); KVzap
+        with the model of `checkpoints` (its checkpoint folder) for `model`."""
         import kvpress
 
         class_name, settings = PRESSES[self.method]
-        return getattr(kvpress, class_name)(compression_ratio=ratio, **settings)
+        press = getattr(kvpress, class_name)(compression_ratio=ratio, **settings)
+        if self.method in CHECKPOINTS:
+            from kvpress.presses.kvzap_press import KVzapModel
+
+            # kvpress loads `nvidia/KVzap-<type>-<model name>` from the hub unless that name is already loaded.
+            press.kvzap_model_name = f"nvidia/KVzap-linear-{model.config.name_or_path.split('/')[-1]}"
+            press.kvzap_model = KVzapModel.from_pretrained(checkpoints[0])
+        return press
 
 
 def kvpress_available() -> bool:
@@ -102,7 +114,7 @@ def parse_methods(text: str) -> list[Contestant]:
 
 
 def _presses(entry: str) -> list[Contestant]:
-    names = list(PRESSES) if entry == "kvpress" else [entry.removeprefix("kvpress-")]
+    names = [n for n in PRESSES if n not in CHECKPOINTS] if entry == "kvpress" else [entry.removeprefix("kvpress-")]
     unknown = [n for n in names if n not in PRESSES]
     if unknown:
         raise KVRuntimeError(f"unknown kvpress press {unknown[0]!r} (compared presses: {', '.join(PRESSES)})")
@@ -120,6 +132,14 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
     for contestant in contestants:
         own = contestant.artifacts or folder
         paths[contestant.label] = [own / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
+        if contestant.kind == "kvpress" and contestant.method in CHECKPOINTS:
+            checkpoint = folder / CHECKPOINTS[contestant.method]
+            if not (checkpoint / "config.json").is_file():
+                raise KVRuntimeError(
+                    f"{contestant.label} needs the checkpoint {checkpoint}: distil it with `kvcompile distill "
+                    f"--oracle kvzip_plus --student hidden`, then `kvcompile export-kvzap ... --out {checkpoint}`"
+                )
+            paths[contestant.label] = [checkpoint]
         for path in paths[contestant.label]:
             if not path.exists():
                 command = ARTIFACT_KINDS[path.name.removesuffix(".safetensors")].command

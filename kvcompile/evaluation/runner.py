@@ -87,7 +87,9 @@ def prefilled(
         started = time.perf_counter()
         with (
             torch.no_grad(),
-            contestant.press(ratio)(model) if contestant.kind == "kvpress" else contextlib.nullcontext(),
+            contestant.press(ratio, model, artifacts)(model)
+            if contestant.kind == "kvpress"
+            else contextlib.nullcontext(),
         ):
             model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - started

@@ -8,7 +8,16 @@ from collections.abc import Mapping, Sequence
 
 from kvruntime import KVRuntimeError
 
-SUITE_TASKS = ("passkey", "needle", "multikey", "multivalue", "variable_tracking", "common_words", "qa")
+SUITE_TASKS = (
+    "passkey",
+    "passkey_prose",
+    "needle",
+    "multikey",
+    "multivalue",
+    "variable_tracking",
+    "common_words",
+    "qa",
+)
 WITHOUT_DEPTH = ("common_words",)
 
 

@@ -1,5 +1,5 @@
 """Held-out long-context retrieval prompts for measuring compressed generation (never used for calibration):
-the pass key in repeated filler, one needle in Moby-Dick, several key-value needles of which one is asked (RULER's
+the pass key in repeated filler (`passkey`, RULER's) or in Moby-Dick (`passkey_prose`), one needle in Moby-Dick, several key-value needles of which one is asked (RULER's
 multi-key NIAH), and one key with several values, all asked (RULER's multi-value NIAH).
 Each prompt is scored by exact match: every expected value must appear in the generated text."""
 
@@ -32,7 +32,7 @@ EVALUATION_NEEDLES = (
     ),
 )
 MULTIKEY_KEYS = ("amber", "willow", "falcon", "quartz", "harbor", "meadow", "cobalt", "lantern")
-TASKS = ("passkey", "needle", "multikey")
+TASKS = ("passkey", "passkey_prose", "needle", "multikey")
 # Depths of the other needles, relative to the asked (or first) one, wrapping around the context.
 OTHER_NEEDLE_OFFSETS = (0.3, 0.55, 0.8)
 
@@ -79,6 +79,11 @@ def retrieval_prompt(
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
         return TaskPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
+    if task == "passkey_prose":
+        key = str(random.Random(f"passkey_prose:{seed}").randint(10000, 99999))
+        needle = Needle(f"The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key?", key)
+        probe = needle_probe(corpus, tokenizer, length, depth, 0, seed, chat=chat, needles=(needle,))
+        return TaskPrompt(task, probe.prompt, (key,), length, depth, question_start(probe.prompt))
     if task == "needle":
         index = seed % len(EVALUATION_NEEDLES)
         probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=chat, needles=EVALUATION_NEEDLES)

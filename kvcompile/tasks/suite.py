@@ -25,6 +25,7 @@ Generator = Callable[["Corpus", "PreTrainedTokenizerBase", int, float, int, bool
 
 SUITE: dict[str, Generator] = {
     "passkey": lambda c, t, n, d, s, chat: retrieval_prompt("passkey", c, t, n, d, s, chat),
+    "passkey_prose": lambda c, t, n, d, s, chat: retrieval_prompt("passkey_prose", c, t, n, d, s, chat),
     "needle": lambda c, t, n, d, s, chat: retrieval_prompt("needle", c, t, n, d, s, chat),
     "multikey": lambda c, t, n, d, s, chat: retrieval_prompt("multikey", c, t, n, d, s, chat),
     "multivalue": lambda c, t, n, d, s, chat: retrieval_prompt("multivalue", c, t, n, d, s, chat),

@@ -32,6 +32,7 @@ from kvruntime.methods.distilled import (
     oracle_scores,
     oracle_targets,
     second_pass_target,
+    student_features,
     token_features,
 )
 from kvruntime.second_pass import task_attention_maxima
@@ -134,28 +135,37 @@ def held_out_error(w: torch.Tensor, xtx: torch.Tensor, xty: torch.Tensor, yty: t
 
 
 def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -> Artifact:
-    """Per layer, the ridge strength with the least held-out error, then the weights fitted on every prompt."""
+    """Per layer, the ridge strength with the least held-out error, then the weights fitted on every prompt (on the
+    student's features only: the sums of the others are left out, their weights stay 0)."""
     tokens = float(sums["tokens_held_out"])
     if tokens == 0:
         raise KVRuntimeError("no held-out prompt: give at least 4 prompts")
-    layers = sums["xtx_fit"].shape[0]
+    student = run.settings.get("student", "all")
+    layers, features, heads = sums["xty_fit"].shape
+    hidden_size = features - feature_count(0)  # the attention input's width
+    read = student_features(hidden_size, student)
     r2 = torch.zeros(layers, len(ALPHAS), dtype=torch.float64)
-    weights, chosen = [], []
+    weights, chosen = torch.zeros(layers, features, heads, dtype=torch.float64), []
     for layer in range(layers):
-        xtx, xty = sums["xtx_held_out"][layer], sums["xty_held_out"][layer]
+        xtx_fit, xty_fit = sums["xtx_fit"][layer][read][:, read], sums["xty_fit"][layer][read]
+        xtx, xty = sums["xtx_held_out"][layer][read][:, read], sums["xty_held_out"][layer][read]
         variance = sums["yty_held_out"][layer] - sums["ysum_held_out"][layer] ** 2 / tokens  # per head, x tokens
         for a, alpha in enumerate(ALPHAS):
-            w = ridge(sums["xtx_fit"][layer], sums["xty_fit"][layer], alpha)
+            w = ridge(xtx_fit, xty_fit, alpha)
             error = held_out_error(w, xtx, xty, sums["yty_held_out"][layer])
             r2[layer, a] = 1 - (error / variance).mean()
         best = int(r2[layer].argmax())
         chosen.append(ALPHAS[best])
-        total_xtx = sums["xtx_fit"][layer] + sums["xtx_held_out"][layer]
-        weights.append(ridge(total_xtx, sums["xty_fit"][layer] + sums["xty_held_out"][layer], ALPHAS[best]))
+        weights[layer, read] = ridge(xtx_fit + xtx, xty_fit + xty, ALPHAS[best])
+    described = {
+        "all": "attention input (after the input norm), bias, log1p(position), first token, likeness to the "
+        "earlier tokens",
+        "hidden": "attention input (after the input norm) and bias (KVzap's student; the others weigh 0)",
+    }
     return Artifact(
         kind="distilled_scorer",
         tensors={
-            "weights": torch.stack(weights).float(),
+            "weights": weights.float(),
             "held_out_r2": r2.float(),  # [layers, alphas]: 1 - held-out error / held-out variance, per alpha
             "alpha": torch.tensor(chosen, dtype=torch.float32),
         },
@@ -164,12 +174,12 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
         params={
             "oracle": run.settings["oracle"],
             "task_prefix": run.settings.get("task_prefix", []),  # token ids fed before the copy (runtime replay)
+            "student": student,
             "prompts": run.items,
             "prompt_tokens": run.settings["prompt_tokens"],
             "held_out_every": HELD_OUT_EVERY,
             "alphas": list(ALPHAS),
-            "features": "attention input (after the input norm), bias, log1p(position), first token, likeness to the "
-            "earlier tokens",
+            "features": described[student],
             "target": "log of the oracle's score (clamped at 1e-6)",
         },
     )

@@ -16,6 +16,7 @@ __getattr__, __dir__ = lazy_exports(
                 "likeness_to_earlier",
                 "predicted_scores",
                 "running_state_sum",
+                "student_features",
                 "token_features",
             ),
             "features",

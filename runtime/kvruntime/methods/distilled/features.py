@@ -14,6 +14,15 @@ def feature_count(hidden_size: int) -> int:
     return hidden_size + EXTRA_FEATURES
 
 
+def student_features(hidden_size: int, student: str) -> torch.Tensor:
+    """The indices of the features a student reads (the others keep weight 0): `all`, or `hidden`, KVzap's student
+    (the attention input and the bias only: a plain linear map of the hidden state, exportable to kvpress's
+    KVzapModel)."""
+    if student == "all":
+        return torch.arange(feature_count(hidden_size))
+    return torch.arange(hidden_size + 1)  # the bias is the first extra feature
+
+
 def likeness_to_earlier(
     hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
 ) -> torch.Tensor:

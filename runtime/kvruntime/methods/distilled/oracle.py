@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 ORACLES = ("reconstruction", "repeat", "kvzip_plus")
+STUDENTS = ("all", "hidden")  # the features a student reads (`features.student_features`)
 PREFIXED = ("repeat", "kvzip_plus")  # the oracles whose copy follows an instruction (the artifact records its ids)
 
 
