@@ -264,6 +264,7 @@ CorpusOption = Annotated[
     str | None,
     typer.Option(
         help="Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), "
+        "'mixed' (austen-repeats with shipped code, documentation and math text), "
         "a .txt/.txt.gz file or folder, a jsonl/parquet."
     ),
 ]

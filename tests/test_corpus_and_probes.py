@@ -56,6 +56,18 @@ def test_the_repeating_corpus_is_the_austen_novels_and_two_repeating_documents()
     assert len(repeating.documents) == len(books.documents) + 2 and repeating.sha256 != books.sha256
 
 
+def test_the_mixed_corpus_adds_code_documentation_and_math_and_never_the_evaluations_text():
+    repeating, mixed = load_corpus("austen-repeats"), load_corpus("mixed")
+    assert list(mixed.documents[: len(repeating.documents)]) == list(repeating.documents)
+    added = mixed.documents[len(repeating.documents) :]
+    assert len(added) == 24 and min(len(d) for d in added) >= 40_000  # enough for 2048-token prompts
+    assert sum("def " in d for d in added) >= 8 and sum("Parameters" in d for d in added) >= 8
+    moby = " ".join(load_corpus("moby-dick").documents[0].split())
+    probes = [" ".join(moby[k * len(moby) // 50 :][:300].split()[2:10]) for k in range(50)]
+    text = " ".join(" ".join(added).split())
+    assert not any(p in text for p in probes) and "The grass is green" not in text
+
+
 @pytest.mark.parametrize(
     "make, message",
     [

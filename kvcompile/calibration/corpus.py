@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
 REPEATING_CORPUS = "austen-repeats"  # the novels and two documents of repeated Austen sentences (`kvcompile distill`)
+MIXED_CORPUS = "mixed"  # austen-repeats and `calibration_data/mixed/`: code, software documentation, math docstrings
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
 _TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -81,12 +82,17 @@ class Corpus:
 
 def load_corpus(source: str | Path | None = None) -> Corpus:
     """Load a corpus; `None` or 'austen' is the shipped default, 'austen-repeats' the same with repeating documents
-    (`repeating_documents`), 'moby-dick' the shipped held-out book."""
-    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS):
+    (`repeating_documents`), 'mixed' those and the shipped code, documentation and math text (KVzap-style
+    diversity), 'moby-dick' the shipped held-out book."""
+    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS):
         books = _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
-        if str(source) != REPEATING_CORPUS:
+        if str(source) not in (REPEATING_CORPUS, MIXED_CORPUS):
             return books
-        return Corpus(REPEATING_CORPUS, (*books.documents, *repeating_documents(books.documents)))
+        repeating = (*books.documents, *repeating_documents(books.documents))
+        if str(source) == REPEATING_CORPUS:
+            return Corpus(REPEATING_CORPUS, repeating)
+        mixed = _text_files(MIXED_CORPUS, sorted((shipped_folder("calibration_data") / "mixed").glob("*.txt.gz")))
+        return Corpus(MIXED_CORPUS, (*repeating, *mixed.documents))
     if str(source) == "moby-dick":
         return _text_files(
             "moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz"))
