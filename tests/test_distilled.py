@@ -54,7 +54,8 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
     rng = np.random.default_rng(1)
     layers, features, heads = 2, 5, 3
     w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
-    sums = {"tokens_held_out": torch.tensor([100.0])}
+    shares = torch.tensor(rng.dirichlet(np.ones(layers), size=(8, len(distill.SHARE_RATIOS))))  # 8 prompts'
+    sums = {"tokens_held_out": torch.tensor([100.0]), "layer_shares": shares.sum(dim=0)}
     for part, count in (("fit", 300), ("held_out", 100)):
         x = torch.tensor(rng.normal(size=(layers, count, features)))
         y = x @ w_true
@@ -70,6 +71,9 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
     )  # no noise: the weakest ridge
     torch.testing.assert_close(artifact.tensors["weights"].double(), w_true, atol=1e-3, rtol=1e-3)
     assert bool((artifact.tensors["held_out_r2"][:, 0] > 0.999).all())
+    # The compiled allocation: the prompts' layer shares averaged, per ratio of the grid.
+    torch.testing.assert_close(artifact.tensors["layer_shares"].double(), shares.mean(dim=0), atol=1e-6, rtol=0)
+    assert artifact.tensors["share_ratios"].tolist() == pytest.approx(list(distill.SHARE_RATIOS))
 
 
 def test_kvzaps_student_is_the_least_squares_fit_on_the_hidden_state_and_bias_alone():
@@ -78,7 +82,7 @@ def test_kvzaps_student_is_the_least_squares_fit_on_the_hidden_state_and_bias_al
     rng = np.random.default_rng(2)
     layers, features, heads, hidden = 2, 7, 2, 3  # 3 hidden features + 4 extras
     w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
-    sums, xs, ys = {"tokens_held_out": torch.tensor([100.0])}, [], []
+    sums, xs, ys = {"tokens_held_out": torch.tensor([100.0]), "layer_shares": torch.full((19, layers), 4.0)}, [], []
     for part, count in (("fit", 300), ("held_out", 100)):
         x = torch.tensor(rng.normal(size=(layers, count, features)))
         y = x @ w_true  # the extras matter: a fit that read them would differ
@@ -136,7 +140,7 @@ def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_laye
         save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors"),
         save_artifact(budgets, tmp_path / "layer_budgets.safetensors"),
     ]
-    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths) as session:
+    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options={"window": 8}) as session:
         session.prefill(tokens)
     length, window = tokens.shape[1], 8
     expected = error_aware_budgets(layer_error.tolist(), 24, length=length)
@@ -157,7 +161,7 @@ def test_a_scorer_of_another_feature_layout_is_refused_in_one_line(tiny, tokens,
     old = Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
     path = save_artifact(old, tmp_path / "old.safetensors")
     with pytest.raises(KVRuntimeError, match="reads 67 features per token, this runtime makes 68: recompile"):
-        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path]) as session:
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options={"window": 8}) as session:
             session.prefill(tokens)
 
 
@@ -203,7 +207,8 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
 def test_each_head_keeps_its_own_best_tokens_in_shared_slots_and_the_ratio_holds(tiny, tokens, tmp_path, allocation):
     hidden = tiny.config.hidden_size
     path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
-    with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options={"allocation": allocation}) as s:
+    options = {"allocation": allocation, "window": 8}
+    with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options=options) as s:
         s.prefill(tokens)
     length, window = tokens.shape[1], 8
     report = s.report
@@ -222,7 +227,8 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
     path = save_artifact(scorer, tmp_path / "s.safetensors")
     slots = {}
     for floor in (0.0, 0.5):
-        with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"floor": floor}) as s:
+        options = {"floor": floor, "window": 8}
+        with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options=options) as s:
             s.prefill(tokens)
         slots[floor] = s.report.slots_per_layer
     keep = kept_per_head(tokens.shape[1], 8, ratio=0.75)
@@ -234,7 +240,7 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
 
 def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
-    with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path]) as session:
+    with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"window": 8}) as session:
         context = session.prefill(tokens)
         output = context.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert output.shape == (1, 6)
@@ -299,7 +305,9 @@ def test_question_mode_answers_from_exactly_the_entries_distilled_kept(tiny, tok
     """Every answer step's logits are those of the full model attending only to the kept entries (by position)."""
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
     question = torch.tensor([[3, 4, 5, 9]])
-    got, reference, report, _ = answer_and_reference(tiny, tokens, question, "distilled", artifacts=[path], ratio=0.75)
+    got, reference, report, _ = answer_and_reference(
+        tiny, tokens, question, "distilled", artifacts=[path], ratio=0.75, options={"window": 8}
+    )
     assert len(set(report.slots_per_layer)) > 1  # the dynamic allocation gave the layers different counts
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 

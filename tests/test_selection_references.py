@@ -292,13 +292,38 @@ def test_distilled_uniform_keeps_each_heads_best_predicted_scores(model, ids, me
     weights[:, -4:] *= 20  # the position and first-token features as loud as the state's
     weights[:, -1] *= 10  # and the likeness to earlier tokens louder still: its small differences must show
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
-    options = {"allocation": "uniform"}
+    options = {"allocation": "uniform", "window": window}
     got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer], options=options)
     count = kept(LENGTH, window, ratio)
     for layer, states in enumerate(attention_inputs(model, ids)):
         scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
         for head in range(2):
             assert_best(got[layer][head], scores[head], count, window)
+
+
+@pytest.mark.parametrize("ratio, counts", [(0.5, (36, 54, 90)), (0.75, (9, 27, 54))])
+def test_distilled_compiled_keeps_each_heads_best_in_the_compiled_layer_shares(model, ids, ratio, counts, tmp_path):
+    """Distilled with the compiled allocation: layer l keeps its compiled share of the kept cache (shares chosen to
+    split exactly: at 0.5 a layer keeps 60 of 120 tokens on average, 180 over 3 layers; at 0.75, 30 and 90), each
+    KV head its best tokens under the scorer."""
+    window = 8
+    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(14))
+    shares = torch.tensor([[0.2, 0.3, 0.5], [0.1, 0.3, 0.6]])
+    scorer = saved(
+        tmp_path,
+        model,
+        "distilled_scorer",
+        weights=weights,
+        layer_shares=shares,
+        share_ratios=torch.tensor([0.5, 0.75]),
+    )
+    options = {"allocation": "compiled", "window": window}
+    got = runtime_kept(model, ids, "distilled", "padded", ratio=ratio, artifacts=[scorer], options=options)
+    assert [len(layer[0]) for layer in got] == list(counts)
+    for layer, states in enumerate(attention_inputs(model, ids)):
+        scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
+        for head in range(2):
+            assert_best(got[layer][head], scores[head], counts[layer], window)
 
 
 def kvcompose_window_scores(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -397,7 +422,8 @@ def test_distilled_dynamic_keeps_each_heads_best_in_the_pooled_allocation_with_i
     weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(14))
     weights[2, CONFIG["hidden_size"]] -= 30  # the last layer's bias: the pool alone would leave it its window
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
-    got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer])
+    options = {"window": window}
+    got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer], options=options)
     keep = kept(LENGTH, window, ratio)
     scores = []
     for layer, states in enumerate(attention_inputs(model, ids)):

@@ -194,7 +194,12 @@ def test_streamed_distilled_at_ratio_0_9_never_holds_more_than_its_budget_and_on
     largest = LargestCache(tiny)
     try:
         with kvruntime.compress(
-            tiny, "distilled", ratio=0.9, artifacts=[path], options={"allocation": "uniform"}, prefill_chunk_size=chunk
+            tiny,
+            "distilled",
+            ratio=0.9,
+            artifacts=[path],
+            options={"allocation": "uniform", "window": 8},
+            prefill_chunk_size=chunk,
         ) as session:
             tiny.generate(tokens, do_sample=False, max_new_tokens=3, pad_token_id=0)
     finally:

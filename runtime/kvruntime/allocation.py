@@ -11,6 +11,24 @@ from collections.abc import Sequence
 import torch
 
 
+def shares_at_ratio(ratios: Sequence[float], table: torch.Tensor, ratio: float) -> tuple[torch.Tensor, str]:
+    """The row of compiled shares `table` [R, ...] (one row per increasing compiled ratio) for `ratio`, and how it
+    was had: a compiled row, the linear interpolation of the two rows around it (the rows sum to the same total,
+    so the interpolation does too), or outside the grid the nearest end's row."""
+    if ratio <= ratios[0] or ratio >= ratios[-1]:
+        end = 0 if ratio <= ratios[0] else len(ratios) - 1
+        exact = abs(ratios[end] - ratio) < 1e-6
+        return table[end], f"{'' if exact else 'nearest '}compiled ratio {ratios[end]:g}"
+    grid = torch.tensor(ratios, dtype=torch.float64)
+    upper = int(torch.searchsorted(grid, torch.tensor(ratio, dtype=torch.float64)))
+    if abs(ratios[upper] - ratio) < 1e-6:
+        return table[upper], f"compiled ratio {ratios[upper]:g}"
+    lower = upper - 1
+    weight = (ratio - ratios[lower]) / (ratios[upper] - ratios[lower])
+    shares = (1 - weight) * table[lower] + weight * table[upper]
+    return shares, f"interpolated between compiled ratios {ratios[lower]:g} and {ratios[upper]:g}"
+
+
 def error_aware_budgets(
     layer_error: Sequence[float], budget: int, minimum: int = 32, maximum_factor: int = 3, length: int | None = None
 ) -> list[int]:

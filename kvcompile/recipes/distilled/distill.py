@@ -7,8 +7,11 @@ and `kvzip_plus` put "repeat the text" before the copy, and the artifact records
 runtime can replay the oracle, `distilled:scores=oracle`).
 Student: per layer, a ridge regression from each token's features at prefill (the attention input, its position,
 its likeness to the tokens before it) to the log of those scores, fitted from sufficient statistics (X^T X, X^T Y
-summed over tokens), which add up exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held out: its sums choose each
-layer's ridge strength (validation error computed from the sums alone), then the weights are fitted on all prompts.
+summed over tokens), which add up exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held
+out: its sums choose each layer's ridge strength (validation error computed from the sums alone), then the weights
+are fitted on all prompts. Beside them, per ratio of `SHARE_RATIOS`, the share of the kept cache each layer takes in
+the teacher's dynamic allocation of each prompt (the runtime's rule, its default window and floor), averaged: the
+layer shares of `allocation="compiled"`.
 """
 
 from __future__ import annotations
@@ -35,10 +38,15 @@ from kvruntime.methods.distilled import (
     student_features,
     token_features,
 )
+from kvruntime.methods.distilled.method import dynamic_layer_counts
+from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
+from kvruntime.selection import protect_window
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X
+SHARE_RATIOS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 to 0.95: the compiled allocation's grid
 
 
 def prompt_features_and_targets(
@@ -68,6 +76,19 @@ def prompt_features_and_targets(
     num_kv_heads = cache.layers[0].keys.shape[1]
     scores = torch.stack([oracle_scores(task_max, num_kv_heads, oracle)[0] for task_max in maxima])
     return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
+
+
+def teacher_layer_shares(log_scores: torch.Tensor, window: int, floor: float) -> torch.Tensor:
+    """[len(SHARE_RATIOS), L]: each layer's share of the kept cache in the teacher's dynamic allocation of one prompt
+    (its log-scores [L, Hkv, N], the last `window` tokens protected, each layer at least `floor` of the average),
+    at each ratio of the grid."""
+    length = log_scores.shape[-1]
+    protected = protect_window(log_scores.float(), min(window, length))
+    rows = []
+    for ratio in SHARE_RATIOS:
+        counts = dynamic_layer_counts(protected, kept_per_head(length, window, ratio=ratio), floor).double()
+        rows.append(counts / counts.sum())
+    return torch.stack(rows)
 
 
 def oracle_prefix(tokenizer: object, oracle: str) -> list[int]:
@@ -104,11 +125,14 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
     sums["yty_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
     sums["ysum_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
     sums["tokens_held_out"] = torch.zeros(1, dtype=torch.float64)
+    sums["layer_shares"] = torch.zeros(len(SHARE_RATIOS), layers, dtype=torch.float64)
+    window, floor = SPEC.window, float(SPEC.options["floor"].default)  # the runtime's defaults
 
     def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
         _, ids = calibration[index]
         inputs, targets = prompt_features_and_targets(model, tokenizer, ids, settings.oracle)
         part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
+        sums["layer_shares"] += teacher_layer_shares(targets, window, floor)
         for layer, x in enumerate(inputs):
             y = targets[layer].T  # [N, Hkv]
             sums[f"xtx_{part}"][layer] += x.T @ x
@@ -168,6 +192,8 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "weights": weights.float(),
             "held_out_r2": r2.float(),  # [layers, alphas]: 1 - held-out error / held-out variance, per alpha
             "alpha": torch.tensor(chosen, dtype=torch.float32),
+            "layer_shares": (sums["layer_shares"] / run.items).float(),  # [ratios, layers], each row sums to 1
+            "share_ratios": torch.tensor(SHARE_RATIOS, dtype=torch.float32),
         },
         model=run.model,
         provenance=run.provenance,
@@ -181,5 +207,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "alphas": list(ALPHAS),
             "features": described[student],
             "target": "log of the oracle's score (clamped at 1e-6)",
+            "layer_shares": f"the teacher's dynamic allocation of the calibration prompts (window {SPEC.window}, "
+            f"floor {SPEC.options['floor'].default}), averaged per ratio",
         },
     )

@@ -1,5 +1,6 @@
 """Distilled at run time: its registration (`spec.py`), the method (`method.py`), the compiled scorer's reader
-(`scorer.py`), what it was distilled from (`oracle.py`) and the token features and predictions it shares with `kvcompile distill` (`features.py`)."""
+(`scorer.py`), what it was distilled from (`oracle.py`) and the token features and predictions it shares with
+`kvcompile distill` (`features.py`)."""
 
 from __future__ import annotations
 

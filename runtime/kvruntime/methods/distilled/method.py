@@ -4,7 +4,9 @@
 Each KV head keeps its own best tokens in its layer's shared slots (composite tokens: every removed byte is freed).
 How many each layer keeps: `allocation="dynamic"` (default) ranks the layers' composite tokens by their predicted
 scores in one global pool, as KVCompose's dynamic mode does with its second pass's, after giving every layer
-`floor` times the average count; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
+`floor` times the average count; `"compiled"` takes the layer shares the teacher's dynamic allocation gave the
+calibration prompts (averaged at compile time, per ratio), known before the prefill, so each layer is cut inside it
+and a long prompt streams; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...allocation import error_aware_budgets
+from ...allocation import apportion, error_aware_budgets, shares_at_ratio
 from ...errors import KVRuntimeError
 from ...request import KeepPlan
 from ...selection import protect_window
@@ -34,13 +36,13 @@ from .features import predicted_scores, running_state_sum, token_features
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
 
-ALLOCATIONS = ("dynamic", "uniform")
+ALLOCATIONS = ("dynamic", "compiled", "uniform")
 SCORES = ("predicted", "oracle")
 
 
 @dataclasses.dataclass
 class Distilled(Method):
-    window: int = 8
+    window: int = 32
     scorer: DistilledScorer | None = None
     allocation: str = "dynamic"
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
@@ -66,6 +68,11 @@ class Distilled(Method):
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
         if self.scores not in SCORES:
             raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
+        if self.allocation == "compiled" and self.scorer.layer_shares is None:
+            raise KVRuntimeError(
+                "this distilled_scorer holds no compiled layer shares: recompile it with `kvcompile distill`, "
+                "or use allocation=dynamic"
+            )
         if self.scores == "oracle" and self.scorer.oracle in PREFIXED and not self.scorer.task_prefix:
             raise KVRuntimeError(
                 f"this distilled_scorer does not record its {self.scorer.oracle} oracle's instruction: "
@@ -74,20 +81,29 @@ class Distilled(Method):
 
     @property
     def budgets_known_in_advance(self) -> bool:
-        return self.scores == "predicted" and (self.allocation == "uniform" or self.layer_error is not None)
+        fixed = self.allocation in ("compiled", "uniform") or self.layer_error is not None
+        return self.scores == "predicted" and fixed
 
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         if self.layer_error is not None:
             return error_aware_budgets(self.layer_error.tolist(), plan.keep, length=plan.length)
         if self.allocation == "uniform":
             return [plan.keep] * num_layers
+        if self.allocation == "compiled":
+            shares, _ = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
+            return apportion(shares, plan.keep * num_layers, low=plan.window, high=plan.length).tolist()
         return super().layer_budgets(num_layers, plan)
 
     def budgets_note(self, plan: KeepPlan) -> str:
-        return f"{self._fixed_budgets()} over scores distilled from {self.scorer.oracle}"
+        return f"{self._fixed_budgets(plan)} over scores distilled from {self.scorer.oracle}"
 
-    def _fixed_budgets(self) -> str:
-        return "error-aware budgets (layer_budgets)" if self.layer_error is not None else "uniform allocation"
+    def _fixed_budgets(self, plan: KeepPlan) -> str:
+        if self.layer_error is not None:
+            return "error-aware budgets (layer_budgets)"
+        if self.allocation == "compiled":
+            how = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)[1]
+            return f"compiled allocation ({how})"
+        return "uniform allocation"
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
@@ -123,13 +139,11 @@ class Distilled(Method):
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
         keep = plan.keep
         if self.allocation == "dynamic" and self.layer_error is None:
-            # The predictions are log-scores: the global pool compares the scores themselves, as KVCompose does.
-            scores = torch.stack([s[0] for s in statistics]).exp()
-            counts = prompt_allocation(scores, keep, per_head=False, floor=int(self.floor * keep))
+            counts = dynamic_layer_counts(torch.stack([s[0] for s in statistics]), keep, self.floor)
             how = f"dynamic allocation (floor {self.floor:g})"
         else:  # the teacher under budgets the student would have cut inside the prefill
             counts = torch.tensor(self.layer_budgets(num_layers, plan))
-            how = self._fixed_budgets()
+            how = self._fixed_budgets(plan)
         if self.scores == "oracle":
             source = f"the {self.scorer.oracle} oracle (two passes)"
         else:
@@ -148,6 +162,13 @@ class Distilled(Method):
             protect_window(oracle_targets(oracle_scores(m, prefill.num_kv_heads, oracle)).float(), plan.window)
             for m in maxima
         ]
+
+
+def dynamic_layer_counts(log_scores: torch.Tensor, keep: int, floor: float) -> torch.Tensor:
+    """The dynamic allocation: tokens kept per layer [L] from one prompt's log-scores [L, Hkv, N] (the window
+    protected), `keep` per layer on average, each layer at least `floor` times that. The scores are log-scores: the
+    global pool compares the scores themselves, as KVCompose does."""
+    return prompt_allocation(log_scores.exp(), keep, per_head=False, floor=int(floor * keep))
 
 
 def build(compiled: Any, options: dict[str, object]) -> Distilled:

@@ -1,7 +1,9 @@
 """The distilled scorer's compiled weights and how the runtime reads them.
 
 weights [layers, features, KV heads]: per layer, a linear map from a token's features (`features.py`) to the log of
-the oracle's score for each KV head (ridge regression, `kvcompile distill`)."""
+the oracle's score for each KV head (ridge regression, `kvcompile distill`). layer_shares [ratios, layers] with
+share_ratios [ratios] (scorers compiled since issue #33): the share of the kept cache each layer took in the
+teacher's dynamic allocation of the calibration prompts, averaged, per ratio (`allocation="compiled"`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Any
 import torch
 
 from ...artifact import ArtifactReader
+from ...errors import ArtifactError
+from ...serving import compiled_ratios
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +23,25 @@ class DistilledScorer(ArtifactReader):
     weights: torch.Tensor  # [layers, features, KV heads]
     oracle: str  # what the scores were distilled from (the second pass `kvcompile distill` ran, `oracle.py`)
     task_prefix: tuple[int, ...] = ()  # the token ids that second pass fed before the copy of the context
+    share_ratios: tuple[float, ...] = ()  # the ratios of `layer_shares`, increasing
+    layer_shares: torch.Tensor | None = None  # [ratios, layers]: each layer's share of the kept cache
 
     def __post_init__(self) -> None:
         self.check_schema({"weights": self.weights})
+        if self.layer_shares is None:
+            return
+        layers = self.weights.shape[0]
+        if tuple(self.layer_shares.shape) != (len(self.share_ratios), layers) or not self.share_ratios:
+            raise ArtifactError(
+                f"distilled scorer: layer_shares has shape {list(self.layer_shares.shape)}, expected "
+                f"[{len(self.share_ratios)} ratios, {layers} layers]"
+            )
+        if any(b <= a for a, b in zip(self.share_ratios, self.share_ratios[1:])):
+            raise ArtifactError(f"distilled scorer: share ratios {list(self.share_ratios)} are not increasing")
+        if bool((self.layer_shares < 0).any()) or not torch.allclose(
+            self.layer_shares.sum(dim=1), torch.ones(len(self.share_ratios), dtype=self.layer_shares.dtype), atol=1e-4
+        ):
+            raise ArtifactError("distilled scorer: each ratio's layer_shares must be non-negative and sum to 1")
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], params: dict[str, Any]) -> DistilledScorer:
@@ -29,4 +49,6 @@ class DistilledScorer(ArtifactReader):
             weights=tensors["weights"].float(),
             oracle=str(params.get("oracle", "unknown")),
             task_prefix=tuple(int(i) for i in params.get("task_prefix", ())),
+            share_ratios=compiled_ratios(tensors["share_ratios"].tolist()) if "share_ratios" in tensors else (),
+            layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
         )

@@ -5,15 +5,20 @@ from ...registry import MethodSpec, Option
 SPEC = MethodSpec(
     name="distilled",
     summary="kvcompile's own: a compiled one-pass scorer of what a second pass over the context would find",
-    window=8,
+    window=32,
     needs="distilled_scorer",
     options={
-        "allocation": Option(("dynamic", "uniform"), "dynamic", "layer shares: one global pool, or the same count"),
+        "allocation": Option(
+            ("dynamic", "compiled", "uniform"),
+            "dynamic",
+            "layer shares: one global pool, the teacher's compiled shares (streams), or the same count",
+        ),
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
-        options.get("allocation", "dynamic") == "uniform" and options.get("scores", "predicted") == "predicted"
+        options.get("allocation", "dynamic") in ("compiled", "uniform")
+        and options.get("scores", "predicted") == "predicted"
     ),
     budgetable=True,
     options_with_budgets=False,  # the layer shares come from the layer_budgets artifact

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...allocation import shares_at_ratio
 from ...artifact import ArtifactReader
 from ...errors import ArtifactError
 from ...serving import check_compiled_ratio, compiled_ratios
@@ -57,12 +58,4 @@ class KVComposeStats(ArtifactReader):
         nearest = min(self.ratios, key=lambda compiled: abs(compiled - ratio))
         ratio = nearest if abs(nearest - ratio) <= tolerance else ratio
         self.check_ratio(ratio)
-        table = self.head_fractions if per_head else self.layer_fractions
-        grid = torch.tensor(self.ratios, dtype=torch.float64)
-        upper = int(torch.searchsorted(grid, torch.tensor(ratio, dtype=torch.float64)).clamp(max=len(grid) - 1))
-        if abs(self.ratios[upper] - ratio) < 1e-6:
-            return table[upper], f"compiled ratio {self.ratios[upper]:g}"
-        lower = upper - 1
-        weight = (ratio - self.ratios[lower]) / (self.ratios[upper] - self.ratios[lower])
-        shares = (1 - weight) * table[lower] + weight * table[upper]
-        return shares, f"interpolated between compiled ratios {self.ratios[lower]:g} and {self.ratios[upper]:g}"
+        return shares_at_ratio(self.ratios, self.head_fractions if per_head else self.layer_fractions, ratio)
