@@ -331,3 +331,21 @@ def test_export_kvzap_writes_kvzaps_linear_layers_and_refuses_other_artifacts_in
     result = runner.invoke(app, ["export-kvzap", str(other), "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "takes a distilled_scorer" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_the_first_sinks_tokens_always_stay_whatever_the_scorer_says(tiny, tokens, tmp_path, sinks):
+    """The scorer prefers the newest tokens (log1p(position)): the first `sinks` tokens stay anyway, then the
+    newest, streamed or in one piece."""
+    path = save_artifact(scorer_that_prefers(tiny, tiny.config.hidden_size + 1), tmp_path / "newest.safetensors")
+    length, window = tokens.shape[1], 8
+    for chunk in (None, 16):
+        options = {"allocation": "uniform", "window": window, "sinks": sinks}
+        with kvruntime.compress(
+            tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
+        ) as s:
+            s.prefill(tokens)
+        keep = kept_per_head(length, window, ratio=0.5)
+        expected = [*range(sinks), *range(length - keep + sinks, length)]
+        for positions in s.kept_positions:
+            assert all(sorted(p.tolist()) == expected for p in positions[0]), (chunk, positions[0, 0].tolist())

@@ -98,7 +98,7 @@ def test_the_teacher_keeps_each_heads_best_tokens_by_its_oracle_replayed_on_the_
     scorer = scorer_that_prefers(tiny, tiny.config.hidden_size + 1)  # the student would keep the newest tokens
     scorer.params.update(oracle=oracle, task_prefix=prefix)
     path = save_artifact(scorer, tmp_path / "s.safetensors")
-    options = {"scores": "oracle", "allocation": "uniform", "window": 8}
+    options = {"scores": "oracle", "allocation": "uniform", "window": 8, "sinks": 0}
     with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options=options) as session:
         session.prefill(tokens)
     length, window = tokens.shape[1], 8

@@ -36,6 +36,7 @@ class Option:
     kind: type | tuple[str, ...]  # bool, int, float, or the allowed words
     default: object
     help: str
+    minimum: int = 1  # the least whole number an int option takes
 
 
 @dataclasses.dataclass(frozen=True)

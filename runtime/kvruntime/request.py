@@ -124,8 +124,10 @@ def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, 
             raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a number")
         if kind is int:
             whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-            if isinstance(value, bool) or not whole or value < 1:
-                raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a positive whole number")
+            if isinstance(value, bool) or not whole or value < known[key].minimum:
+                least = "a positive" if known[key].minimum == 1 else f"a whole number of at least {known[key].minimum}"
+                what = f"{least} whole number" if known[key].minimum == 1 else least
+                raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not {what}")
             checked[key] = int(value)  # the command line reads numbers as floats
         if isinstance(kind, tuple) and value not in kind:
             raise KVRuntimeError(f"unknown {spec.name} {key} {value!r} (use one of {', '.join(kind)})")

@@ -15,6 +15,16 @@ def protect_window(scores: torch.Tensor, window: int) -> torch.Tensor:
     return protected
 
 
+def protect_sinks(scores: torch.Tensor, sinks: int) -> torch.Tensor:
+    """The first `sinks` tokens always stay (attention sinks, as StreamingLLM keeps them): give them infinite
+    score."""
+    if sinks <= 0:
+        return scores
+    protected = scores.clone()
+    protected[..., :sinks] = float("inf")
+    return protected
+
+
 def pooled_top_counts(scores: torch.Tensor, total: int) -> torch.Tensor:
     """One pool over every row's tokens (scores [..., N]): the `total` highest scores win, wherever they are; ties
     go to the earlier row and token (a stable order, so two callers ranking the same scores agree). Returns how

@@ -42,7 +42,7 @@ from kvruntime.methods.distilled.method import dynamic_layer_counts
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
-from kvruntime.selection import protect_window
+from kvruntime.selection import protect_sinks, protect_window
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X
@@ -78,12 +78,12 @@ def prompt_features_and_targets(
     return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
 
 
-def teacher_layer_shares(log_scores: torch.Tensor, window: int, floor: float) -> torch.Tensor:
+def teacher_layer_shares(log_scores: torch.Tensor, window: int, sinks: int, floor: float) -> torch.Tensor:
     """[len(SHARE_RATIOS), L]: each layer's share of the kept cache in the teacher's dynamic allocation of one prompt
-    (its log-scores [L, Hkv, N], the last `window` tokens protected, each layer at least `floor` of the average),
-    at each ratio of the grid."""
+    (its log-scores [L, Hkv, N], the last `window` and first `sinks` tokens protected, each layer at least `floor`
+    of the average), at each ratio of the grid."""
     length = log_scores.shape[-1]
-    protected = protect_window(log_scores.float(), min(window, length))
+    protected = protect_sinks(protect_window(log_scores.float(), min(window, length)), sinks)
     rows = []
     for ratio in SHARE_RATIOS:
         counts = dynamic_layer_counts(protected, kept_per_head(length, window, ratio=ratio), floor).double()
@@ -127,12 +127,13 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
     sums["tokens_held_out"] = torch.zeros(1, dtype=torch.float64)
     sums["layer_shares"] = torch.zeros(len(SHARE_RATIOS), layers, dtype=torch.float64)
     window, floor = SPEC.window, float(SPEC.options["floor"].default)  # the runtime's defaults
+    sinks = int(SPEC.options["sinks"].default)
 
     def add_prompt(index: int, sums: dict[str, torch.Tensor]) -> None:
         _, ids = calibration[index]
         inputs, targets = prompt_features_and_targets(model, tokenizer, ids, settings.oracle)
         part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
-        sums["layer_shares"] += teacher_layer_shares(targets, window, floor)
+        sums["layer_shares"] += teacher_layer_shares(targets, window, sinks, floor)
         for layer, x in enumerate(inputs):
             y = targets[layer].T  # [N, Hkv]
             sums[f"xtx_{part}"][layer] += x.T @ x
@@ -208,6 +209,6 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "features": described[student],
             "target": "log of the oracle's score (clamped at 1e-6)",
             "layer_shares": f"the teacher's dynamic allocation of the calibration prompts (window {SPEC.window}, "
-            f"floor {SPEC.options['floor'].default}), averaged per ratio",
+            f"sinks {SPEC.options['sinks'].default}, floor {SPEC.options['floor'].default}), averaged per ratio",
         },
     )

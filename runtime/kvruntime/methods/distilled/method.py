@@ -10,7 +10,9 @@ and a long prompt streams; `"uniform"` gives every layer the same count; `distil
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts
-(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens always stay. A token's score depends
+(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens and the first `sinks` always stay (a
+second pass that weighs what a token adds to the output, KVzip+, scores the attention sink low, and dropping it
+shifts every layer's attention: issue #33). A token's score depends
 only on its own inputs and the tokens before it, never on the tokens after it: with uniform or error-aware budgets
 each layer is cut inside the prefill, and a long prompt can stream in chunks with the same scores it would have had
 in one piece (given the same hidden states).
@@ -29,7 +31,7 @@ import torch
 from ...allocation import apportion, error_aware_budgets, shares_at_ratio
 from ...errors import KVRuntimeError
 from ...request import KeepPlan
-from ...selection import protect_window
+from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
 from .features import predicted_scores, running_state_sum, token_features
@@ -43,6 +45,7 @@ SCORES = ("predicted", "oracle")
 @dataclasses.dataclass
 class Distilled(Method):
     window: int = 32
+    sinks: int = 1  # the first tokens, always kept
     scorer: DistilledScorer | None = None
     allocation: str = "dynamic"
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
@@ -66,6 +69,8 @@ class Distilled(Method):
             )
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
+        if self.sinks < 0:
+            raise KVRuntimeError(f"distilled sinks {self.sinks}: give a number of first tokens, 0 or more")
         if self.scores not in SCORES:
             raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
         if self.allocation == "compiled" and self.scorer.layer_shares is None:
@@ -125,6 +130,8 @@ class Distilled(Method):
                 f"{features.shape[-1]}: recompile it with `kvcompile distill`"
             )
         scores = predicted_scores(features, weights)
+        if layer.start == 0:
+            scores = protect_sinks(scores, self.sinks)
         if held is not None:
             scores = torch.cat([held, scores], dim=-1)
         if layer.final:
@@ -155,11 +162,14 @@ class Distilled(Method):
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
 
     def _oracle_scores(self, plan: KeepPlan, prefill: Prefill) -> list[torch.Tensor]:
-        """The teacher's log-scores per layer [B, Hkv, N], the window protected as the student's are."""
+        """The teacher's log-scores per layer [B, Hkv, N], the window and the sinks protected as the student's are."""
         oracle = self.scorer.oracle
         maxima = prefill.second_pass_attention(prefix=self.scorer.task_prefix, target=second_pass_target(oracle))
         return [
-            protect_window(oracle_targets(oracle_scores(m, prefill.num_kv_heads, oracle)).float(), plan.window)
+            protect_sinks(
+                protect_window(oracle_targets(oracle_scores(m, prefill.num_kv_heads, oracle)).float(), plan.window),
+                self.sinks,
+            )
             for m in maxima
         ]
 

@@ -14,6 +14,7 @@ SPEC = MethodSpec(
             "layer shares: one global pool, the teacher's compiled shares (streams), or the same count",
         ),
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
+        "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
