@@ -22,7 +22,7 @@ COMBOS = [
         ("kvcompose", {"mode": m, "unstructured": u})
         for m, u in itertools.product(("compiled", "dynamic"), (False, True))
     ),
-    *(("distilled", {"allocation": a}) for a in ("dynamic", "uniform")),
+    *(("distilled", {"allocation": a}) for a in ("dynamic", "compiled", "uniform")),
     *((f"{name}+budgets", {}) for name in BUDGETABLE_NAMES),
     # every method takes the window as an option
     *((name, {"window": 16}) for name in ("snapkv", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")),

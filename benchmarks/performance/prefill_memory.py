@@ -3,7 +3,7 @@ run (cut at the end of the prefill, each layer cut right after its attention, th
 kvpress's per-layer presses, against the uncompressed prefill of the same round, on the default model.
 
     python -m benchmarks.performance.prefill_memory [--lengths 2000,4000,8000] [--repeats 2] [--ratio 0.9] [--chunk 512]
-        [--out benchmarks/performance/prefill_memory.md]
+        [--only full,distilled:allocation=compiled] [--out benchmarks/performance/prefill_memory.md]
 
 Methods whose layer budgets need every layer's scores (kvcompress's global pool, distilled's dynamic allocation) are
 cut at the end of the prefill: their rows show what that path holds. Three measures per run: the largest KV cache held after any attention layer (a hook of this script, registered
@@ -33,7 +33,14 @@ from kvruntime.cache_ops import cache_bytes, hooked_cache
 
 ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
 MIB = 1 << 20
-CHUNKED = ("snapkv", "compresskv", "kvcompose", "distilled:allocation=uniform", "distilled+budgets")
+CHUNKED = (
+    "snapkv",
+    "compresskv",
+    "kvcompose",
+    "distilled:allocation=compiled",
+    "distilled:allocation=uniform",
+    "distilled+budgets",
+)
 METHODS = (
     "full",
     *CHUNKED,
@@ -81,10 +88,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ratio", type=float, default=0.9)
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--only", help="these methods only (and their streamed runs), comma-separated")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/performance/prefill_memory.md"))
     args = parser.parse_args()
-    chunked = [f"{m}:prefill_chunk_size={args.chunk}" for m in CHUNKED]
-    contestants = parse_methods(",".join([*METHODS, *chunked]))
+    methods = METHODS if args.only is None else ("full", *(m for m in args.only.split(",") if m != "full"))
+    chunked = [f"{m}:prefill_chunk_size={args.chunk}" for m in CHUNKED if m in methods]
+    contestants = parse_methods(",".join([*methods, *chunked]))
     paths = artifact_paths(contestants, ARTIFACTS)
     model, tokenizer = kvruntime.load_model()
     largest = LargestCache(model)

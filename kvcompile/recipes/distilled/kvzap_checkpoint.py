@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvruntime import Artifact, KVRuntimeError
+from kvruntime.files import umask_mode
 from kvruntime.methods.distilled import feature_count, student_features
 
 
@@ -59,7 +60,9 @@ def write_kvzap_checkpoint(scorer: Artifact, folder: Path) -> Path:
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        staging.chmod(0o755)
+        for written in staging.iterdir():
+            written.chmod(umask_mode(0o666))
+        staging.chmod(umask_mode(0o777))
         if folder.exists():  # swap the old folder out, the new one in, then drop the old
             old = staging.with_name(staging.name + ".old")
             folder.rename(old)
