@@ -30,6 +30,6 @@ def test_every_package_and_shipped_folder_is_in_the_wheel_list():
         tracked = {
             p
             for p in shipped_folder(name).rglob("*")
-            if p.is_file() and p.suffix in (".md", ".safetensors", ".png", ".gz", ".txt")
+            if p.is_file() and p.suffix in (".md", ".safetensors", ".png", ".gz", ".txt", ".json")
         }
         assert tracked == shipped  # no shipped file left out of the wheel
