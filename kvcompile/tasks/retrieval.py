@@ -1,6 +1,7 @@
 """Held-out long-context retrieval prompts for measuring compressed generation (never used for calibration):
-the pass key in repeated filler (`passkey`, RULER's) or in Moby-Dick (`passkey_prose`), one needle in Moby-Dick, several key-value needles of which one is asked (RULER's
-multi-key NIAH), and one key with several values, all asked (RULER's multi-value NIAH).
+the pass key in repeated filler (`passkey`, RULER's) or in Moby-Dick (`passkey_prose`), one needle in Moby-Dick,
+several key-value needles of which one is asked (RULER's multi-key NIAH), and one key with several values, all
+asked (RULER's multi-value NIAH).
 Each prompt is scored by exact match: every expected value must appear in the generated text."""
 
 from __future__ import annotations

@@ -17,15 +17,12 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from .errors import KVRuntimeError, first_line
-from .files import cache_root, path_lock, umask_mode
+from .files import cache_root, path_lock, replace_folder
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -237,26 +234,14 @@ def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str |
         marker = read_marker(folder)  # another process may have finished while we waited
         if marker is not None and marker.get("build") != stale_build:
             return marker
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
-        try:
-            marker = {"format": CACHE_FORMAT, "build": uuid.uuid4().hex, **build(staging)}
-            (staging / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True))
-            share_like_any_file(staging)
-            if folder.exists():  # incomplete or failed its check: set aside, then removed
-                retired = folder.with_name(f".{folder.name}.stale-{uuid.uuid4().hex[:8]}")
-                os.replace(folder, retired)
-                shutil.rmtree(retired, ignore_errors=True)
-            os.replace(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return marker
+        built: dict = {}
 
+        def write(staging: Path) -> None:
+            built.update(format=CACHE_FORMAT, build=uuid.uuid4().hex, **build(staging))
+            (staging / MARKER).write_text(json.dumps(built, indent=2, sort_keys=True))
 
-def share_like_any_file(folder: Path) -> None:
-    """Give the folder and its files the umask's modes (mkdtemp and some writers make them private)."""
-    folder.chmod(umask_mode(0o777))
-    for path in folder.iterdir():
-        path.chmod(umask_mode(0o666))
+        replace_folder(folder, write)  # an incomplete cache, or one that failed its check, is replaced
+    return built
 
 
 def dequantise_default(gguf: Path, staging: Path) -> dict:

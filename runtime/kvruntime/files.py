@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +45,32 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> P
             raise KVRuntimeError(f"cannot write {target}: {exc.strerror or first_line(exc)}") from None
         raise
     return target
+
+
+def replace_folder(folder: Path, write: Callable[[Path], None]) -> Path:
+    """`write(staging)` fills an empty staging folder beside `folder`, whose files then get the umask's modes, and
+    the staging folder takes `folder`'s name (the old one set aside, then removed): a reader finds the old folder
+    or the new one, whole. A failed write leaves no staging folder. The caller serialises concurrent writers."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        write(staging)
+        share_like_any_file(staging)
+        if folder.exists():
+            retired = folder.with_name(f".{folder.name}.stale-{uuid.uuid4().hex[:8]}")
+            os.replace(folder, retired)
+            shutil.rmtree(retired, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def share_like_any_file(folder: Path) -> None:
+    """Give the folder and its files the umask's modes (mkdtemp and some writers make them private)."""
+    folder.chmod(umask_mode(0o777))
+    for path in folder.iterdir():
+        path.chmod(umask_mode(0o666))
 
 
 def check_output_file(path: Path, option: str = "--out") -> None:

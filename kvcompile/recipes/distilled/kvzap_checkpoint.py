@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from kvruntime import Artifact, KVRuntimeError
-from kvruntime.files import umask_mode
+from kvruntime.files import replace_folder
 from kvruntime.methods.distilled import feature_count, student_features
 
 
@@ -55,21 +53,9 @@ def write_kvzap_checkpoint(scorer: Artifact, folder: Path) -> Path:
         "hidden_dim": None,
         "kvcompile": {"oracle": scorer.params.get("oracle"), "model": dataclasses.asdict(scorer.model)},
     }
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+
+    def write(staging: Path) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        for written in staging.iterdir():
-            written.chmod(umask_mode(0o666))
-        staging.chmod(umask_mode(0o777))
-        if folder.exists():  # swap the old folder out, the new one in, then drop the old
-            old = staging.with_name(staging.name + ".old")
-            folder.rename(old)
-            staging.rename(folder)
-            shutil.rmtree(old)
-        else:
-            staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+    return replace_folder(folder, write)

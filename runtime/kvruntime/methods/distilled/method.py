@@ -95,7 +95,7 @@ class Distilled(Method):
         if self.allocation == "uniform":
             return [plan.keep] * num_layers
         if self.allocation == "compiled":
-            shares, _ = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
+            shares = self._compiled_shares(plan)[0]
             return apportion(shares, plan.keep * num_layers, low=plan.window, high=plan.length).tolist()
         return super().layer_budgets(num_layers, plan)
 
@@ -106,9 +106,12 @@ class Distilled(Method):
         if self.layer_error is not None:
             return "error-aware budgets (layer_budgets)"
         if self.allocation == "compiled":
-            how = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)[1]
-            return f"compiled allocation ({how})"
+            return f"compiled allocation ({self._compiled_shares(plan)[1]})"
         return "uniform allocation"
+
+    def _compiled_shares(self, plan: KeepPlan) -> tuple[torch.Tensor, str]:
+        """The scorer's compiled layer shares at this plan's ratio [L], and how they were had."""
+        return shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
