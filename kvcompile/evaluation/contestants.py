@@ -5,7 +5,9 @@
 `kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
 `:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`),
 and `:artifacts=DIR` to take its artifacts from another folder than `--artifacts` (two compiles side by side);
-`kvpress-<press>` for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them."""
+`kvpress-<press>` for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them
+(but `kvpress-kvzap`, `kvpress-distilled` and `kvpress-srh`, which need a checkpoint or an artifact: the last two are
+kvcompile's compiled scores as kvpress presses)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,13 @@ PRESSES: dict[str, tuple[str, dict]] = {
     # KVzap's linear scorer, its checkpoint compiled here (`kvcompile distill --oracle kvzip_plus --student hidden`,
     # then `kvcompile export-kvzap`): not in `kvpress` (all), since it needs that checkpoint.
     "kvzap": ("KVzapPress", {"model_type": "linear"}),
+    # kvcompile's compiled scores as kvpress presses (kvruntime.integrations.kvpress), built from the artifact kind
+    # in COMPILED_PRESSES; not in `kvpress` (all) either.
+    "distilled": ("DistilledPress", {}),
+    "srh": ("SRHPress", {}),
 }
 CHECKPOINTS = {"kvzap": "kvzap_linear"}  # presses that load a checkpoint: its folder in the artifacts folder
+COMPILED_PRESSES = {"distilled": "distilled_scorer", "srh": "srh_heads"}  # presses built from a kvcompile artifact
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
 ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts come from
 
@@ -49,14 +56,21 @@ class Contestant:
     artifacts: Path | None = None  # its artifacts' folder, when not --artifacts
 
     def artifact_kinds(self) -> list[str]:
+        if self.kind == "kvpress":
+            return [COMPILED_PRESSES[self.method]] if self.method in COMPILED_PRESSES else []
         return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
 
     def press(self, ratio: float, model: object = None, checkpoints: list[Path] = ()) -> object:
         """A kvpress press at this compression ratio (kvpress is imported only here, when a press is run); KVzap
-        with the model of `checkpoints` (its checkpoint folder) for `model`."""
+        with the model of `checkpoints` (its checkpoint folder) for `model`; a compiled press from its artifact
+        (`checkpoints`: the artifact file)."""
         import kvpress
 
         class_name, settings = PRESSES[self.method]
+        if self.method in COMPILED_PRESSES:
+            from kvruntime.integrations import kvpress as compiled
+
+            return getattr(compiled, class_name).from_artifact(checkpoints[0], compression_ratio=ratio)
         press = getattr(kvpress, class_name)(compression_ratio=ratio, **settings)
         if self.method in CHECKPOINTS:
             from kvpress.presses.kvzap_press import KVzapModel
@@ -114,7 +128,8 @@ def parse_methods(text: str) -> list[Contestant]:
 
 
 def _presses(entry: str) -> list[Contestant]:
-    names = [n for n in PRESSES if n not in CHECKPOINTS] if entry == "kvpress" else [entry.removeprefix("kvpress-")]
+    every = [n for n in PRESSES if n not in CHECKPOINTS and n not in COMPILED_PRESSES]
+    names = every if entry == "kvpress" else [entry.removeprefix("kvpress-")]
     unknown = [n for n in names if n not in PRESSES]
     if unknown:
         raise KVRuntimeError(f"unknown kvpress press {unknown[0]!r} (compared presses: {', '.join(PRESSES)})")

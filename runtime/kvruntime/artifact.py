@@ -82,6 +82,18 @@ def write_safetensors_atomically(
     return write_atomically(path, lambda tmp_name: save_file(tensors, tmp_name, metadata=metadata))
 
 
+def resolve_artifact_path(path: str | os.PathLike, kind: str) -> Path:
+    """An artifact file as given, or in a folder of artifacts (`artifacts/<model>/`) the one of `kind`, which
+    `kvcompile` names `<kind>.safetensors`."""
+    given = Path(path)
+    if not given.is_dir():
+        return given
+    found = given / f"{kind}.safetensors"
+    if not found.is_file():
+        raise ArtifactError(f"{given}: no {kind} artifact in this folder (expected {found.name})")
+    return found
+
+
 def read_artifact(path: str | os.PathLike) -> Artifact:
     """Read and validate the file itself (format, version, checksum, finite values, well-formed metadata of a known
     kind); no model is needed."""

@@ -125,21 +125,28 @@ class Distilled(Method):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact in chunks: a token's score depends on its own inputs and, through `carry` (the running sum of the
         earlier states, `running_state_sum`), on the tokens before it; the held entries keep their scores."""
-        weights = self.scorer.weights[layer.index].to(layer.hidden_states.device)
-        features = token_features(layer.hidden_states, layer.start, carry)
+        scores = self.token_scores(layer.index, layer.hidden_states, layer.start, carry)
+        if held is not None:
+            scores = torch.cat([held, scores], dim=-1)
+        if layer.final:
+            scores = protect_window(scores, min(self.window, scores.shape[-1]))
+        return scores, running_state_sum(layer.hidden_states, layer.start, carry)
+
+    def token_scores(
+        self, layer: int, hidden_states: torch.Tensor, start: int = 0, carry: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The student's scores [B, Hkv, n] of a layer's tokens from its attention input [B, n, hidden] (a chunk
+        starting at position `start`, `carry` as in `stream_scores`), the first `sinks` tokens protected; the
+        window is not (the caller knows where the prompt ends)."""
+        weights = self.scorer.weights[layer].to(hidden_states.device)
+        features = token_features(hidden_states, start, carry)
         if weights.shape[0] != features.shape[-1]:
             raise KVRuntimeError(
                 f"the distilled_scorer reads {weights.shape[0]} features per token, this runtime makes "
                 f"{features.shape[-1]}: recompile it with `kvcompile distill`"
             )
         scores = predicted_scores(features, weights)
-        if layer.start == 0:
-            scores = protect_sinks(scores, self.sinks)
-        if held is not None:
-            scores = torch.cat([held, scores], dim=-1)
-        if layer.final:
-            scores = protect_window(scores, min(self.window, scores.shape[-1]))
-        return scores, running_state_sum(layer.hidden_states, layer.start, carry)
+        return protect_sinks(scores, self.sinks) if start == 0 else scores
 
     def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:
         if self.scores == "oracle":

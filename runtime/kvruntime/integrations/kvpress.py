@@ -1,0 +1,121 @@
+"""kvpress presses that apply kvcompile's compiled artifacts, so kvpress's pipeline, its wrappers (AdaKVPress,
+DMSPress, PerLayerCompressionPress, ...) and its evaluation run our compiled scores. Needs kvpress (`pip install
+kvpress`); imported only on request.
+
+    from kvruntime.integrations.kvpress import DistilledPress
+    press = DistilledPress.from_artifact("artifacts/smollm2-135m-instruct", compression_ratio=0.5)
+    pipe(context, question=question, press=press)["answer"]
+
+Each press scores the prefill's tokens exactly as kvruntime's method of the same name does, and kvpress's
+ScorerPress keeps each KV head's top tokens, the same count in every layer and head. Against kvruntime's methods:
+- `DistilledPress`: the student's scores, the first `sinks` and the last `window` tokens kept, as `distilled`; its
+  layers all keep the same count, which is kvruntime's `distilled:allocation=uniform` (kvruntime's default ranks the
+  layers in one pool, `allocation=dynamic`, and `compiled` takes compiled layer shares: kvpress's
+  `PerLayerCompressionPress` can take those). Under DMSPress with `decoding=True` each generated token is scored on
+  its own: its likeness to the earlier tokens (a feature) reads 0, as for the prompt's first two tokens.
+- `SRHPress`: CompressKV's semantic-retrieval-head scores (`srh`), one index set shared by the KV heads of a layer;
+  `srh+budgets`' error-aware budgets are kvruntime's own.
+A press checks its artifact against the model it is applied to (`post_init_from_model`), as kvruntime does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import ClassVar
+
+import torch
+from kvpress import ScorerPress
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..artifact import Artifact, check_artifact_matches_model, load_artifact, resolve_artifact_path
+from ..errors import KVRuntimeError
+from ..fingerprint import model_fingerprint
+from ..methods import Method, get_method
+from ..registry import method_spec
+from ..selection import protect_window
+from ..window import window_attention, window_queries
+
+
+@dataclasses.dataclass
+class CompiledScorerPress(ScorerPress):
+    """A ScorerPress whose scores come from a kvruntime method built from a compiled artifact (`from_artifact`)."""
+
+    method_name: ClassVar[str]
+    method: Method | None = None
+    artifact: Artifact | None = None
+    force: bool = False  # apply an artifact compiled for another checkpoint of the same shape (with a warning)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method is None or self.artifact is None:
+            raise KVRuntimeError(f"build {type(self).__name__} with {type(self).__name__}.from_artifact(path)")
+
+    @classmethod
+    def from_artifact(
+        cls, path: str | os.PathLike, compression_ratio: float = 0.0, force: bool = False, **options: object
+    ) -> CompiledScorerPress:
+        """The press from an artifact file, or a folder holding one of the kind the method needs; `options` are
+        the method's (as `kvruntime.compress(..., options=...)` takes them)."""
+        kind = method_spec(cls.method_name)[0].needs
+        artifact = load_artifact(resolve_artifact_path(path, kind), kind=kind)
+        method = get_method(cls.method_name, [artifact], options)
+        return cls(compression_ratio=compression_ratio, method=method, artifact=artifact, force=force)
+
+    def post_init_from_model(self, model: PreTrainedModel) -> None:
+        check_artifact_matches_model(self.artifact, model_fingerprint(model), force=self.force)
+
+    def score(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor | None,
+        kwargs: dict,
+    ) -> torch.Tensor:
+        return self.layer_scores(module, hidden_states, keys, kwargs).to(keys.dtype)
+
+    def layer_scores(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """The layer's scores [B, Hkv, N] (kvpress's `score`, without the arguments the compiled methods ignore)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class DistilledPress(CompiledScorerPress):
+    """kvruntime's `distilled` scores (a `distilled_scorer` artifact) as a kvpress press."""
+
+    method_name: ClassVar[str] = "distilled"
+
+    def layer_scores(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        start = int(kwargs["cache_position"][0])  # 0 for a prefill; a decoding wrapper scores later tokens
+        if hidden_states.shape[1] != keys.shape[2]:
+            raise KVRuntimeError(
+                f"DistilledPress scores the tokens going in ({hidden_states.shape[1]}) and was handed "
+                f"{keys.shape[2]} keys: use it on a prefill, or in a wrapper that scores the new tokens (DMSPress)"
+            )
+        scores = self.method.token_scores(module.layer_idx, hidden_states, start)
+        if start == 0:  # the prompt's last tokens; a decoding wrapper protects its own sliding window
+            scores = protect_window(scores, min(self.method.window, scores.shape[-1]))
+        return scores
+
+
+@dataclasses.dataclass
+class SRHPress(CompiledScorerPress):
+    """kvruntime's `srh` scores (CompressKV's semantic retrieval heads, an `srh_heads` artifact) as a kvpress press."""
+
+    method_name: ClassVar[str] = "srh"
+
+    def layer_scores(
+        self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        window = min(self.method.window, hidden_states.shape[1])
+        queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
+        attention = window_attention(queries, keys, module.scaling)
+        scores = protect_window(self.method.token_scores(attention, module.layer_idx), window)
+        return scores
