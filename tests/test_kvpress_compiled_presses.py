@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_selection_references import eight_head_model
+from transformers import DynamicCache
 
 import kvruntime
 from kvruntime.cache_ops import attention_modules
@@ -73,6 +74,10 @@ def kept_positions(kept: torch.Tensor, full: torch.Tensor) -> list[list[int]]:
     return positions
 
 
+def transformers_cache(model: torch.nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
 def hook_counts(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
@@ -93,12 +98,6 @@ def test_the_press_keeps_what_kvruntime_keeps(model, artifacts, context, name):
         theirs = kept_positions(cache.layers[layer].keys, full[layer])
         assert len(theirs[0]) == LENGTH * (1 - RATIO)  # kvpress's ratio honoured
         assert theirs == [sorted(head.tolist()) for head in ours[0]], f"layer {layer}"
-
-
-def transformers_cache(model: torch.nn.Module):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
 
 
 def test_the_distilled_press_runs_under_kvpress_wrappers(model, artifacts, context):

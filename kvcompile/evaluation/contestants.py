@@ -35,13 +35,13 @@ PRESSES: dict[str, tuple[str, dict]] = {
     # KVzap's linear scorer, its checkpoint compiled here (`kvcompile distill --oracle kvzip_plus --student hidden`,
     # then `kvcompile export-kvzap`): not in `kvpress` (all), since it needs that checkpoint.
     "kvzap": ("KVzapPress", {"model_type": "linear"}),
-    # kvcompile's compiled scores as kvpress presses (kvruntime.integrations.kvpress), built from the artifact kind
-    # in COMPILED_PRESSES; not in `kvpress` (all) either.
+    # kvcompile's compiled scores as kvpress presses (kvruntime.integrations.kvpress), each built from the artifact
+    # its runtime method of the same name applies; not in `kvpress` (all) either.
     "distilled": ("DistilledPress", {}),
     "srh": ("SRHPress", {}),
 }
 CHECKPOINTS = {"kvzap": "kvzap_linear"}  # presses that load a checkpoint: its folder in the artifacts folder
-COMPILED_PRESSES = {"distilled": "distilled_scorer", "srh": "srh_heads"}  # presses built from a kvcompile artifact
+COMPILED_PRESSES = ("distilled", "srh")  # presses built from a kvcompile artifact, named as their runtime method
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
 ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts come from
 
@@ -57,7 +57,7 @@ class Contestant:
 
     def artifact_kinds(self) -> list[str]:
         if self.kind == "kvpress":
-            return [COMPILED_PRESSES[self.method]] if self.method in COMPILED_PRESSES else []
+            return [method_spec(self.method)[0].needs] if self.method in COMPILED_PRESSES else []
         return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
 
     def press(self, ratio: float, model: object = None, checkpoints: list[Path] = ()) -> object:

@@ -35,7 +35,7 @@ from ..fingerprint import model_fingerprint
 from ..methods import Method, get_method
 from ..registry import method_spec
 from ..selection import protect_window
-from ..window import window_attention, window_queries
+from ..window import window_queries
 
 
 @dataclasses.dataclass
@@ -116,6 +116,4 @@ class SRHPress(CompiledScorerPress):
     ) -> torch.Tensor:
         window = min(self.method.window, hidden_states.shape[1])
         queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
-        attention = window_attention(queries, keys, module.scaling)
-        scores = protect_window(self.method.token_scores(attention, module.layer_idx), window)
-        return scores
+        return self.method.window_scores(queries, keys, module.scaling, module.layer_idx)
