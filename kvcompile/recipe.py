@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,6 +36,7 @@ if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, 
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
 PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
 ARTIFACT_SUFFIX = ".safetensors"
+RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -132,6 +138,21 @@ def picture_path(artifact: Path) -> Path:
     return artifact.with_suffix(".png")
 
 
+def run_record_path(artifact: Path) -> Path:
+    """Where the circumstances of an artifact's compile (date, wall time, machine) are written: beside it,
+    `<stem>.run.json`. They stay out of the artifact, so that the same command gives the same bytes."""
+    return artifact.with_suffix(".run.json")
+
+
+def read_run_record(artifact: Path) -> dict[str, Any]:
+    """The run record beside an artifact (`run_record_path`), or {} when there is none or it is not one."""
+    try:
+        record = json.loads(run_record_path(artifact).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and RUN_RECORD_MARK in record else {}
+
+
 def claim_artifact(
     resources: contextlib.ExitStack, path: Path, kinds: set[str], lock: bool = True, option: str = "--out"
 ) -> Path:
@@ -154,6 +175,11 @@ def claim_artifact(
     if picture.exists() and not (picture.is_file() and _starts_with(picture, PNG_SIGNATURE)):
         raise KVRuntimeError(
             f"{option} {path}: its picture's name {picture} is taken by a file that is not a PNG; move that file"
+        )
+    record = run_record_path(path)
+    if record.exists() and not read_run_record(path):
+        raise KVRuntimeError(
+            f"{option} {path}: its run record's name {record} is taken by a file that is not one; move that file"
         )
     return path
 
@@ -238,9 +264,12 @@ def compile_artifact(
     echo: Any = print,
     device: str = "cpu",
     dtype: str = "float32",
+    command: str | None = None,
 ) -> Any:
     """Run a compile command end to end: refuse bad input before torch loads (settings, model, device, shard,
-    positions, outputs, inputs), run the recipe on the model, then write the artifact (`write_result`)."""
+    positions, outputs, inputs), run the recipe on the model, then write the artifact (`write_result`).
+    `command` is the command line that reruns it (every setting spelled out, the output left out), recorded in the
+    artifact's provenance."""
     from kvcompile.calibration.shards import Shard, planned_shard
     from kvruntime.model_spec import check_model_spec, check_positions, position_limit
 
@@ -272,23 +301,45 @@ def compile_artifact(
         check_positions(positions[0], getattr(loaded.config, "max_position_embeddings", None), positions[1])
     job = CompileJob(loaded, tokenizer, target, resume, checkpoint_every, share)
     artifact = recipe.run(job, settings, inputs)
-    write_result(recipe, artifact, target, started, share, echo)
+    if command is not None:
+        artifact.provenance["command"] = command
+    write_result(recipe, artifact, target, started, share, echo, {"device": str(device), "dtype": dtype})
     if share.writes_results:
         recipe.written(job, artifact)
     return artifact
 
 
-def write_result(recipe: Recipe | None, artifact: Any, out: Path, started: float, shard: Any, echo: Any) -> None:
-    """Save the artifact with the command's wall time since `started` (a resumed run counts its last part only),
-    then drop the run's checkpoints (only once the artifact is safely written), then draw its picture beside it and
-    describe it. In a process group rank 0 writes; partial statistics of a separate job get no picture."""
+def write_result(
+    recipe: Recipe | None,
+    artifact: Any,
+    out: Path,
+    started: float,
+    shard: Any,
+    echo: Any,
+    circumstances: dict[str, Any] | None = None,
+) -> None:
+    """Save the artifact and its run record (`run_record_path`: the date, the command's wall time since `started`,
+    a resumed run counting its last part only, the machine and `circumstances`), then drop the run's checkpoints
+    (only once the artifact is safely written), then draw its picture beside it and describe it. In a process group
+    rank 0 writes; partial statistics of a separate job get no picture."""
     from kvcompile.calibration.checkpoint import discard_checkpoint
     from kvcompile.calibration.distributed import wait_for_all
     from kvruntime import save_artifact
+    from kvruntime.files import write_atomically
 
     if shard.writes_results:
-        artifact.provenance["compile_seconds"] = round(time.perf_counter() - started, 1)
         save_artifact(artifact, out)
+        record = {
+            RUN_RECORD_MARK: out.name,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "compile_seconds": round(time.perf_counter() - started, 1),
+            "command_line": " ".join(["kvcompile", *sys.argv[1:]]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+            "python": platform.python_version(),
+            **(circumstances or {}),
+        }
+        text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+        write_atomically(run_record_path(out), lambda tmp_name: Path(tmp_name).write_text(text))
     wait_for_all(shard)
     discard_checkpoint(out, shard)
     if not shard.writes_results:

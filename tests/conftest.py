@@ -35,6 +35,30 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+def save_char_tokenizer(folder) -> None:
+    """A tokenizer of one token per printable ASCII character (ids 1-95, 0 for anything else), saved as a model
+    folder's tokenizer files: what a tiny model needs to load from a folder like any checkpoint."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    characters = {chr(code): code - 31 for code in range(32, 127)}
+    tokenizer = Tokenizer(models.BPE({"[UNK]": 0, **characters}, merges=[], unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+
+
+def place_in_hub_cache(folder, cache, repo_id: str):
+    """`folder` as huggingface_hub caches a downloaded repo: a snapshot named by a commit, and the ref `main`."""
+    import shutil
+    from pathlib import Path
+
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    commit = "0" * 40
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
 class CharTokenizer:
     """A tokenizer for tiny models: one token per character."""
 

@@ -2,6 +2,7 @@
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_a_failed_write_leaves_nothing_under_the_final_name(tmp_path, llama, mon
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("kvruntime.artifact.save_file", crash)
+    monkeypatch.setattr(Path, "write_bytes", crash)
     with pytest.raises(KVRuntimeError, match="cannot write .*a.safetensors: disk full"):
         save_artifact(make_artifact(llama, layer_error=torch.zeros(4)), target)
     assert target.read_bytes() == before

@@ -120,7 +120,7 @@ def test_tables_refuses_bad_settings_before_loading_any_model(monkeypatch, args,
         (["eval", "--prompt-format", "xml"], "--prompt-format 'xml': use one of auto, chat, raw"),
         (
             ["eval", "--methods", "compresskv", "--artifacts", "nowhere"],
-            "compresskv needs nowhere/srh_heads.safetensors",
+            "compresskv: nowhere: no such artifact file, bundle or folder",
         ),
         (["tune", "--tolerance", "1.5"], "--tolerance 1.5: give an accuracy difference in [0, 1)"),
         (["tune", "--methods", "snapkv,kvpress-snapkv"], "kvpress"),

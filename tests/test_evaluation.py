@@ -109,7 +109,8 @@ def test_kvpress_presses_without_the_bench_extra_say_how_to_get_it(monkeypatch):
 
 def test_a_missing_artifact_is_refused_with_the_command_that_compiles_it(tmp_path):
     with pytest.raises(
-        KVRuntimeError, match=r"compresskv needs .*srh_heads.safetensors: compile it with `kvcompile heads`"
+        KVRuntimeError,
+        match=r"compresskv: .*no srh_heads artifact in this folder \(expected .*srh_heads.safetensors\); compile it with `kvcompile heads`",
     ):
         artifact_paths(parse_methods("compresskv"), tmp_path)
 

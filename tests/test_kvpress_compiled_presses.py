@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import place_in_hub_cache
 from test_selection_references import eight_head_model
 from transformers import DynamicCache
 
@@ -150,6 +151,31 @@ def test_an_artifact_of_another_model_is_refused(model, artifacts, context):
     with pytest.raises(kvruntime.ArtifactError, match="compiled for another"), press(other):
         pass
     assert hook_counts(other) == hooks
+
+
+def test_a_press_from_a_bundle_by_folder_and_by_hub_id_scores_as_from_its_file(
+    model, artifacts, context, tmp_path, monkeypatch
+):
+    """`kvcompile bundle` of the artifacts, then the press from the bundle's folder and from a hub repo id in a local
+    Hugging Face cache (offline): the press keeps the same keys as the press from the file."""
+    import huggingface_hub.constants
+
+    from kvcompile.bundle import write_bundle
+
+    bundle = tmp_path / "bundle"
+    write_bundle(sorted(artifacts.glob("*.safetensors")), bundle)
+    place_in_hub_cache(bundle, tmp_path / "hub", "someone/tiny-bundle")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    kept = []  # the cache each press leaves: the same keys kept
+    for source in (artifacts / "distilled_scorer.safetensors", bundle, "someone/tiny-bundle"):
+        press = DistilledPress.from_artifact(source, compression_ratio=RATIO)
+        cache = transformers_cache(model)
+        with torch.no_grad(), press(model):
+            model(input_ids=context, past_key_values=cache, use_cache=True)
+        kept.append([layer.keys for layer in cache.layers])
+    for layer in range(len(kept[0])):
+        assert torch.equal(kept[0][layer], kept[1][layer]) and torch.equal(kept[0][layer], kept[2][layer])
 
 
 def test_a_folder_without_the_artifact_and_a_bad_option_are_refused(artifacts, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_char_tokenizer
 from test_selection_references import eight_head_model
 
 import kvruntime
@@ -28,14 +29,9 @@ MASKING = {"kvzip"}
 def model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """The tiny Llama, named by a folder holding a character tokenizer of its 96 ids: KVzip loads the model's
     tokenizer by name to build its repeat prompt."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
     built = eight_head_model("llama")
-    characters = {chr(code): code - 31 for code in range(32, 127)}  # ids 1-95; 0 for anything else
-    tokenizer = Tokenizer(models.BPE({"[UNK]": 0, **characters}, merges=[], unk_token="[UNK]"))
     folder = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(folder)
+    save_char_tokenizer(folder)
     built.config.name_or_path = str(folder)
     return built
 

@@ -312,17 +312,15 @@ def test_a_full_disk_during_a_write_leaves_the_old_artifact_and_no_temporary_fil
     """Fault injection: the write fails part way (ENOSPC); the artifact keeps its old content, nothing else remains."""
     import errno
 
-    import safetensors.torch
-
     path = heads_artifact(tmp_path)
     before = listing(tmp_path)
 
-    def disk_full(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
+    def disk_full(self: Path, data: bytes) -> int:
+        with open(self, "wb") as handle:
+            handle.write(data[:7])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
-    monkeypatch.setattr("kvruntime.artifact.save_file", disk_full)
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
     with pytest.raises(KVRuntimeError, match="cannot write .*heads.safetensors: No space left on device"):
         heads_artifact(tmp_path, srh_score=torch.zeros(4, 4))
     assert listing(tmp_path) == before

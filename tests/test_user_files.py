@@ -68,17 +68,17 @@ class FailingWrite:
 
 def test_a_compile_counts_its_writes(workdir, monkeypatch):
     """The fault-injection test below fails each of these writes in turn: the checkpoint after the first prompt
-    (the last prompt's goes straight into the artifact), the artifact, its picture (a change in that count changes
-    which write is which, so it is pinned here)."""
+    (the last prompt's goes straight into the artifact), the artifact, its run record, its picture (a change in
+    that count changes which write is which, so it is pinned here)."""
     counter = FailingWrite(at=0, how="ENOSPC", folder=workdir / "out")
     monkeypatch.setattr(os, "fsync", counter)
     result = runner.invoke(cli.app, [*STATS, "--out", "out/s.safetensors"])
     assert result.exit_code == 0, result.output
-    assert counter.calls == 3
+    assert counter.calls == 4
 
 
 @pytest.mark.parametrize("how", ["ENOSPC", "EACCES", "folder removed"])
-@pytest.mark.parametrize("at", [1, 2, 3])
+@pytest.mark.parametrize("at", [1, 2, 3, 4])
 def test_a_write_failure_anywhere_in_a_compile_is_one_line_and_loses_nothing(workdir, monkeypatch, how, at):
     """An earlier artifact at --out stays whole (the old one, or the new one once its rename went through), and no
     temporary file is left, whichever write fails and however."""
@@ -97,7 +97,7 @@ def test_a_write_failure_anywhere_in_a_compile_is_one_line_and_loses_nothing(wor
     artifact = workdir / "out" / "s.safetensors"
     if at <= 2:  # the checkpoint or the artifact's own write failed: the earlier artifact is untouched
         assert artifact.read_bytes() == old
-    else:  # the picture failed after the new artifact was renamed into place: the new one, whole
+    else:  # the run record or the picture failed after the new artifact was renamed into place: the new one, whole
         assert artifact.read_bytes() != old and read_artifact(artifact).kind == "kvcompose_stats"
 
 

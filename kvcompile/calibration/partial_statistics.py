@@ -166,10 +166,6 @@ def merge_partials(partials: list[Artifact], finishers: dict[str, Finisher]) -> 
     twice = torch.nonzero(total[DONE] > 1).flatten().tolist()
     if twice:
         raise KVRuntimeError(f"the partial statistics overlap: items {twice[:8]} are in more than one of them")
-    merged_from = {
-        "merged_from": [str(p.path) for p in partials],
-        "shard_compile_seconds": [p.provenance.get("compile_seconds") for p in partials],
-    }
-    run = dataclasses.replace(runs[0], provenance={**runs[0].provenance, **merged_from})
+    run = runs[0]  # the same command's provenance: the merged artifact is what one run of it writes
     shards = [shard for p in partials for shard in p.params["shards"]]
     return finish_or_partial(run, total, shards, finishers[run.kind])

@@ -141,12 +141,23 @@ def _presses(entry: str) -> list[Contestant]:
 
 
 def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
-    """Each kvcompile contestant's artifacts in `folder` (or its own `artifacts=` folder, `<kind>.safetensors`); a
-    missing one is refused with the command that compiles it, before any model work."""
+    """Each kvcompile contestant's artifacts in `folder` (or its own `artifacts=` folder): a bundle's artifact of
+    each kind, or `<kind>.safetensors` in a plain folder; a missing one is refused with the command that compiles
+    it, before any model work."""
+    from kvruntime.bundle import resolve_artifact_path
+
     paths = {}
     for contestant in contestants:
         own = contestant.artifacts or folder
-        paths[contestant.label] = [own / f"{kind}.safetensors" for kind in contestant.artifact_kinds()]
+        paths[contestant.label] = []
+        for kind in contestant.artifact_kinds():
+            try:
+                paths[contestant.label].append(resolve_artifact_path(own, kind))
+            except KVRuntimeError as exc:
+                command = ARTIFACT_KINDS[kind].command
+                raise KVRuntimeError(
+                    f"{contestant.label}: {exc}; compile it with `{command}` or pass --artifacts DIR"
+                ) from None
         if contestant.kind == "kvpress" and contestant.method in CHECKPOINTS:
             checkpoint = folder / CHECKPOINTS[contestant.method]
             if not (checkpoint / "config.json").is_file():
@@ -155,12 +166,6 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
                     f"--oracle kvzip_plus --student hidden`, then `kvcompile export-kvzap ... --out {checkpoint}`"
                 )
             paths[contestant.label] = [checkpoint]
-        for path in paths[contestant.label]:
-            if not path.exists():
-                command = ARTIFACT_KINDS[path.name.removesuffix(".safetensors")].command
-                raise KVRuntimeError(
-                    f"{contestant.label} needs {path}: compile it with `{command}` or pass --artifacts DIR"
-                )
     return paths
 
 

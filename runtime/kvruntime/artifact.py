@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_save
 from torch import nn
 
 from .artifact_header import FORMAT_NAME, FORMAT_VERSION, check_artifact_file
@@ -79,19 +79,20 @@ def save_artifact(artifact: Artifact, path: str | os.PathLike) -> Path:
 def write_safetensors_atomically(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike
 ) -> Path:
-    return write_atomically(path, lambda tmp_name: save_file(tensors, tmp_name, metadata=metadata))
+    data = safetensors_bytes(tensors, metadata)
+    return write_atomically(path, lambda tmp_name: Path(tmp_name).write_bytes(data))
 
 
-def resolve_artifact_path(path: str | os.PathLike, kind: str) -> Path:
-    """An artifact file as given, or in a folder of artifacts (`artifacts/<model>/`) the one of `kind`, which
-    `kvcompile` names `<kind>.safetensors`."""
-    given = Path(path)
-    if not given.is_dir():
-        return given
-    found = given / f"{kind}.safetensors"
-    if not found.is_file():
-        raise ArtifactError(f"{given}: no {kind} artifact in this folder (expected {found.name})")
-    return found
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file whose bytes depend on its content alone: safetensors writes the metadata in hash-map
+    order, which differs from run to run, so the header is written again with its keys sorted (the same command
+    then gives the same bytes, which a bundle's manifest checks)."""
+    data = safetensors_save(tensors, metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]
 
 
 def read_artifact(path: str | os.PathLike) -> Artifact:

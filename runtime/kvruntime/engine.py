@@ -29,6 +29,7 @@ from transformers import Cache, DynamicCache
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
 from .attention import KEEP_MASK_KEYWORD, per_layer_attention
+from .bundle import artifact_files
 from .cache_ops import (
     attention_modules,
     cache_argument,
@@ -508,15 +509,16 @@ def compress(
     memory: how per-head counts that differ inside a layer are stored: `padded` (default) gives every head of a
     layer the layer's largest count, filled with each head's next-best tokens; `masked` uses the same slots but
     hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
-    artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`), checked against
-    the model first (refused if compiled for another model).
+    artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`): files, or bundles
+    (a folder written by `kvcompile bundle`, or its hub repo id), checked against the model first (refused if
+    compiled for another model).
     options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`, `elastic`).
     prefill_chunk_size: feed a longer prompt in chunks of this many tokens, every layer cut to its budget after each
     (methods whose layer budgets are known in advance): the cache held never exceeds the budgets plus one chunk in
     one layer. Later chunks attend to what the earlier ones kept, so the answer may differ from a one-piece prefill.
     Such methods are cut layer by layer inside the prefill in any case (the same result as cutting at its end).
     """
-    loaded = [load_artifact(path, model=model, force=force) for path in artifacts]
+    loaded = [load_artifact(path, model=model, force=force) for path in artifact_files(artifacts)]
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
     if method is None and tuned:
         defaults = TunedDefaults.from_artifact(tuned[0])

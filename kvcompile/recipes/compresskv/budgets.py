@@ -92,7 +92,8 @@ def compile_layer_errors(job: CompileJob, corpus: Corpus, heads: Artifact, setti
             "sources": sources,
         },
         items=len(calibration),
-        provenance=provenance(corpus, seed, heads=str(heads.path)),
+        # The heads by their content, not their path: the same heads give the same bytes wherever they lie.
+        provenance=provenance(corpus, seed, heads_sha256=tensors_checksum(heads.tensors)),
     )
     sums = {"per_source": torch.zeros(sources, run.model.num_layers, dtype=torch.float64)}
 

@@ -29,7 +29,8 @@ from kvpress import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..artifact import Artifact, check_artifact_matches_model, load_artifact, resolve_artifact_path
+from ..artifact import Artifact, check_artifact_matches_model, load_artifact
+from ..bundle import resolve_artifact_path
 from ..errors import KVRuntimeError
 from ..fingerprint import model_fingerprint
 from ..methods import Method, get_method

@@ -1,0 +1,181 @@
+"""Artifact bundles: one folder per compiled model holding its artifacts, a manifest and a model card.
+
+The manifest (`manifest.json`) names the model (its fingerprint) and, for each artifact file, its kind, the sha256
+of its bytes and how it was made (the command that reruns it, the calibration data and its hash, the library
+versions). `kvcompile bundle` writes a bundle, `kvcompile reproduce` reruns its commands. Wherever the runtime takes
+artifacts (`compress(artifacts=...)`, `--artifact`, `--artifacts`, the kvpress presses' `from_artifact`) it also
+takes a bundle, by its folder or by a hub repo id (`org/name`, found through huggingface_hub, from its local cache
+when offline). A bundle whose files do not match its manifest, or whose artifacts were compiled for another model
+than the manifest names, is refused before anything is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .artifact_header import check_artifact_file, read_header
+from .errors import ArtifactError, first_line, short_repr
+
+MANIFEST_NAME = "manifest.json"
+CARD_NAME = "README.md"
+BUNDLE_FORMAT = "kvcompile-bundle"
+BUNDLE_FORMAT_VERSION = 1
+ARTIFACT_SUFFIX = ".safetensors"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    """A checked bundle: its folder, the model its artifacts were compiled for (a `ModelFingerprint`'s fields), and
+    its manifest's entries (one per artifact file: `file`, `kind`, `sha256`, `provenance`)."""
+
+    folder: Path
+    model: dict[str, Any]
+    entries: tuple[dict[str, Any], ...]
+    manifest: dict[str, Any]
+
+    def artifact_path(self, kind: str) -> Path:
+        """The bundle's artifact of `kind`: the file named `<kind>.safetensors`, else the only one of that kind."""
+        files = [entry["file"] for entry in self.entries if entry["kind"] == kind]
+        if not files:
+            raise ArtifactError(f"bundle {self.folder}: no {kind} artifact (it holds {', '.join(self.kinds())})")
+        if len(files) > 1 and f"{kind}{ARTIFACT_SUFFIX}" not in files:
+            raise ArtifactError(
+                f"bundle {self.folder}: {len(files)} {kind} artifacts ({', '.join(files)}); give the file itself"
+            )
+        return self.folder / (f"{kind}{ARTIFACT_SUFFIX}" if len(files) > 1 else files[0])
+
+    def kinds(self) -> list[str]:
+        return sorted({entry["kind"] for entry in self.entries})
+
+    def artifact_files(self) -> list[Path]:
+        """One artifact per kind (`artifact_path`): what the runtime applies from the bundle."""
+        return [self.artifact_path(kind) for kind in self.kinds()]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def locate(source: str | os.PathLike) -> Path:
+    """A local path as given, else a hub repo id's folder in the Hugging Face cache (huggingface_hub fetches it when
+    online; offline, `HF_HUB_OFFLINE=1`, only the cache is read)."""
+    path = Path(source)
+    if path.exists() or not _HUB_ID.fullmatch(str(source)):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=str(source)))
+    except Exception as exc:  # huggingface_hub raises several types for a repo that is neither cached nor reachable
+        raise ArtifactError(
+            f"{source}: no such file or folder, and no hub repo of that id in the local Hugging Face cache "
+            f"({first_line(exc)})"
+        ) from None
+
+
+def is_bundle(folder: Path) -> bool:
+    """Whether `folder` holds a manifest (a bundle's; `read_bundle` checks it)."""
+    return (folder / MANIFEST_NAME).is_file()
+
+
+def read_bundle(source: str | os.PathLike) -> Bundle:
+    """Read a bundle (a folder or a hub repo id) and check it: a manifest of this format, every listed file present
+    with the bytes its sha256 names, of the kind and model the manifest says, and no artifact file it leaves out."""
+    folder = locate(source)
+    if not is_bundle(folder):
+        raise ArtifactError(f"{source}: not a bundle (no {MANIFEST_NAME}; `kvcompile bundle` writes one)")
+    manifest = _read_manifest(folder / MANIFEST_NAME)
+    model = manifest["model"]
+    listed = {entry["file"] for entry in manifest["artifacts"]}
+    for entry in manifest["artifacts"]:
+        path = folder / entry["file"]
+        if not path.is_file():
+            raise ArtifactError(f"bundle {source}: {entry['file']} is listed in its manifest but missing")
+        if file_sha256(path) != entry["sha256"]:
+            raise ArtifactError(f"bundle {source}: {entry['file']} does not match its manifest (sha256 differs)")
+        header = read_header(path)
+        if header.get("kind") != entry["kind"]:
+            raise ArtifactError(
+                f"bundle {source}: {entry['file']} is a {header.get('kind')} artifact, its manifest says {entry['kind']}"
+            )
+        if header.get("model") != json.dumps(model, sort_keys=True):
+            raise ArtifactError(f"bundle {source}: {entry['file']} was compiled for another model than its manifest's")
+    unlisted = sorted(p.name for p in folder.glob(f"*{ARTIFACT_SUFFIX}") if p.name not in listed)
+    if unlisted:
+        raise ArtifactError(
+            f"bundle {source}: {unlisted[0]} is not in its manifest (rewrite it with `kvcompile bundle`)"
+        )
+    return Bundle(folder, model, tuple(manifest["artifacts"]), manifest)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ArtifactError(f"{path}: not a readable manifest ({first_line(exc)})") from None
+    if manifest.get("format") != BUNDLE_FORMAT:
+        raise ArtifactError(f"{path}: not a kvcompile bundle manifest (format {short_repr(manifest.get('format'))})")
+    if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: bundle format version {short_repr(manifest.get('format_version'))}, this kvruntime reads "
+            f"version {BUNDLE_FORMAT_VERSION}"
+        )
+    entries = manifest.get("artifacts")
+    fields = {"file": str, "kind": str, "sha256": str}
+    well_formed = isinstance(entries, list) and all(
+        isinstance(entry, dict) and all(isinstance(entry.get(key), kind) for key, kind in fields.items())
+        for entry in entries
+    )
+    if not well_formed or not isinstance(manifest.get("model"), dict):
+        raise ArtifactError(f"{path}: malformed manifest (needs a model and artifacts with file, kind and sha256)")
+    if any(Path(entry["file"]).name != entry["file"] for entry in entries):
+        raise ArtifactError(f"{path}: malformed manifest (an artifact's file is a path, not a name in the bundle)")
+    return manifest
+
+
+def resolve_artifact_path(source: str | os.PathLike, kind: str) -> Path:
+    """The artifact of `kind` that `source` names: an artifact file as given; in a bundle (a folder or a hub repo
+    id) its artifact of that kind; in a plain folder of artifacts (`artifacts/<model>/`) `<kind>.safetensors`."""
+    folder = locate(source)
+    if not folder.exists():
+        raise ArtifactError(f"{source}: no such artifact file, bundle or folder")
+    if not folder.is_dir():
+        return folder
+    if is_bundle(folder):
+        return read_bundle(folder).artifact_path(kind)
+    found = folder / f"{kind}{ARTIFACT_SUFFIX}"
+    if not found.is_file():
+        raise ArtifactError(f"{folder}: no {kind} artifact in this folder (expected {found})")
+    return found
+
+
+def artifact_files(sources: Sequence[str | os.PathLike]) -> list[Path]:
+    """The artifact files that `sources` name: files as given, each bundle (a folder or a hub repo id) as one
+    artifact per kind. A folder that is not a bundle is refused (name its files)."""
+    files: list[Path] = []
+    for source in sources:
+        path = locate(source)
+        if path.is_dir():
+            if not is_bundle(path):
+                raise ArtifactError(
+                    f"{source} is a folder: give an artifact file (.safetensors) or a bundle (a folder with a "
+                    f"{MANIFEST_NAME}, written by `kvcompile bundle`)"
+                )
+            files += read_bundle(path).artifact_files()
+        else:
+            files.append(check_artifact_file(path))
+    return files
