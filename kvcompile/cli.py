@@ -133,7 +133,10 @@ def generate(
     ] = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
     nearest_budget: Annotated[
-        bool, typer.Option(help="compilerkv: use the tables of the nearest compiled budget for a budget not compiled.")
+        bool,
+        typer.Option(
+            help="compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does)."
+        ),
     ] = False,
     option: Annotated[
         list[str] | None,

@@ -77,7 +77,9 @@ def test_learning_refuses_nan_rewards():
         fit_greedy_table(one_hot(states, 12), actions, rewards, 29, np.eye(12, dtype=np.float32), CQLSettings(steps=10))
 
 
-def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries():
+def _tiny_prompt() -> tuple:
+    """A tiny Qwen2, a prefilled 80-token prompt with a 20-token continuation, and the continuation's logits from
+    plain forwards over a cache holding only kept entries (the independent reference)."""
     model = tiny_model("qwen2")
     ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1))
     context, continuation = ids[:, :80], ids[:, 80:]
@@ -89,19 +91,29 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
         [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], continuation, first
     )
 
-    def reference(kept: list[torch.Tensor]) -> float:
+    def logits_over(kept: list[torch.Tensor]) -> torch.Tensor:
         compressed = DynamicCache(config=model.config)
         for layer, indices in enumerate(kept):
             compressed.update(prompt.keys[layer][:, :, indices], prompt.values[layer][:, :, indices], layer)
         with per_layer_attention(model), torch.no_grad():
             out = model(continuation[:, :-1], past_key_values=compressed, position_ids=torch.arange(80, 99)[None])
-        return (first + float(F.cross_entropy(out.logits[0], continuation[0, 1:], reduction="sum"))) / 20
+        return out.logits[0]
+
+    return model, prompt, logits_over
+
+
+def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries():
+    model, prompt, logits_over = _tiny_prompt()
+    continuation, first = prompt.continuation, prompt.first_nll
+
+    def reference(kept: list[torch.Tensor]) -> float:
+        return (first + float(F.cross_entropy(logits_over(kept), continuation[0, 1:], reduction="sum"))) / 20
 
     g = torch.Generator().manual_seed(2)
     kept = [torch.randperm(80, generator=g)[:40].sort().values for _ in range(4)]
     scorer = ContinuationScorer(model, prompt, batch_size=2)
     base = scorer.base(kept)
-    assert base.nll == pytest.approx(reference(kept), abs=1e-6)
+    assert base.loss == pytest.approx(reference(kept), abs=1e-6)
 
     # Variants that change one layer, or several (the ratio-honest gate moves entries between layers), of other
     # sizes (padded within a batch), batched from the first layer each changes.
@@ -119,6 +131,28 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     assert got == pytest.approx([reference(v) for v in variants], abs=1e-6)
     with pytest.raises(ValueError, match="keeps what the base keeps"):
         scorer.variants(base, [list(kept)])
+
+
+def test_the_kl_loss_is_the_divergence_from_the_full_caches_predictions():
+    """loss="kl": per continuation token, KL(full cache || kept entries) of the next-token distributions, from the
+    same plain forwards (the first token's is 0: the prefill predicts it)."""
+    model, prompt, logits_over = _tiny_prompt()
+    full = logits_over([torch.arange(80)] * 4).log_softmax(-1)
+
+    def reference(kept: list[torch.Tensor]) -> float:
+        compressed = logits_over(kept).log_softmax(-1)
+        return float((full.exp() * (full - compressed)).sum()) / 20
+
+    g = torch.Generator().manual_seed(3)
+    kept = [torch.randperm(80, generator=g)[:40].sort().values for _ in range(4)]
+    scorer = ContinuationScorer(model, prompt, batch_size=2, loss="kl")
+    base = scorer.base(kept)
+    assert base.loss == pytest.approx(reference(kept), abs=1e-6) and base.loss > 0
+    variants = [kept[:1] + [torch.arange(80)] + kept[2:], [torch.arange(80)] * 3 + [kept[3][:25]]]
+    assert scorer.variants(base, variants) == pytest.approx([reference(v) for v in variants], abs=1e-6)
+    assert scorer.base([torch.arange(80)] * 4).loss == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="loss 'mse' is none of nll, kl"):
+        ContinuationScorer(model, prompt, loss="mse")
 
 
 def _experience(elastic: bool) -> Experience:

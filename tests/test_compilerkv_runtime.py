@@ -240,6 +240,20 @@ def test_a_budget_that_was_not_compiled_is_refused_unless_the_nearest_is_asked_f
     assert "tables of compiled budget 100" in str(session.report)
 
 
+def test_a_ratio_runs_the_nearest_compiled_budgets_tables_and_holds_what_the_ratio_asks(tiny, tables, prompt):
+    with kvruntime.compress(tiny, "compilerkv", ratio=0.45, artifacts=[tables]) as session:
+        session.prefill(prompt)
+    assert sum(session.report.slots_per_layer) == 4 * 88  # 55% of the 160 tokens, in each of the 4 layers
+    assert "tables of compiled budget 100 (the nearest to the 88 tokens per layer asked for)" in str(session.report)
+    kept = []  # a ratio that asks for a compiled budget selects what that budget selects
+    for request in ({"ratio": 1 - 100 / 160}, {"budget": 100}):
+        with kvruntime.compress(tiny, "compilerkv", artifacts=[tables], **request) as session:
+            session.prefill(prompt)
+        kept.append(session.kept_positions)
+    assert len(kept[0]) == len(kept[1]) == 4
+    assert all(torch.equal(ratio, budget) for ratio, budget in zip(*kept))
+
+
 def test_method_options_are_checked(tiny, tables):
     with pytest.raises(KVRuntimeError, match="unknown compilerkv options"):
         kvruntime.get_method("compilerkv", [kvruntime.read_artifact(tables)], {"budget_nearest": True})

@@ -76,7 +76,7 @@ def test_methods_parse_with_options_and_the_full_cache_first():
         "snapkv+budgets",
     ]
     assert parsed[1].options == {"mode": "dynamic", "unstructured": True}
-    assert parsed[2].options == {"nearest_budget": True}  # ratios map to the nearest compiled budget
+    assert parsed[2].options == {}  # a ratio runs the nearest compiled budget's tables without an option
     assert parsed[1].artifact_kinds() == [] and parsed[3].artifact_kinds() == ["layer_budgets"]
     streamed = parse_methods("snapkv,snapkv:prefill_chunk_size=256,distilled:allocation=uniform:prefill_chunk_size=64")
     assert [c.prefill_chunk_size for c in streamed] == [None, None, 256, 64]

@@ -81,25 +81,25 @@ def test_the_engines_hooks_and_selection_name_no_method():
     assert [name for name in METHOD_NAMES if name in source] == []
 
 
-def test_compilerkv_refuses_a_ratio_without_the_nearest_budget_before_the_model_loads(monkeypatch):
+def test_compilerkv_serves_ratios_and_refuses_a_budget_not_compiled_before_the_model_loads(monkeypatch):
     monkeypatch.setattr(
         recipe, "load_model", lambda model, **_: pytest.fail("the model was loaded before the request was checked")
     )
     prompt = ROOT / "calibration_data" / "prompts" / "passkey_2k.txt"
-    result = runner.invoke(app, ["generate", "--method", "compilerkv", "--ratio", "0.5", "--prompt-file", str(prompt)])
+    result = runner.invoke(app, ["generate", "--method", "compilerkv", "--budget", "300", "--prompt-file", str(prompt)])
     assert result.exit_code == 2, result.output
-    assert result.output.count("\n") == 1 and "ratio 0.5 asks for a budget that depends on the prompt" in result.output
-    assert "--nearest-budget" in result.output
+    assert result.output.count("\n") == 1 and "not 300" in result.output and "--nearest-budget" in result.output
     tables = [read_artifact(SHIPPED / "compilerkv_tables.safetensors")]
-    get_method("compilerkv", tables, {"nearest_budget": True}).check_request(Request(ratio=0.5))  # served
+    get_method("compilerkv", tables).check_request(Request(ratio=0.5))  # a ratio: the nearest budget's tables
     get_method("compilerkv", tables).check_request(Request(budget=256))  # a compiled budget
+    get_method("compilerkv", tables, {"nearest_budget": True}).check_request(Request(budget=300))  # allowed near
     with pytest.raises(KVRuntimeError, match="not 300"):
         get_method("compilerkv", tables).check_request(Request(budget=300))
 
 
 def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
     (contestant,) = parse_methods("compilerkv:fixed_threshold=0.9")[1:]
-    assert contestant.options == {"nearest_budget": True, "fixed_threshold": 0.9}
+    assert contestant.options == {"fixed_threshold": 0.9}
     paths = artifact_paths([contestant], SHIPPED)
     check_contestants([contestant], paths, (0.5, 0.9))
     assert (
@@ -108,9 +108,8 @@ def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
         ).fixed_threshold
         == 0.9
     )
-    (strict,) = parse_methods("compilerkv:nearest_budget=false")[1:]
-    with pytest.raises(KVRuntimeError, match="nearest_budget=True"):
-        check_contestants([strict], artifact_paths([strict], SHIPPED), (0.5,))
+    (compiled,) = parse_methods("compilerkv:nearest_budget=false")[1:]
+    check_contestants([compiled], artifact_paths([compiled], SHIPPED), (0.5,))  # ratios need no nearest_budget
 
 
 def imported_modules(path: Path, package: str, known: set[str]) -> set[str]:

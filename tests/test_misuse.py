@@ -273,7 +273,7 @@ def test_eval_takes_typed_method_options(tmp_path):
     from kvcompile.evaluation.contestants import parse_methods
 
     contestants = parse_methods("compilerkv:fixed_threshold=0.9,kvcompose:mode=dynamic:unstructured=true")
-    assert contestants[1].options == {"nearest_budget": True, "fixed_threshold": 0.9}
+    assert contestants[1].options == {"fixed_threshold": 0.9}
     assert contestants[2].options == {"mode": "dynamic", "unstructured": True}
     with pytest.raises(KVRuntimeError, match="kvcompose option unstructured='maybe' is not a boolean"):
         parse_methods("kvcompose:unstructured=maybe")

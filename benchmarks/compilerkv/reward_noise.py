@@ -2,11 +2,15 @@
 Measured on calibration prompts with every state probed on every prompt (no sampling), under the ratio-honest rule.
 
     python -m benchmarks.compilerkv.reward_noise [--prompts 16] [--budgets 256,512] [--utilities global,head]
+        [--losses nll,kl] [--continuations corpus,greedy]
 
 Per prompt and budget, from neutral tables (W_head = 1, every threshold 0.9): the base rollout, then
 - head probes: each query head of each layer given weight 1.5, the others 1.0;
 - gate probes: each layer's threshold set to 0.8, and to 1.0, the others 0.9.
-Paired reward = base NLL - probe NLL (positive: the probe helps). Per state: the mean over prompts, the standard
+Paired reward = base loss - probe loss (positive: the probe helps); the loss is the continuation's mean NLL (the
+paper's) or its mean KL divergence from the full cache's next-token distributions (`--losses kl`: the same
+expectation over the vocabulary instead of one realised token), on the corpus's continuation or on the model's own
+greedy one (`--continuations greedy`). Per state: the mean over prompts, the standard
 deviation over prompts (the noise of one record) and t = mean / standard error. Split half: the correlation over
 states of the mean reward on the even and on the odd prompts (0 if the states' differences are noise). Sizing: the
 prompts per state that a two-sided 5% test with 80% power needs to see an effect d: n = (2.8 * sd / d)^2.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import statistics
 from pathlib import Path
 
@@ -61,27 +66,29 @@ def probes(signals, layers: int, heads: int, utility: str) -> list[tuple[str, tu
     return found
 
 
-def measure(model, prompt, budget: int, utility: str, batch_size: int) -> list[dict]:
+def measure(model, prompt, budget: int, utility: str, batch_size: int, loss: str, continuation: str) -> list[dict]:
     """One prompt's paired rewards for every probe at one budget (probes that keep what the base keeps: 0)."""
     layers, heads = len(prompt.signals.rho), model.config.num_attention_heads
     rule = SelectionRule(elastic=False, utility=utility)
     found = probes(prompt.signals, layers, heads, utility)
     kept = [kept_sets(scores, thresholds, budget, rule) for _, _, scores, thresholds in found]
-    scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
+    scorer = ContinuationScorer(model, prompt.prefilled, batch_size, loss=loss)
     base = scorer.base(kept[0])
     changed = [i for i in range(1, len(found)) if any(not torch.equal(a, b) for a, b in zip(kept[i], kept[0]))]
     nll = dict(enumerate(variant_nlls(scorer, base, kept[1:], prompt.index), start=1))
     return [
         dict(
             utility=utility,
+            loss=loss,
+            continuation=continuation,
             budget=budget,
             prompt=prompt.index,
             kind=kind,
             layer=state[0],
             action=state[1],
             changed=int(i in changed),
-            reward=base.nll - nll[i],
-            base_increase=base.nll - prompt.full_nll,
+            reward=base.loss - nll[i],
+            base_increase=base.loss - (prompt.full_nll if loss == "nll" else 0.0),  # the full cache's KL is 0
         )
         for i, (kind, state, _, _) in enumerate(found)
         if kind != "base"
@@ -90,9 +97,10 @@ def measure(model, prompt, budget: int, utility: str, batch_size: int) -> list[d
 
 def summarise(rows: list[dict]) -> list[dict]:
     table = []
-    groups = sorted({(r["utility"], r["kind"], r["budget"]) for r in rows})
-    for utility, kind, budget in groups:
-        cell = [r for r in rows if (r["utility"], r["kind"], r["budget"]) == (utility, kind, budget)]
+    fields = ("utility", "loss", "continuation", "kind", "budget")
+    for group in sorted({tuple(r[f] for f in fields) for r in rows}):
+        utility, loss, continuation, kind, budget = group
+        cell = [r for r in rows if tuple(r[f] for f in fields) == group]
         states = sorted({(r["layer"], r["action"]) for r in cell})
         by_state = {s: {} for s in states}
         for r in cell:
@@ -109,6 +117,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         table.append(
             {
                 "utility": utility,
+                "loss": loss,
+                "continuation": continuation,
                 "probe": kind,
                 "budget": budget,
                 "prompts": len(prompts),
@@ -126,7 +136,9 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def utility_rows(rows: list[dict]) -> list[dict]:
-    """The neutral tables' NLL increase over the full cache per utility, and the head-aware minus the spec's."""
+    """The neutral tables' NLL increase over the full cache per utility, and the head-aware minus the spec's (on the
+    corpus's continuations)."""
+    rows = [r for r in rows if r["loss"] == "nll" and r["continuation"] == "corpus"]
     increase = {(r["utility"], r["budget"], r["prompt"]): r["base_increase"] for r in rows}
     out = []
     for budget in sorted({r["budget"] for r in rows}):
@@ -152,23 +164,32 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--continuation", type=int, default=128)
     parser.add_argument("--corpus", default="austen")
+    parser.add_argument("--losses", default="nll", help="nll, kl (comma-separated)")
+    parser.add_argument("--continuations", default="corpus", help="corpus, greedy (comma-separated)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/compilerkv/compilerkv_reward_noise.md")
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
-    utilities = args.utilities.split(",")
+    utilities, losses, continuations = (text.split(",") for text in (args.utilities, args.losses, args.continuations))
     model, tokenizer = kvruntime.load_model()
     texts = calibration_prompts(
         load_corpus(args.corpus), tokenizer, args.prompts, args.context + args.continuation, args.seed
     )
     rows = []
-    bar = tqdm(total=len(texts) * len(budgets) * len(utilities), desc="reward noise", unit="unit")
+    units = len(texts) * len(budgets) * len(utilities) * len(losses) * len(continuations)
+    bar = tqdm(total=units, desc="reward noise", unit="unit")
     for index, (_, ids) in enumerate(texts):
-        prompt = prefill_prompt(model, ids, args.context, index, args.batch_size)
-        for utility in utilities:
-            for budget in budgets:
-                rows += measure(model, prompt, budget, utility, args.batch_size)
+        for continuation in continuations:
+            if continuation == "greedy":  # the full-cache model's own continuation of the context
+                context = ids[:, : args.context]
+                ids = model.generate(
+                    context, attention_mask=torch.ones_like(context), do_sample=False,
+                    max_new_tokens=args.continuation, min_new_tokens=args.continuation,
+                )  # fmt: skip
+            prompt = prefill_prompt(model, ids, args.context, index, args.batch_size)
+            for utility, budget, loss in itertools.product(utilities, budgets, losses):
+                rows += measure(model, prompt, budget, utility, args.batch_size, loss, continuation)
                 bar.update()
     bar.close()
     lines = [
@@ -180,7 +201,8 @@ def main() -> None:
         f"prompts of {args.context} tokens + {args.continuation} continuation; ratio-honest rule; every state probed "
         f"on every prompt from neutral tables (W_head = 1, thresholds {NEUTRAL_THRESHOLD:.2f}): head probes raise one "
         f"query head's weight to {RAISED_WEIGHT}, gate probes set one layer's threshold to "
-        f"{' or '.join(map(str, PROBED_THRESHOLDS))}. Rewards in nats of mean continuation NLL.",
+        f"{' or '.join(map(str, PROBED_THRESHOLDS))}. Rewards in nats per continuation token: the mean NLL, or the "
+        "mean KL divergence from the full cache's next-token distribution (`loss`).",
         "",
         *markdown_table(summarise(rows)),
         "",

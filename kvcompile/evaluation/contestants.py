@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
+from kvruntime.bundle import locate
 from kvruntime.registry import COMPARED_NAMES, method_spec
 from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
 
@@ -100,15 +101,15 @@ def parse_methods(text: str) -> list[Contestant]:
             contestants += _presses(entry)
             continue
         name, *pairs = entry.split(":")
-        spec = method_spec(name)[0]  # refuses an unknown method with the list of known ones
+        method_spec(name)  # refuses an unknown method with the list of known ones
         given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
         chunk = given.pop(CHUNK_OPTION, None)
         if chunk is not None and (not isinstance(chunk, float) or not chunk.is_integer() or chunk < 1):
             raise KVRuntimeError(f"--methods {entry!r}: {CHUNK_OPTION} must be a positive number of tokens")
         folder = given.pop(ARTIFACTS_OPTION, None)
-        if folder is not None and not Path(str(folder)).is_dir():
-            raise KVRuntimeError(f"--methods {entry!r}: {ARTIFACTS_OPTION}={folder} is not a folder")
-        options = {**spec.comparison_options, **check_method_options(name, given)}
+        if folder is not None and not locate(str(folder)).is_dir():
+            raise KVRuntimeError(f"--methods {entry!r}: {ARTIFACTS_OPTION}={folder} is not a folder, bundle or hub id")
+        options = check_method_options(name, given)
         contestants.append(
             Contestant(
                 entry,

@@ -53,7 +53,6 @@ class MethodSpec:
     options_with_budgets: bool = True  # whether its options still apply with `+budgets`
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other names: alias -> full name
     compared: tuple[str, ...] | None = None  # what `eval` and `tune` compare by default (None: the name)
-    comparison_options: Mapping[str, object] = dataclasses.field(default_factory=dict)  # and with which options
 
     @property
     def all_options(self) -> dict[str, Option]:

@@ -75,16 +75,11 @@ def compiled_budget_index(budgets: Sequence[int], budget: int, nearest: bool = F
 
 
 def check_compilerkv_request(budgets: Sequence[int], nearest: bool, request: Request) -> None:
-    """The tables are compiled per budget: a budget must be one of them, and a ratio (a budget that depends on the
-    prompt's length) is served only by the nearest compiled budget, when that is allowed."""
+    """The tables are compiled per budget: a budget must be one of them unless the nearest compiled one is allowed.
+    A ratio (a budget that depends on the prompt's length) runs the tables of the nearest compiled budget, as every
+    method serves a ratio: the entries held are the ratio's, only the tables are the nearest budget's."""
     if request.budget is not None:
         compiled_budget_index(budgets, request.budget, nearest)
-    elif not nearest:
-        raise KVRuntimeError(
-            f"compilerkv tables were compiled for budgets {', '.join(map(str, budgets))} tokens per layer; "
-            f"{request.describe()} asks for a budget that depends on the prompt: pass one of them (--budget), or "
-            "allow the nearest compiled budget (nearest_budget=True, --nearest-budget)"
-        )
 
 
 def compiled_ratios(values: Sequence[float]) -> tuple[float, ...]:

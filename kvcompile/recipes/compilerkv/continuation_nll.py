@@ -1,5 +1,7 @@
 """Model plumbing for CompilerKV's reward: the NLL of a prompt's continuation when each layer attends only to a
-chosen subset of the prompt's cached entries.
+chosen subset of the prompt's cached entries (or, `loss="kl"`, the KL divergence from the full cache's next-token
+distributions along the continuation: the NLL increase's expectation over the continuations the full-cache model
+would write, computed over the whole vocabulary instead of one realised token).
 
 One prefill gives the full cache. A rollout decodes the continuation teacher-forced over kept subsets of it. A
 variant whose kept sets first differ from the base's at layer l leaves layers 0..l-1 untouched, so the base rollout
@@ -19,6 +21,8 @@ from torch import nn
 
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.cache_ops import cache_argument
+
+LOSSES = ("nll", "kl")
 
 
 class KeptEntriesCache:
@@ -53,18 +57,22 @@ class PrefilledPrompt:
 
 @dataclasses.dataclass
 class BaseRollout:
-    """The continuation run over the base kept sets: its NLL and what each layer received."""
+    """The continuation run over the base kept sets: its loss (the scorer's: NLL or KL) and what each layer
+    received."""
 
-    nll: float
+    loss: float
     kept: list[torch.Tensor]
     layer_inputs: list[torch.Tensor]
 
 
 class ContinuationScorer:
-    """Mean token NLL of one prompt's continuation over kept subsets of its cache (batch of variants of one
-    layer at a time). Kept sets are position indices [m], one per layer, shared by the layer's KV heads."""
+    """Mean token loss of one prompt's continuation over kept subsets of its cache (batch of variants of one
+    layer at a time): `nll` (the continuation's negative log-likelihood) or `kl` (see the module). Kept sets are
+    position indices [m], one per layer, shared by the layer's KV heads."""
 
-    def __init__(self, model: nn.Module, prompt: PrefilledPrompt, batch_size: int = 8) -> None:
+    def __init__(self, model: nn.Module, prompt: PrefilledPrompt, batch_size: int = 8, loss: str = "nll") -> None:
+        if loss not in LOSSES:
+            raise ValueError(f"loss {loss!r} is none of {', '.join(LOSSES)}")
         self.model = model
         self.prompt = prompt
         self.batch_size = batch_size
@@ -76,6 +84,13 @@ class ContinuationScorer:
         self.position_ids = positions
         self.position_embeddings = base.rotary_emb(self.embedded, positions)
         self.targets = prompt.continuation[0, 1:]
+        self.reference = None  # kl: the full cache's next-token log-probabilities along the continuation
+        if loss == "kl":
+            everything = torch.arange(prompt.length)
+            prefixes = {layer: self._gather(layer, everything) for layer in range(len(self.layers))}
+            with torch.no_grad(), per_layer_attention(model):
+                full = self._run_layers(self.embedded, 0, prefixes, {})
+            self.reference = F.log_softmax(model.get_output_embeddings()(full[0]).float(), dim=-1)
 
     def _gather(self, layer: int, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept entries of one layer for one or more kept sets: kept [m] -> [1, ...], kept [K, m] -> [K, ...]."""
@@ -108,10 +123,13 @@ class ContinuationScorer:
             hidden = output[0] if isinstance(output, tuple) else output
         return self.model.base_model.norm(hidden)
 
-    def _nll(self, hidden: torch.Tensor) -> list[float]:
-        """Mean NLL over the continuation per batch row (the first token's from the prefill included)."""
+    def _losses(self, hidden: torch.Tensor) -> list[float]:
+        """Mean loss over the continuation per batch row, the first token's included (its NLL from the prefill; its
+        KL is 0: no compression changes the prefill's own prediction)."""
         head = self.model.get_output_embeddings()
         count = self.targets.shape[0] + 1
+        if self.reference is not None:
+            return [float(kl_from_reference(self.reference, head(row).float())) / count for row in hidden]
         return [
             (self.prompt.first_nll + float(F.cross_entropy(head(row).float(), self.targets, reduction="sum"))) / count
             for row in hidden
@@ -123,7 +141,7 @@ class ContinuationScorer:
         inputs: list[torch.Tensor] = []
         with per_layer_attention(self.model):
             hidden = self._run_layers(self.embedded, 0, prefixes, {}, record=inputs)
-        return BaseRollout(nll=self._nll(hidden)[0], kept=list(kept), layer_inputs=inputs)
+        return BaseRollout(loss=self._losses(hidden)[0], kept=list(kept), layer_inputs=inputs)
 
     @torch.no_grad()
     def variants(self, base: BaseRollout, variants: Sequence[Sequence[torch.Tensor]]) -> list[float]:
@@ -152,8 +170,14 @@ class ContinuationScorer:
                         kv_heads = self.prompt.keys[layer].shape[1]
                         masks[layer] = valid[:, None, :].expand(-1, kv_heads, -1)
                 hidden = base.layer_inputs[start].expand(len(batch), -1, -1)
-                results.update(zip(batch, self._nll(self._run_layers(hidden, start, prefixes, masks))))
+                results.update(zip(batch, self._losses(self._run_layers(hidden, start, prefixes, masks))))
         return [results[i] for i in range(len(variants))]
+
+
+def kl_from_reference(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """sum over positions of KL(p || q): p the reference's distributions (log-probabilities [T, V]), q the softmax
+    of `logits` [T, V]."""
+    return F.kl_div(F.log_softmax(logits, dim=-1), reference, log_target=True, reduction="sum")
 
 
 def _first_change(base: Sequence[torch.Tensor], variant: Sequence[torch.Tensor]) -> int | None:

@@ -79,7 +79,7 @@ def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int
         continuation=continuation,
         first_nll=float(-last_logprobs[continuation[0, 0]]),
     )
-    full = ContinuationScorer(model, prefilled, batch_size).base([torch.arange(context)] * len(cache.layers)).nll
+    full = ContinuationScorer(model, prefilled, batch_size).base([torch.arange(context)] * len(cache.layers)).loss
     _finite(full, index)
     return CalibrationPrompt(index=index, signals=signals, prefilled=prefilled, full_nll=full)
 
@@ -230,7 +230,7 @@ def collect_unit(
     base_kept = kept_sets(scores, thresholds, budget, rule)
     scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
     base = scorer.base(base_kept)
-    _finite(base.nll, prompt.index)
+    _finite(base.loss, prompt.index)
     if kind == "head":
         found = head_probes(
             signals,
@@ -255,7 +255,7 @@ def collect_unit(
             budget=budget_index,
             layer=layer,
             nll=nll,
-            base_nll=base.nll,
+            base_nll=base.loss,
             round=round_,
             **row,
         )
@@ -266,7 +266,7 @@ def variant_nlls(
 ) -> list[float]:
     """The continuation NLL of each variant's kept sets (one per layer): a variant that keeps what the base keeps
     has the base's NLL, and variants that keep the same entries share one rollout (exact)."""
-    nll_of = {_key(base.kept): base.nll}
+    nll_of = {_key(base.kept): base.loss}
     unique = {_key(kept): kept for kept in variants if _key(kept) not in nll_of}
     for key, nll in zip(unique, scorer.variants(base, list(unique.values()))):
         nll_of[key] = _finite(nll, prompt)

@@ -48,7 +48,7 @@ class CompilerKV(Method):
         if self.fixed_threshold is not None and not low <= self.fixed_threshold <= high:
             raise KVRuntimeError(f"compilerkv fixed_threshold={self.fixed_threshold}: give a value in [{low}, {high}]")
 
-    def check_request(self, request: Request) -> None:
+    def check_request(self, request: Request) -> None:  # a budget not compiled is refused unless nearest_budget
         check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)
 
     def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
@@ -62,7 +62,8 @@ class CompilerKV(Method):
         signals = prompt_signals(statistics, logprobs)
         tables = self.tables.for_layers(len(statistics))
         keep = plan.keep  # entries per layer asked for
-        index = tables.budget_index(keep, self.nearest_budget)
+        # A ratio runs the tables of the nearest compiled budget (a budget must be a compiled one, or allowed near).
+        index = tables.budget_index(keep, self.nearest_budget or plan.request.ratio is not None)
         budget = tables.budgets[index]
         entropy_bin = risk_bin(signals.entropy, tables.entropy_edges)
         perplexity_bin = risk_bin(signals.perplexity, tables.perplexity_edges)
@@ -81,7 +82,9 @@ class CompilerKV(Method):
         elastic = bool(tables.elastic) if self.elastic is None else self.elastic
         counts = kept_counts(scores, thresholds, keep, elastic)
         notes = [
-            f"compilerkv          tables of compiled budget {budget}; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
+            f"compilerkv          tables of compiled budget {budget}"
+            + (f" (the nearest to the {keep} tokens per layer asked for)" if budget != keep else "")
+            + f"; entropy {signals.entropy:.3f} (bin {entropy_bin}), "
             f"window perplexity {signals.perplexity:.2f} (bin {perplexity_bin}); thresholds "
             f"{min(thresholds):.3f}-{max(thresholds):.3f}; {tables.utility} utility"
             + ("; W_head = 1" if self.uniform_heads else ""),

@@ -8,7 +8,9 @@ SPEC = MethodSpec(
     window=64,
     needs="compilerkv_tables",
     options={
-        "nearest_budget": Option(bool, False, "serve a budget that was not compiled with the nearest compiled one"),
+        "nearest_budget": Option(
+            bool, False, "serve a budget that was not compiled with the nearest compiled one (a ratio always is)"
+        ),
         "uniform_heads": Option(bool, False, "W_head = 1 (the paper's ablation)"),
         "fixed_threshold": Option(float, None, "one threshold for every layer instead of T_gate (ablation)"),
         "elastic": Option(
@@ -16,5 +18,4 @@ SPEC = MethodSpec(
         ),
     },
     streams=lambda options: False,  # the gate compares every layer's scores
-    comparison_options={"nearest_budget": True},  # a ratio's budget is rarely a compiled one
 )
