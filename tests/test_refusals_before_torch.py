@@ -77,9 +77,9 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: [*GENERATE, "--method", "kvcompose", "--option", "unstructured=true", "--option", "mode=dynamic"],
         "use memory='masked'",
     ),
-    "ratio for compilerkv without nearest budget": (
-        lambda d: [*GENERATE, "--method", "compilerkv", "--ratio", "0.5"],
-        "asks for a budget that depends on the prompt",
+    "budget not compiled for compilerkv, without nearest budget": (
+        lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
+        "not 300: pass one of them",
     ),
     "budget compilerkv did not compile": (
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
