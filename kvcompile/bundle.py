@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile import __version__
-from kvcompile.recipe import ARTIFACT_SUFFIX, PARTIAL_KIND, picture_path, read_run_record, run_record_path
+from kvcompile.recipe import PARTIAL_KIND, picture_path, read_run_record, run_record_path
 from kvruntime import KVRuntimeError
-from kvruntime.artifact_header import read_header
+from kvruntime.artifact_header import ARTIFACT_SUFFIX, read_header
 from kvruntime.bundle import (
     BUNDLE_FORMAT,
     BUNDLE_FORMAT_VERSION,
@@ -32,6 +32,7 @@ from kvruntime.bundle import (
     Bundle,
     file_sha256,
     is_bundle,
+    is_hub_id,
     read_bundle,
 )
 from kvruntime.default_model import DEFAULT_MODEL
@@ -137,7 +138,7 @@ def guess_base_model(artifacts: Sequence[Any]) -> str | None:
         model = words[words.index("--model") + 1] if "--model" in words[:-1] else DEFAULT_MODEL
         if model == DEFAULT_MODEL:
             return DEFAULT_MODEL_HUB_ID
-        if model.count("/") == 1 and not model.startswith((".", "/", "~")) and not Path(model).exists():
+        if is_hub_id(model) and not Path(model).exists():
             return model
     return None
 
@@ -296,12 +297,12 @@ def _verdict(entry: dict[str, Any], made: Path, returncode: int, installed: dict
 
 def describe_bundle(bundle: Bundle) -> list[str]:
     """What `kvcompile info` prints for a bundle."""
-    model = bundle.model
+    from kvruntime.fingerprint import ModelFingerprint
+
+    base = bundle.manifest.get("base_model")
     lines = [
         f"{bundle.folder}: kvcompile bundle ({len(bundle.entries)} artifact files, each matching its manifest)",
-        f"model: {model['architecture']}, {model['num_layers']} layers, {model['num_query_heads']} query heads, "
-        f"{model['num_kv_heads']} KV heads, head dim {model['head_dim']}, weights {model['weights_hash']}"
-        + (f" ({bundle.manifest['base_model']})" if bundle.manifest.get("base_model") else ""),
+        f"model: {ModelFingerprint.from_dict(bundle.model).describe()}" + (f" ({base})" if base else ""),
         f"created {bundle.manifest.get('created', '?')} by {bundle.manifest.get('bundled_by', '?')}",
         "artifacts:",
     ]

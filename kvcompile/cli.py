@@ -736,10 +736,11 @@ def info(
     with clear_errors():
         from kvruntime.bundle import locate, read_bundle
 
-        if locate(path).is_dir():
+        folder = locate(path)  # a hub repo id is looked up once
+        if folder.is_dir():
             from kvcompile.bundle import describe_bundle
 
-            for line in describe_bundle(read_bundle(path)):
+            for line in describe_bundle(read_bundle(folder)):
                 typer.echo(line)
             return
         from kvruntime.artifact_header import read_header
@@ -752,11 +753,7 @@ def info(
         artifact = read_artifact(path)
         check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept
         typer.echo(f"{path}: {artifact.kind} artifact")
-        model = artifact.model
-        typer.echo(
-            f"model: {model.architecture}, {model.num_layers} layers, {model.num_query_heads} query heads, "
-            f"{model.num_kv_heads} KV heads, head dim {model.head_dim}, weights {model.weights_hash}"
-        )
+        typer.echo(f"model: {artifact.model.describe()}")
         typer.echo("tensors:")
         for name, tensor in sorted(artifact.tensors.items()):
             typer.echo(f"  {name}: {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")

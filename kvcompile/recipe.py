@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import KVRuntimeError
+from kvruntime.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
 
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
 
 DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
 PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
-ARTIFACT_SUFFIX = ".safetensors"
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE_KINDS = ("cpu", "cuda", "mps")
@@ -50,7 +50,7 @@ def artifact_folder(model: str) -> Path:
 
 
 def default_artifact(model: str, kind: str) -> Path:
-    return artifact_folder(model) / f"{kind}.safetensors"
+    return artifact_folder(model) / artifact_file_name(kind)
 
 
 class Recipe(abc.ABC):

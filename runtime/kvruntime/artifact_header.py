@@ -14,8 +14,14 @@ from .errors import ArtifactError, first_line
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1
+ARTIFACT_SUFFIX = ".safetensors"
 _LARGEST_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 _ARRAY_CODES = {"I64": "q", "I32": "i", "F64": "d", "F32": "f"}  # safetensors dtype -> array typecode
+
+
+def artifact_file_name(kind: str) -> str:
+    """What kvcompile names an artifact of `kind` in a model's folder or a bundle: `<kind>.safetensors`."""
+    return f"{kind}{ARTIFACT_SUFFIX}"
 
 
 def check_artifact_file(path: str | os.PathLike) -> Path:

@@ -20,14 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .artifact_header import check_artifact_file, read_header
+from .artifact_header import ARTIFACT_SUFFIX, artifact_file_name, check_artifact_file, read_header
 from .errors import ArtifactError, first_line, short_repr
 
 MANIFEST_NAME = "manifest.json"
 CARD_NAME = "README.md"
 BUNDLE_FORMAT = "kvcompile-bundle"
 BUNDLE_FORMAT_VERSION = 1
-ARTIFACT_SUFFIX = ".safetensors"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -46,11 +45,11 @@ class Bundle:
         files = [entry["file"] for entry in self.entries if entry["kind"] == kind]
         if not files:
             raise ArtifactError(f"bundle {self.folder}: no {kind} artifact (it holds {', '.join(self.kinds())})")
-        if len(files) > 1 and f"{kind}{ARTIFACT_SUFFIX}" not in files:
+        if len(files) > 1 and artifact_file_name(kind) not in files:
             raise ArtifactError(
                 f"bundle {self.folder}: {len(files)} {kind} artifacts ({', '.join(files)}); give the file itself"
             )
-        return self.folder / (f"{kind}{ARTIFACT_SUFFIX}" if len(files) > 1 else files[0])
+        return self.folder / (artifact_file_name(kind) if len(files) > 1 else files[0])
 
     def kinds(self) -> list[str]:
         return sorted({entry["kind"] for entry in self.entries})
@@ -72,7 +71,7 @@ def locate(source: str | os.PathLike) -> Path:
     """A local path as given, else a hub repo id's folder in the Hugging Face cache (huggingface_hub fetches it when
     online; offline, `HF_HUB_OFFLINE=1`, only the cache is read)."""
     path = Path(source)
-    if path.exists() or not _HUB_ID.fullmatch(str(source)):
+    if path.exists() or not is_hub_id(str(source)):
         return path
     from huggingface_hub import snapshot_download
 
@@ -83,6 +82,11 @@ def locate(source: str | os.PathLike) -> Path:
             f"{source}: no such file or folder, and no hub repo of that id in the local Hugging Face cache "
             f"({first_line(exc)})"
         ) from None
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether `text` has the shape of a hub repo id (`org/name`)."""
+    return _HUB_ID.fullmatch(text) is not None
 
 
 def is_bundle(folder: Path) -> bool:
@@ -157,7 +161,7 @@ def resolve_artifact_path(source: str | os.PathLike, kind: str) -> Path:
         return folder
     if is_bundle(folder):
         return read_bundle(folder).artifact_path(kind)
-    found = folder / f"{kind}{ARTIFACT_SUFFIX}"
+    found = folder / artifact_file_name(kind)
     if not found.is_file():
         raise ArtifactError(f"{folder}: no {kind} artifact in this folder (expected {found})")
     return found

@@ -42,6 +42,13 @@ class ModelFingerprint:
                 raise ValueError(f"fingerprint {field.name} is {short_repr(value)}, not a non-empty string")
         return cls(**{f.name: data[f.name] for f in fields})
 
+    def describe(self) -> str:
+        """One line for `kvcompile info`: the shape facts and the weights hash."""
+        return (
+            f"{self.architecture}, {self.num_layers} layers, {self.num_query_heads} query heads, "
+            f"{self.num_kv_heads} KV heads, head dim {self.head_dim}, weights {self.weights_hash}"
+        )
+
     def shape_differences(self, other: ModelFingerprint) -> dict[str, str]:
         """Differences that make an artifact's tensors meaningless for the other model: field -> 'a vs b'."""
         names = ("architecture", "num_layers", "num_query_heads", "num_kv_heads", "head_dim")
