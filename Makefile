@@ -126,13 +126,17 @@ compresskv: setup
 bench-compresskv: setup
 	$(BIN)/python -m benchmarks.compresskv.accuracy --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95
 
-# CompilerKV's tables for the default model (about 38 minutes on 2 CPU cores), with the experience they were learned from.
+# CompilerKV's tables for the default model (about 40 minutes on 2 CPU cores), with the experience they were learned from:
+# every state probed on every prompt, the KL reward on the model's own continuations, one threshold per layer
+# (docs/methods/compilerkv.md, issue #35).
 compilerkv: setup
-	$(BIN)/kvcompile tables
+	$(BIN)/kvcompile tables --design every-state --loss kl --continuation-from greedy --budgets 256 --prompts 16 \
+		--rounds 1 --entropy-bins 1 --perplexity-bins 1
 
 bench-compilerkv: setup
 	$(BIN)/python -m benchmarks.compilerkv.table_stability
-	$(BIN)/python -m benchmarks.compilerkv.ablation
+	$(BIN)/python -m benchmarks.compilerkv.ablation --budgets 256 --passages 16 --continuations corpus,greedy \
+		--depths 0.05,0.5,0.95 --variants "learned tables,W_head = 1,threshold 0.9 everywhere,random tables,neutral tables"
 
 # KVCompose's attention statistics for the default model (about 7 minutes on 2 CPU cores), with their picture.
 kvcompose: setup

@@ -23,7 +23,8 @@ def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = Fals
     """The rows as `<out>.csv`, the rendered table as `out`; the table is printed too (unless `quiet`: partial
     results written as a long run goes)."""
     with open(out.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        fields = list(dict.fromkeys(key for row in rows for key in row))  # rows of several kinds: every column
+        writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     out.write_text(markdown)

@@ -452,17 +452,44 @@ def tables(
             "the default: more signal per probe and a lower loss, benchmarks/compilerkv/compilerkv_reward_noise.md)."
         ),
     ] = "head",
+    design: Annotated[
+        str,
+        typer.Option(
+            help="The experience design: sampled (a few states per prompt, many actions: the paper's shape) or "
+            "every-state (every head and layer probed on every prompt with weights 1.0/1.5 and thresholds "
+            "0.8/0.9/1.0 from neutral tables: as many records per state as prompts)."
+        ),
+    ] = "sampled",
+    loss: Annotated[
+        str,
+        typer.Option(
+            help="The rollouts' loss: nll (the continuation's NLL, the paper's reward) or kl (its KL divergence "
+            "from the full cache's next-token distributions: the same expectation, about half the noise)."
+        ),
+    ] = "nll",
+    continuation_from: Annotated[
+        str,
+        typer.Option(help="Whose continuation is scored: corpus (the text's own) or greedy (the full-cache model's)."),
+    ] = "corpus",
+    entropy_bins: Annotated[
+        int, typer.Option(help="Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer).")
+    ] = 20,
+    perplexity_bins: Annotated[int, typer.Option(help="Window-perplexity bins of the risk gate.")] = 4,
     from_experience: Annotated[
         Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
     ] = None,
 ) -> tuple:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
     from kvcompile.recipes.compilerkv.recipe import TablesRecipe
-    from kvcompile.recipes.compilerkv.settings import TablesSettings
+    from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 
+    if design not in DESIGNS:
+        raise KVRuntimeError(f"--design {design!r}: choose one of {', '.join(DESIGNS)}")
     settings = TablesSettings(
         budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
-        continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility,
+        continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility, loss=loss,
+        continuation_from=continuation_from, entropy_bins=entropy_bins, perplexity_bins=perplexity_bins,
+        design=DESIGNS[design],
     )  # fmt: skip
     return TablesRecipe(corpus, from_experience), settings
 

@@ -2,6 +2,7 @@
 against plain forwards, the whole compile (relearning, resume) and its refusals."""
 
 import dataclasses
+import random
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
+from kvcompile.recipes.compilerkv import experience_collection
 from kvcompile.recipes.compilerkv import tables as tables_module
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
@@ -29,9 +31,9 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
     table_advantage,
 )
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
-from kvcompile.recipes.compilerkv.experience_collection import stratified_choice
+from kvcompile.recipes.compilerkv.experience_collection import design_actions, greedy_continuation, stratified_choice
 from kvcompile.recipes.compilerkv.offline_cql import fit_greedy_table, one_hot
-from kvcompile.recipes.compilerkv.settings import CQLSettings
+from kvcompile.recipes.compilerkv.settings import DESIGNS, CQLSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
 from kvruntime.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention
@@ -345,3 +347,66 @@ def test_a_model_with_non_finite_outputs_is_refused_and_nothing_is_written(tmp_p
     with pytest.raises(KVRuntimeError, match="continuation NLL is nan"):
         compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, SMALL)
     assert not out.exists()
+
+
+EVERY_STATE = dataclasses.replace(
+    SMALL,
+    budgets=(100,),
+    rounds=1,
+    entropy_bins=1,
+    perplexity_bins=1,
+    loss="kl",
+    continuation_from="greedy",
+    design=DESIGNS["every-state"],
+)
+
+
+def test_the_every_state_design_probes_every_state_on_every_prompt_with_its_own_actions(monkeypatch, tmp_path):
+    """Every (layer, query head) gets weights 1.0 and 1.5, every layer thresholds 0.8, 0.9 and 1.0, on every prompt;
+    the actions the neutral tables already take cost no rollout and have reward 0; the KL loss reaches the scorer."""
+    losses = []
+    real_scorer = experience_collection.ContinuationScorer
+
+    def spy(*args, loss="nll", **kwargs):
+        losses.append(loss)
+        return real_scorer(*args, loss=loss, **kwargs)
+
+    monkeypatch.setattr(experience_collection, "ContinuationScorer", spy)
+    model = tiny_model("llama")
+    out = tmp_path / "compilerkv_tables.safetensors"
+    tables, artifact = compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, EVERY_STATE)
+    prompts, layers, heads = EVERY_STATE.prompts, 4, 4
+    # One scorer per unit (head and gate phases) on the KL; the prefill's own one measures the full cache's NLL.
+    assert sorted(losses) == ["kl"] * (2 * prompts) + ["nll"] * prompts
+    experience = Experience.from_artifact(artifact)
+    head, gate = experience.head, experience.gate
+    head_actions = HEAD_ACTIONS[head.column("action")]
+    gate_actions = GATE_ACTIONS[gate.column("action")]
+    assert len(head) == prompts * layers * heads * 2 and len(gate) == prompts * layers * 3
+    assert set(head_actions.tolist()) == {1.0, 1.5}
+    assert torch.allclose(torch.tensor(sorted(set(gate_actions.tolist()))), torch.tensor([0.8, 0.9, 1.0]))
+    states = head.column("prompt") * layers * heads + head.column("layer") * heads + head.column("head")
+    assert torch.equal(torch.bincount(states), torch.full((prompts * layers * heads,), 2))
+    neutral_head = head_actions == 1.0
+    assert bool((experience.head_rewards()[neutral_head] == 0).all())
+    neutral_gate = (gate_actions - 0.9).abs() < 1e-6
+    assert bool((experience.gate_rewards()[neutral_gate] == 0).all())
+    assert bool((head.column("base_nll") > 0).all())  # a KL from the full cache: positive when entries are dropped
+    assert tables.tensors["risk_thresholds"].shape == (1, layers, 1, 1)
+
+
+def test_the_greedy_continuation_is_the_full_cache_models_own_argmax_tokens():
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    text = greedy_continuation(model, ids, context=30, tokens=6)
+    reference = ids[:, :30]
+    with torch.no_grad():
+        for _ in range(6):  # no cache: every step recomputes the whole prefix
+            reference = torch.cat([reference, model(reference).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(text, reference)
+
+
+def test_design_actions_off_the_grid_are_refused():
+    design = dataclasses.replace(DESIGNS["every-state"], head_weights=(1.0, 1.23))
+    with pytest.raises(KVRuntimeError, match=r"head actions \[1.23\] are not on the action grid"):
+        design_actions("head", design, random.Random(0))

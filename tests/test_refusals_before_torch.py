@@ -79,11 +79,11 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "budget not compiled for compilerkv, without nearest budget": (
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
-        "not 300: pass one of them",
+        "not 300: pass it (--budget)",
     ),
     "budget compilerkv did not compile": (
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
-        "compiled for budgets 256, 512 tokens per layer, not 300",
+        "compiled for budget 256 tokens per layer, not 300",
     ),
     "ratio outside kvcompose's compiled ratios": (
         lambda d: [*GENERATE, "--method", "kvcompose", "--ratio", "0.99"],
@@ -163,6 +163,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "--lengths 99999: 99999 positions, more than the model's 8192",
     ),
     "tables: budget below the window": (lambda d: ["tables", "--budgets", "0"], "--budgets must lie between"),
+    "tables: an unknown experience design": (lambda d: ["tables", "--design", "all"], "--design 'all': choose one of"),
+    "tables: an unknown loss": (lambda d: ["tables", "--loss", "mse"], "--loss 'mse': choose one of nll, kl"),
     "tables: the experience's name taken by another file": (
         lambda d: ["tables", "--out", _user_file(d, "t.experience.safetensors").replace(".experience", "")],
         "t.experience.safetensors exists and is not a compilerkv_experience artifact",

@@ -36,6 +36,7 @@ from kvcompile.recipes.compilerkv.bandit_experience import gate_fallback
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer
 from kvcompile.recipes.compilerkv.experience_collection import (
     SelectionRule,
+    greedy_continuation,
     kept_sets,
     prefill_prompt,
     variant_nlls,
@@ -182,11 +183,7 @@ def main() -> None:
     for index, (_, ids) in enumerate(texts):
         for continuation in continuations:
             if continuation == "greedy":  # the full-cache model's own continuation of the context
-                context = ids[:, : args.context]
-                ids = model.generate(
-                    context, attention_mask=torch.ones_like(context), do_sample=False,
-                    max_new_tokens=args.continuation, min_new_tokens=args.continuation,
-                )  # fmt: skip
+                ids = greedy_continuation(model, ids, args.context, args.continuation)
             prompt = prefill_prompt(model, ids, args.context, index, args.batch_size)
             for utility, budget, loss in itertools.product(utilities, budgets, losses):
                 rows += measure(model, prompt, budget, utility, args.batch_size, loss, continuation)

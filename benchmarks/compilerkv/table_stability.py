@@ -6,7 +6,9 @@ signal-to-noise ratio, from the stored experience alone (no model run).
 Split half: both tables relearned from the records of two random halves of the calibration prompts
 (`Experience.prompt_halves`; same learner and settings); agreement = share of entries, among states both halves have records for, where the two
 tables hold the same action (or one within a grid step); chance = the agreement of two tables drawn independently
-from the two halves' own action frequencies. Held-out advantage (`table_advantage`): each half's table judged on
+from the two halves' own action frequencies; kappa = (same - chance) / (1 - chance), Cohen's: 0 for agreement
+by chance, 1 for tables that agree everywhere (where a design tries two actions per state chance is near 50%, so
+kappa, not the ratio to chance, says how much of a table repeats). Held-out advantage (`table_advantage`): each half's table judged on
 the other half's records (how much better its action did than the actions tried, in nats of continuation NLL),
 against random tables of the same grid judged the same way (on each half, weighted alike). Signal vs noise: within one (prompt, state), the spread
 of the paired rewards over the actions tried (what the learner must rank) against the spread of one (state,
@@ -88,10 +90,10 @@ def main() -> None:
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
         f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
         "",
-        "| table | states with records in both halves | same action | within one grid step | chance (same) | "
+        "| table | states with records in both halves | same action | within one grid step | chance (same) | kappa | "
         "held-out advantage (states) | random tables' advantage (mean of 20) | "
         "reward range over actions, within a prompt (median) | reward std over prompts, per state and action (median) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     split = experience.prompt_halves()
     head = [learn_head_table(h, layers, heads, cql) for h in split]
@@ -122,6 +124,7 @@ def main() -> None:
         within, across = spreads(*judge(experience, whole), state)
         lines.append(
             f"| {table} | {int(seen.sum())} of {seen.numel()} | {same:.1%} | {near:.1%} | {chance:.1%} | "
+            f"{(same - chance) / (1 - chance):+.2f} | "
             f"{held_out:+.5f} ({counted}) | {statistics.mean(random):+.5f} | {within:.5f} | {across:.5f} |"
         )
     Path(args.out).write_text("\n".join(lines) + "\n")

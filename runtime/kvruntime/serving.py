@@ -61,15 +61,19 @@ def check_memory(name: str, required: str | None, memory: str) -> None:
         )
 
 
+def _budgets_text(budgets: Sequence[int]) -> str:
+    return f"budgets {', '.join(map(str, budgets))}" if len(budgets) > 1 else f"budget {budgets[0]}"
+
+
 def compiled_budget_index(budgets: Sequence[int], budget: int, nearest: bool = False) -> int:
     """The index of a compiled budget; a budget not compiled is refused unless `nearest` is set."""
     if budget in budgets:
         return list(budgets).index(budget)
     if not nearest:
         raise KVRuntimeError(
-            f"compilerkv tables were compiled for budgets {', '.join(map(str, budgets))} tokens per layer, "
-            f"not {budget}: pass one of them (--budget), or allow the nearest compiled budget "
-            "(nearest_budget=True, --nearest-budget)"
+            f"compilerkv tables were compiled for {_budgets_text(budgets)} tokens per layer, "
+            f"not {budget}: pass {'one of them' if len(budgets) > 1 else 'it'} (--budget), or allow the nearest "
+            "compiled budget (nearest_budget=True, --nearest-budget)"
         )
     return min(range(len(budgets)), key=lambda i: (abs(budgets[i] - budget), budgets[i]))
 

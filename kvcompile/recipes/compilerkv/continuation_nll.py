@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcompile.recipes.compilerkv.settings import LOSSES
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.cache_ops import cache_argument
-
-LOSSES = ("nll", "kl")
 
 
 class KeptEntriesCache:

@@ -68,6 +68,17 @@ def prefill_with_signals(
     return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs), cache, logprobs[-1]
 
 
+@torch.no_grad()
+def greedy_continuation(model: nn.Module, ids: torch.Tensor, context: int, tokens: int) -> torch.Tensor:
+    """The first `context` tokens of `ids` followed by the full-cache model's own greedy continuation of them
+    (`tokens` long): [1, context + tokens]."""
+    prefix = ids[:, :context]
+    return model.generate(
+        prefix, attention_mask=torch.ones_like(prefix), do_sample=False, max_new_tokens=tokens,
+        min_new_tokens=tokens, pad_token_id=0,
+    )  # fmt: skip
+
+
 def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int, batch_size: int) -> CalibrationPrompt:
     """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and decode the
     continuation over the full cache."""
@@ -124,9 +135,11 @@ def probed_states(
     """Stratified probes: units walk through one seeded permutation of the (layer, KV group) pairs (head) or of
     the layers (gate), so that every state is probed about equally often over a round."""
     population = layers * groups if kind == "head" else layers
+    count = design.head_groups if kind == "head" else design.gate_layers
+    if count is None:  # every state on every unit
+        return list(range(population))
     order = list(range(population))
     random.Random(f"{seed}:{round_}:{kind}").shuffle(order)
-    count = design.head_groups if kind == "head" else design.gate_layers
     return [order[(unit * count + j) % population] for j in range(min(count, population))]
 
 
@@ -138,9 +151,19 @@ def kept_sets(
     return [_kept(layer, count) for layer, count in zip(scores, counts)]
 
 
-def _sampled_actions(grid: int, count: int, stride: int, rng: random.Random) -> list[int]:
-    """`count` distinct action indices of the grid's every `stride`-th point (its ends always among the points)."""
-    points = sorted({*range(0, grid, stride), grid - 1})
+def design_actions(kind: str, design: ExperienceDesign, rng: random.Random) -> list[int]:
+    """The action indices one probed state gets: the design's own values (`head_weights`, `gate_thresholds`), else
+    `head_actions` / `gate_actions` distinct points of the grid's every `action_stride`-th (its ends among them)."""
+    grid = HEAD_ACTIONS if kind == "head" else GATE_ACTIONS
+    values = design.head_weights if kind == "head" else design.gate_thresholds
+    if values:
+        indices = [int((grid - value).abs().argmin()) for value in values]
+        off_grid = [v for v, i in zip(values, indices) if abs(float(grid[i]) - v) > 1e-6]
+        if off_grid:
+            raise KVRuntimeError(f"{kind} actions {off_grid} are not on the action grid {grid.tolist()}")
+        return indices
+    count = design.head_actions if kind == "head" else design.gate_actions
+    points = sorted({*range(0, len(grid), design.action_stride), len(grid) - 1})
     return sorted(rng.sample(points, min(count, len(points))))
 
 
@@ -156,18 +179,17 @@ def head_probes(
     budget: int,
     rule: SelectionRule,
     probes: list[int],
-    count: int,
-    stride: int,
+    design: ExperienceDesign,
     rng: random.Random,
 ) -> list[Probe]:
-    """For each probed (layer, KV group): `count` weights from HEAD_ACTIONS, each given to one query head of the
-    group at a time while every other head keeps its table weight."""
+    """For each probed (layer, KV group): the design's weights from HEAD_ACTIONS, each given to one query head of
+    the group at a time while every other head keeps its table weight."""
     kv_heads = signals.rho.shape[1]
     group = head_reliability.shape[1] // kv_heads
     found = []
     for probe in probes:
         layer, kv_head = divmod(probe, kv_heads)
-        actions = _sampled_actions(len(HEAD_ACTIONS), count, stride, rng)
+        actions = design_actions("head", design, rng)
         for head in range(kv_head * group, (kv_head + 1) * group):
             for action in actions:
                 weights = head_reliability[layer].clone()
@@ -185,14 +207,13 @@ def gate_probes(
     budget: int,
     rule: SelectionRule,
     probes: list[int],
-    count: int,
-    stride: int,
+    design: ExperienceDesign,
     rng: random.Random,
 ) -> list[Probe]:
-    """For each probed layer: `count` thresholds from GATE_ACTIONS for that layer, the others unchanged."""
+    """For each probed layer: the design's thresholds from GATE_ACTIONS for that layer, the others unchanged."""
     found = []
     for layer in probes:
-        actions = _sampled_actions(len(GATE_ACTIONS), count, stride, rng)
+        actions = design_actions("gate", design, rng)
         for action in actions:
             varied = list(thresholds)
             varied[layer] = float(GATE_ACTIONS[action])
@@ -221,33 +242,22 @@ def collect_unit(
     round_: int,
     records: Records,
     batch_size: int,
+    loss: str = "nll",
 ) -> None:
     """Probe one (prompt, budget) under the current tables (W [L, Hq] and thresholds [L] for this prompt's risk
-    bins) and append one record per probed (state, action), with the base rollout's NLL for pairing."""
+    bins) and append one record per probed (state, action), with the base rollout's loss for pairing (the `nll`
+    columns hold the rollouts' `loss`: the continuation's NLL, or its KL from the full cache)."""
     signals = prompt.signals
     scores = [layer_scores(signals, layer, weights, rule.utility) for layer, weights in enumerate(head_reliability)]
     thresholds = [float(t) for t in risk_thresholds]
     base_kept = kept_sets(scores, thresholds, budget, rule)
-    scorer = ContinuationScorer(model, prompt.prefilled, batch_size)
+    scorer = ContinuationScorer(model, prompt.prefilled, batch_size, loss=loss)
     base = scorer.base(base_kept)
     _finite(base.loss, prompt.index)
     if kind == "head":
-        found = head_probes(
-            signals,
-            scores,
-            head_reliability,
-            thresholds,
-            budget,
-            rule,
-            probes,
-            design.head_actions,
-            design.action_stride,
-            rng,
-        )
+        found = head_probes(signals, scores, head_reliability, thresholds, budget, rule, probes, design, rng)
     else:
-        found = gate_probes(
-            prompt, scores, thresholds, budget, rule, probes, design.gate_actions, design.action_stride, rng
-        )
+        found = gate_probes(prompt, scores, thresholds, budget, rule, probes, design, rng)
     nlls = variant_nlls(scorer, base, [kept for _, _, kept in found], prompt.index)
     for (layer, row, _), nll in zip(found, nlls):
         records.append(

@@ -9,8 +9,8 @@ from kvruntime import Artifact
 
 
 def plot_compilerkv_tables(artifact: Artifact, path: Path) -> str:
-    """W_head per budget (layer x head), T_gate per budget over (entropy bin, perplexity bin) averaged over layers
-    (dots: cells with calibration prompts of their own), and the CQL learning curves."""
+    """W_head per budget (layer x head), T_gate per budget and layer (mean and range over the risk cells), and the
+    CQL learning curves."""
     tensors = artifact.tensors
     budgets = tensors["budgets"].tolist()
     columns = max(len(budgets), 2)
@@ -29,21 +29,18 @@ def plot_compilerkv_tables(artifact: Artifact, path: Path) -> str:
         axis.set_xlabel("query head")
         axis.set_ylabel("layer")
         axis = axes[1][index]
-        gate = axis.imshow(
-            tensors["risk_thresholds"][index].mean(dim=0).numpy(),
-            aspect="auto",
-            cmap="viridis",
-            vmin=0.8,
-            vmax=1.0,
-            origin="lower",
-        )
-        seen = tensors["gate_support"][index].sum(dim=0).nonzero()
-        axis.scatter(seen[:, 1], seen[:, 0], s=8, c="white", marker="o")
-        axis.set_title(f"T_gate over layers, B={budget}")
-        axis.set_xlabel("perplexity bin")
-        axis.set_ylabel("entropy bin")
+        thresholds = tensors["risk_thresholds"][index].flatten(1)  # [layers, risk cells]
+        layers = range(len(thresholds))
+        axis.plot(layers, thresholds.mean(dim=1).tolist(), marker="o", label="mean over risk cells")
+        if thresholds.shape[1] > 1:
+            low, high = thresholds.min(dim=1).values.tolist(), thresholds.max(dim=1).values.tolist()
+            axis.fill_between(layers, low, high, alpha=0.25, label="range over risk cells")
+            axis.legend(fontsize="small")
+        axis.set_ylim(0.79, 1.01)
+        axis.set_title(f"T_gate per layer, B={budget}")
+        axis.set_xlabel("layer")
+        axis.set_ylabel("threshold")
     figure.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="head weight")
-    figure.colorbar(gate, ax=axes[1].tolist(), shrink=0.8, label="threshold")
     for axis, name in zip(axes[2][:2], ("head", "gate")):
         for round_, curve in enumerate(tensors[f"{name}_learning_curve"].tolist()):
             axis.plot(range(1, len(curve) + 1), curve, marker=".", label=f"fit {round_ + 1}")

@@ -14,16 +14,34 @@ from kvruntime.serving import UTILITIES
 WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
 
 
+LOSSES = ("nll", "kl")  # the rollouts' loss: the continuation's NLL (the paper's) or its KL from the full cache
+CONTINUATIONS = ("corpus", "greedy")  # whose continuation is scored: the corpus's or the full-cache model's own
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperienceDesign:
     """How much is probed per (prompt, budget): (layer, KV group) pairs x weights for the head table (every query
-    head of a probed group gets the same weights), layers x thresholds for the gate."""
+    head of a probed group gets the same weights), layers x thresholds for the gate. None: every pair or layer on
+    every unit; given `head_weights` / `gate_thresholds`, exactly those actions instead of a sample of the grid."""
 
-    head_groups: int = 2  # (layer, KV group) pairs probed for the head table
+    head_groups: int | None = 2  # (layer, KV group) pairs probed for the head table
     head_actions: int = 8  # weight settings tried on each
-    gate_layers: int = 4  # layers probed for the gate table
+    gate_layers: int | None = 4  # layers probed for the gate table
     gate_actions: int = 7  # thresholds tried on each
     action_stride: int = 1  # actions are drawn from every `action_stride`-th grid point (more records per action)
+    head_weights: tuple[float, ...] = ()
+    gate_thresholds: tuple[float, ...] = ()
+
+
+# Named designs (`kvcompile tables --design`). "sampled": a few states and many actions per unit, the tables'
+# current actions as the base (the paper's shape). "every-state": every state on every prompt with few actions from
+# neutral tables, so each state's records number the prompts (benchmarks/compilerkv/compilerkv_oracle_tables.md).
+DESIGNS = {
+    "sampled": ExperienceDesign(),
+    "every-state": ExperienceDesign(
+        head_groups=None, gate_layers=None, head_weights=(1.0, 1.5), gate_thresholds=(0.8, 0.9, 1.0)
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +72,8 @@ class TablesSettings:
     penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
     elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
     utility: str = "head"  # the stabilized utility the tables weight (kvruntime.serving.UTILITIES)
+    loss: str = "nll"  # the rollouts' loss (LOSSES)
+    continuation_from: str = "corpus"  # whose continuation the loss is taken on (CONTINUATIONS)
     design: ExperienceDesign = ExperienceDesign()
     cql: CQLSettings = CQLSettings()
     seed: int = 0
@@ -79,8 +99,13 @@ class TablesSettings:
             )
         if self.entropy_bins < 1 or self.perplexity_bins < 1:
             raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
-        if self.utility not in UTILITIES:
-            raise KVRuntimeError(f"--utility {self.utility!r}: choose one of {', '.join(UTILITIES)}")
+        for option, value, choices in (
+            ("--utility", self.utility, UTILITIES),
+            ("--loss", self.loss, LOSSES),
+            ("--continuation-from", self.continuation_from, CONTINUATIONS),
+        ):
+            if value not in choices:
+                raise KVRuntimeError(f"{option} {value!r}: choose one of {', '.join(choices)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

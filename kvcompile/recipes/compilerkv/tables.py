@@ -40,6 +40,7 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
 from kvcompile.recipes.compilerkv.experience_collection import (
     SelectionRule,
     collect_unit,
+    greedy_continuation,
     prefill_prompt,
     prefill_with_signals,
     probed_states,
@@ -163,8 +164,15 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
     candidate_risks = sum(part["risks"] for part in gather_dicts(shard, {"risks": candidate_risks}))
     chosen = stratified_choice(candidate_risks, settings.prompts, settings.strata, settings.seed)
     own = list(shard.items(settings.prompts))
+
+    def scored_text(index: int) -> torch.Tensor:
+        ids = calibration[chosen[index]][1]
+        if settings.continuation_from == "greedy":
+            return greedy_continuation(model, ids, settings.context, settings.continuation)
+        return ids
+
     prompts = {
-        index: prefill_prompt(model, calibration[chosen[index]][1], settings.context, index, settings.batch_size)
+        index: prefill_prompt(model, scored_text(index), settings.context, index, settings.batch_size)
         for index in tqdm(own, desc="prefill chosen prompts", unit="prompt")
     }
     signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
@@ -261,6 +269,7 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
                     round_,
                     own_records[kind],
                     settings.batch_size,
+                    settings.loss,
                 )
                 bar.update()
                 bar.set_postfix(records=len(own_records[kind]))
