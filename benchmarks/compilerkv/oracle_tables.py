@@ -79,6 +79,12 @@ def random_tables(layers: int, heads: int, seed: int) -> tuple[torch.Tensor, lis
     return weights, thresholds
 
 
+def moved_entries(tables: tuple[torch.Tensor, list[float]]) -> tuple[int, int]:
+    """How many head weights and thresholds a table moves away from the neutral ones."""
+    weights, thresholds = tables
+    return int((weights != 1.0).sum()), sum(t != NEUTRAL_THRESHOLD for t in thresholds)
+
+
 def table_loss(model, prompt, tables, budget: int, rule: SelectionRule, batch_size: int, loss: str) -> float:
     weights, thresholds = tables
     scores = [layer_scores(prompt.signals, layer, w, rule.utility) for layer, w in enumerate(weights)]
@@ -158,20 +164,17 @@ def render(rows, per_prompt, oracle, crossfit, args) -> str:
                     "prompts where it helps": sum(a > 0 for a in advantages),
                 }
             )
-    neutral = {r["prompt"]: r["neutral"] for r in per_prompt}
-    additive = sum(max(0.0, v) for k, v in state_means(rows, set(neutral)).items() if k[0] == "head")
-    changed = lambda tables: (  # noqa: E731
-        int((tables[0] != 1.0).sum()),
-        sum(t != NEUTRAL_THRESHOLD for t in tables[1]),
-    )
-    halves = [changed(crossfit[h]) for h in (0, 1)]
+    prompts = {r["prompt"] for r in per_prompt}
+    additive = sum(max(0.0, v) for k, v in state_means(rows, prompts).items() if k[0] == "head")
+    moved = moved_entries(oracle)
+    halves = [moved_entries(crossfit[h]) for h in (0, 1)]
     agreement = float((crossfit[0][0] == crossfit[1][0]).float().mean())
     lines = [
         "# CompilerKV: the best table the probes can find, and what half the prompts can learn (default model)",
         "",
         f"Command: `{command_line()}`  ",
         f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {len(neutral)} held-out Moby-Dick prompts "
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {len(prompts)} held-out Moby-Dick prompts "
         f"of {args.context} tokens + {args.continuation_tokens} ({args.continuation} continuation), budget "
         f"{args.budget} per layer, `{args.utility}` utility; tables chosen on the loss `{args.loss}` (nats per "
         f"continuation token). Neutral tables: W_head = 1, every threshold {NEUTRAL_THRESHOLD:.2f}. Every state "
@@ -180,7 +183,7 @@ def render(rows, per_prompt, oracle, crossfit, args) -> str:
         "",
         *markdown_table(summary),
         "",
-        f"- The oracle raises {changed(oracle)[0]} of {oracle[0].numel()} head weights and moves {changed(oracle)[1]} "
+        f"- The oracle raises {moved[0]} of {oracle[0].numel()} head weights and moves {moved[1]} "
         f"of {len(oracle[1])} thresholds; the two halves' tables raise {halves[0][0]} and {halves[1][0]} weights and "
         f"move {halves[0][1]} and {halves[1][1]} thresholds, and agree on {agreement:.0%} of the head weights.",
         f"- Sum of the head probes' positive mean rewards (if their effects added up): {additive:+.5f}.",
