@@ -102,8 +102,18 @@ def head_state_features(
 ) -> np.ndarray:
     """(budget, layer, query head): the budget as an ordinal coordinate (neighbouring budgets share their
     experience), layer and head one-hot (the network can share what layers and heads have in common where a single
-    state has little data)."""
-    return np.concatenate([ordinal(budget, sizes[0]), one_hot(layer, sizes[1]), one_hot(head, sizes[2])], axis=1)
+    state has little data), and the (layer, head) pair one-hot: a head's reliability is its own, and with the layer
+    and head codes alone the fit came out nearly additive (whole layers raised, which weights relative to the
+    layer's largest turn into no change)."""
+    return np.concatenate(
+        [
+            ordinal(budget, sizes[0]),
+            one_hot(layer, sizes[1]),
+            one_hot(head, sizes[2]),
+            one_hot(layer * sizes[2] + head, sizes[1] * sizes[2]),
+        ],
+        axis=1,
+    )
 
 
 def gate_state_features(
