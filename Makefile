@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -110,6 +110,11 @@ bench-overhead: $(BENCH_VENV)/bin/.installed
 # beside kvpress's per-layer presses (about 25 minutes on 2 CPU cores).
 bench-memory: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.performance.prefill_memory
+
+# Prompts per second and peak memory of batches of 1, 4 and 8 prompts of 2k tokens, compressed at 0.5 and 0.9 and
+# not, and the largest batch within a memory budget (issue 36).
+bench-batches: setup
+	$(BIN)/python -m benchmarks.performance.batch_throughput
 
 # What streaming the prefill in chunks of 256 tokens costs in answers: each streamable method one-shot and chunked,
 # on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/performance/eval_streaming/.

@@ -105,9 +105,40 @@ def _read_text(path: Path, what: str = "prompt file") -> str:
     return text
 
 
+def _read_prompts(paths: list[Path]) -> list[tuple[str, str]]:
+    """(name, text) of every prompt: a text file is one prompt ("prompt file <path>"); a .jsonl file holds one per
+    line, as a JSON string or an object with a "prompt" string ("prompt <path>:<line>")."""
+    prompts = []
+    for path in paths:
+        text = _read_text(path)
+        if path.suffix != ".jsonl":
+            prompts.append((f"prompt file {path}", text))
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                raise KVRuntimeError(f"line {number} of {path} is not JSON: give one prompt per line") from None
+            prompt = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise KVRuntimeError(
+                    f'line {number} of {path} holds no prompt: write a JSON string or {{"prompt": "..."}}'
+                )
+            prompts.append((f"prompt {path}:{number}", prompt))
+    return prompts
+
+
 @app.command()
 def generate(
-    prompt_file: Annotated[Path, typer.Option(help="Text file holding the prompt (the context in question mode).")],
+    prompt_file: Annotated[
+        list[Path],
+        typer.Option(
+            help="Text file holding the prompt (the context in question mode). Repeat it for several prompts, or "
+            'give a .jsonl file of prompts (a JSON string or {"prompt": ...} per line).'
+        ),
+    ],
     method: Annotated[
         str | None,
         typer.Option(
@@ -152,9 +183,17 @@ def generate(
             "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
         ),
     ] = None,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            help="Prompts generated together (left-padded): each row is compressed as it would be alone, and the "
+            "batch decodes at once."
+        ),
+    ] = 1,
 ) -> None:
-    """Generate from a prompt file with a compressed KV cache, then print the compression report. The prompt file
-    is the user's turn of the model's chat template (`--prompt-format auto`, for instruct models) or raw text."""
+    """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
+    several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
+    template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
         from kvcompile.prompt_format import check_prompt_format
         from kvruntime import ARTIFACT_KINDS, Request
@@ -164,7 +203,9 @@ def generate(
         from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
         from kvruntime.serving import check_serves
 
-        prompt = _read_text(prompt_file)
+        prompts = _read_prompts(prompt_file)
+        if batch_size < 1:
+            raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
         check_prompt_format(prompt_format)
         check_model_spec(model)
         if max_new_tokens < 1:
@@ -215,8 +256,6 @@ def generate(
 
             # The artifacts' tensors are checked too before the model loads.
             check_method_serves(method, paths, options, [request], prefill_chunk_size)
-        import torch
-
         import kvruntime
         from kvcompile.prompt_format import chat_frame, uses_chat
 
@@ -228,7 +267,26 @@ def generate(
         def encode(text: str, special: bool = False):
             return tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids
 
-        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        from kvruntime.batch_rows import left_pad
+
+        # A batch's padding token: the tokenizer's own, else its end of text (most causal LMs have no pad token).
+        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        limit = getattr(loaded.config, "max_position_embeddings", None)
+        # Chat: a prompt is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
+        contexts = [(name, text.strip() if chat else text) for name, text in prompts]
+        for name, context in contexts:
+            if encode(context).shape[1] < 2:
+                raise KVRuntimeError(f"{name} holds fewer than 2 tokens: nothing to compress")
+
+        def check_fits(name: str, tokens: int) -> None:
+            check_positions(tokens + max_new_tokens, limit, f"{name} ({tokens} tokens) and {max_new_tokens} new tokens")
+
+        def show(name: str, text: str) -> None:
+            if len(contexts) > 1:
+                typer.echo(f"== {name}")
+            typer.echo(text)
+
         with kvruntime.compress(
             loaded,
             method,
@@ -240,32 +298,36 @@ def generate(
             options=options,
             prefill_chunk_size=prefill_chunk_size,
         ) as session:
-            # Chat: the file is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
-            context = prompt.strip() if chat else prompt
-            if encode(context).shape[1] < 2:
-                raise KVRuntimeError(f"prompt file {prompt_file} holds fewer than 2 tokens: nothing to compress")
-            limit = getattr(loaded.config, "max_position_embeddings", None)
-
-            def check_fits(tokens: int) -> None:
-                what = f"prompt file {prompt_file} ({tokens} tokens) and {max_new_tokens} new tokens"
-                check_positions(tokens + max_new_tokens, limit, what)
-
-            if question:
-                # The context is compressed inside the user's turn; each question ends the turn.
-                context_ids = encode(turn_start + context, special=not chat)
-                separator = "\n\n" if chat else ("" if prompt[-1].isspace() else "\n")
-                questions = [encode(separator + text.strip() + turn_end) for text in question]
-                check_fits(context_ids.shape[1] + max(ids.shape[1] for ids in questions))
-                compressed = session.prefill(context_ids)
-                for text, question_ids in zip(question, questions):
-                    answer = compressed.generate(question_ids, **greedy)[0, question_ids.shape[1] :]
-                    typer.echo(f"Q: {text.strip()}\nA: {tokenizer.decode(answer, skip_special_tokens=True).strip()}")
-            else:
-                ids = encode(turn_start + context + turn_end, special=not chat)
-                check_fits(ids.shape[1])
-                output = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **greedy)
-                typer.echo(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).strip())
-        typer.echo(str(session.report))
+            for first in range(0, len(contexts), batch_size):
+                batch = contexts[first : first + batch_size]
+                if question:
+                    # The context is compressed inside the user's turn; each question ends the turn.
+                    rows = [encode(turn_start + context, special=not chat)[0] for _, context in batch]
+                    separators = ["\n\n" if chat else ("" if context[-1].isspace() else "\n") for _, context in batch]
+                    # Per question, its ids after each row's context.
+                    asked = [[encode(sep + text.strip() + turn_end)[0] for sep in separators] for text in question]
+                    for (name, _), row, its_questions in zip(batch, rows, zip(*asked)):
+                        check_fits(name, len(row) + max(len(ids) for ids in its_questions))
+                    ids, mask = left_pad(rows, pad)
+                    compressed = session.prefill(ids, attention_mask=mask)
+                    answers = [[] for _ in batch]
+                    for text, per_row in zip(question, asked):
+                        question_ids, question_mask = left_pad(per_row, pad)
+                        output = compressed.generate(question_ids, attention_mask=question_mask, **greedy)
+                        for lines, answer in zip(answers, output[:, question_ids.shape[1] :]):
+                            decoded = tokenizer.decode(answer, skip_special_tokens=True).strip()
+                            lines.append(f"Q: {text.strip()}\nA: {decoded}")
+                    for (name, _), lines in zip(batch, answers):
+                        show(name, "\n".join(lines))
+                else:
+                    rows = [encode(turn_start + context + turn_end, special=not chat)[0] for _, context in batch]
+                    for (name, _), row in zip(batch, rows):
+                        check_fits(name, len(row))
+                    ids, mask = left_pad(rows, pad)
+                    output = loaded.generate(input_ids=ids, attention_mask=mask, **greedy)
+                    for (name, _), answer in zip(batch, output[:, ids.shape[1] :]):
+                        show(name, tokenizer.decode(answer, skip_special_tokens=True).strip())
+                typer.echo(str(session.batch_report if len(batch) > 1 else session.report))
 
 
 CorpusOption = Annotated[

@@ -1,11 +1,13 @@
-"""Fixtures: tiny randomly initialised Llama and Qwen2 models built in code (no download), and the real default
-model for the few integration tests."""
+"""Fixtures: tiny randomly initialised Llama, Qwen2 (and Qwen3, by name) models built in code (no download), and the
+real default model for the few integration tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import kvruntime
 import kvruntime.model_loading
@@ -29,6 +31,8 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**TINY))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    elif kind == "qwen3":  # per-head q/k norms before RoPE
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=TINY["hidden_size"] // TINY["num_attention_heads"]))
     else:
         raise ValueError(kind)
     model.config.architectures = [type(model).__name__]
@@ -61,6 +65,8 @@ def place_in_hub_cache(folder, cache, repo_id: str):
 
 class CharTokenizer:
     """A tokenizer for tiny models: one token per character."""
+
+    pad_token_id, eos_token_id = 0, None
 
     def __call__(self, text: str, add_special_tokens: bool = False):
         return type("Encoding", (), {"input_ids": [3 + ord(c) % 90 for c in text]})()
@@ -115,12 +121,47 @@ def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.
     return torch.stack(shares).mean(dim=0)
 
 
-def scorer_that_prefers(model: torch.nn.Module, feature: int, sign: float = 1.0) -> kvruntime.Artifact:
+def scorer_that_prefers(
+    model: torch.nn.Module, feature: int, sign: float = 1.0, oracle: str = "test"
+) -> kvruntime.Artifact:
     """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
     fingerprint = kvruntime.model_fingerprint(model)
     weights = torch.zeros(fingerprint.num_layers, feature_count(model.config.hidden_size), fingerprint.num_kv_heads)
     weights[:, feature] = sign
-    return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
+    return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": oracle})
+
+
+def compiled_artifacts(
+    model: torch.nn.Module, folder: Path, ratios: tuple[float, ...], prompt_tokens: int
+) -> list[Path]:
+    """Artifacts of every kind a method applies, for a tiny model: SRH head scores, very uneven layer errors (some
+    layers' error-aware budgets then exceed the context at small ratios), KVCompose statistics compiled for
+    `ratios` on a synthetic corpus, and a distilled scorer (one feature; its oracle, reconstruction, replayable)."""
+    from kvcompile.calibration.corpus import Corpus
+    from kvcompile.calibration.job import CompileJob
+    from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
+    from kvcompile.recipes.kvcompose.settings import StatsSettings
+
+    corpus = Corpus(
+        "synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(8000)) for i in range(3))
+    )
+    common = dict(model=kvruntime.model_fingerprint(model), provenance={"command": "test"})
+    errors = torch.tensor([0.02, 0.9, 0.03, 0.05])
+    heads = torch.rand(4, 4, generator=torch.Generator().manual_seed(1))
+    settings = StatsSettings(ratios=ratios, prompts=3, prompt_tokens=prompt_tokens)
+    stats = compile_attention_stats(CompileJob(model, CharTokenizer(), folder / "stats.safetensors"), corpus, settings)
+    return [
+        kvruntime.save_artifact(
+            kvruntime.Artifact("srh_heads", {"srh_score": heads}, **common), folder / "srh.safetensors"
+        ),
+        kvruntime.save_artifact(
+            kvruntime.Artifact("layer_budgets", {"layer_error": errors}, **common), folder / "budgets.safetensors"
+        ),
+        kvruntime.save_artifact(stats, folder / "stats.safetensors"),
+        kvruntime.save_artifact(
+            scorer_that_prefers(model, feature=5, oracle="reconstruction"), folder / "scorer.safetensors"
+        ),
+    ]
 
 
 class LargestCache:

@@ -31,7 +31,7 @@ def test_every_command_has_a_one_line_help():
         result = runner.invoke(app, [command, "--help"])
         assert result.exit_code == 0
     listing = runner.invoke(app, ["--help"]).output
-    assert "Generate from a prompt file with a compressed KV cache" in listing
+    assert "Generate from prompt files with a compressed KV cache" in listing
     assert "Print an artifact's kind, model, tensors and metadata" in listing
     assert "Score every query head as a Semantic Retrieval Head" in listing
     assert "Measure each layer's compression error" in listing

@@ -152,12 +152,6 @@ def test_hooks_and_attention_are_removed_after_the_block(tiny, tokens):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.modules())
 
 
-def test_batches_larger_than_one_are_refused(tiny):
-    with kvruntime.compress(tiny, "snapkv", ratio=0.5):
-        with pytest.raises(UnsupportedModelError, match="batch size 1"):
-            tiny.generate(torch.ones(2, 20, dtype=torch.long), max_new_tokens=2, pad_token_id=0)
-
-
 def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama"):

@@ -9,22 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CharTokenizer, scorer_that_prefers, tiny_model
+from conftest import compiled_artifacts, tiny_model
 from test_compilerkv_runtime import BUDGETS, save_tables
 
 import kvruntime
-from kvcompile.calibration.corpus import Corpus
-from kvcompile.calibration.job import CompileJob
-from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvruntime.artifact import Artifact, save_artifact
-from kvruntime.fingerprint import model_fingerprint
 from kvruntime.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 RATIOS = (0.1, 0.25, 0.5, 0.6, 0.75, 0.8, 0.9, 0.95)
 LENGTH = 400
-CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(8000)) for i in range(3)))
 # (method, memory, options): every method and layout the runtime serves by ratio
 CASES = [
     ("snapkv", "padded", {}),
@@ -48,20 +41,7 @@ CASES = [
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def setup(request, tmp_path_factory):
     model = tiny_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    common = dict(model=model_fingerprint(model), provenance={"command": "test"})
-    # Very uneven layer errors, so that the error-aware budgets of some layers exceed the context at small ratios.
-    errors = torch.tensor([0.02, 0.9, 0.03, 0.05])
-    heads = torch.rand(4, 4, generator=torch.Generator().manual_seed(1))
-    settings = StatsSettings(ratios=RATIOS, prompts=3, prompt_tokens=LENGTH)
-    stats = compile_attention_stats(CompileJob(model, CharTokenizer(), folder / "stats.safetensors"), CORPUS, settings)
-    paths = [
-        save_artifact(Artifact("srh_heads", {"srh_score": heads}, **common), folder / "srh.safetensors"),
-        save_artifact(Artifact("layer_budgets", {"layer_error": errors}, **common), folder / "budgets.safetensors"),
-        save_artifact(stats, folder / "stats.safetensors"),
-        save_artifact(scorer_that_prefers(model, feature=5), folder / "scorer.safetensors"),
-    ]
-    return model, paths
+    return model, compiled_artifacts(model, tmp_path_factory.mktemp(request.param), RATIOS, LENGTH)
 
 
 def removed_and_freed(model, paths, method, memory, options, ratio, ids):

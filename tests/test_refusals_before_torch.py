@@ -69,6 +69,18 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "prompt file pipe is not a regular file",
     ),
     "unknown method": (lambda d: [*GENERATE, "--method", "foo"], "unknown method 'foo'"),
+    "a JSONL line that is not JSON": (
+        lambda d: ["generate", "--prompt-file", _text(d, "p.jsonl", '"a prompt"\n{oops\n')],
+        "line 2 of p.jsonl is not JSON",
+    ),
+    "a JSONL line without a prompt": (
+        lambda d: ["generate", "--prompt-file", _text(d, "q.jsonl", '{"text": "no prompt key"}\n')],
+        "line 1 of q.jsonl holds no prompt",
+    ),
+    "a batch of no prompts": (
+        lambda d: [*GENERATE, "--batch-size", "0"],
+        "--batch-size 0: give at least 1 prompt per batch",
+    ),
     "option of the wrong type": (
         lambda d: [*GENERATE, "--method", "kvcompose", "--option", "unstructured=maybe"],
         "kvcompose option unstructured='maybe' is not a boolean",

@@ -19,7 +19,7 @@ from .lazy_exports import lazy_exports
 _EXPORTS = {
     # Applying compression.
     **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
-    "CompressionReport": "report",
+    **dict.fromkeys(("BatchReport", "CompressionReport"), "report"),
     "DEFAULT_MODEL": "default_model",
     "load_model": "model_loading",
     # Methods and requests.

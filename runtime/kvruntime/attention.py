@@ -4,9 +4,10 @@ transformers builds one attention mask for all layers from layer 0's cache lengt
 layers' lengths differ, and a multi-token query (a question) needs each layer's own causal mask. We register an
 attention implementation whose name has no entry in the mask registry, so transformers passes no mask, and the
 function builds the right mask per layer from the key length it receives: every cached entry precedes the new
-queries in the original sequence, so causality is aligned at the right edge. Batch size 1 only (no padding).
-Evicted-but-kept entries (the `masked` memory mode) come in as the keyword `KEEP_MASK_KEYWORD`, injected by the
-engine (and by the compile stage's rollouts, which run layers by hand).
+queries in the original sequence, so causality is aligned at the right edge. Entries attention must not see come in
+as the keyword `KEEP_MASK_KEYWORD` [B, Hkv, N], injected by the engine (and by the compile stage's rollouts, which
+run layers by hand): evicted-but-kept entries (the `masked` memory mode) and a batch's padding (the slots after a
+row's own entries, a padded question's padding), since transformers' own padding mask is not passed here.
 """
 
 from __future__ import annotations

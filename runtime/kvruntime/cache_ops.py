@@ -98,3 +98,10 @@ def truncate(cache: Cache, length: int) -> None:
     for layer in cache.layers:
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
+
+
+def replace_output(output: object, hidden_states: torch.Tensor, cache: Cache) -> object:
+    """A base model's output with other hidden states and cache (under the cache's name, `cache_argument`)."""
+    output.last_hidden_state = hidden_states
+    setattr(output, "cache" if getattr(output, "cache", None) is not None else "past_key_values", cache)
+    return output

@@ -10,6 +10,11 @@ layer cut after each (the cache held never exceeds the budgets plus one chunk in
 unchanged on the smaller cache. Generated
 tokens keep their original positions because transformers derives them from the attention mask, not from the
 (compressed) cache length; the question mode passes them explicitly.
+
+A batch (left-padded, as transformers' generation pads) is prefilled row by row: each row's own tokens go through the
+model alone and are compressed exactly as that prompt alone would be; the rows' caches are then stacked into one
+rectangular cache (each layer as long as its longest row, the slots after a row's entries hidden from attention),
+and decoding runs batched on it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from transformers import Cache, DynamicCache
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
 from .attention import KEEP_MASK_KEYWORD, per_layer_attention
+from .batch_rows import row_starts, stack_rows, stacked_visibility, with_appended
 from .bundle import artifact_files
 from .cache_ops import (
     attention_modules,
@@ -39,12 +45,13 @@ from .cache_ops import (
     hooked_cache,
     keep_entries,
     output_cache,
+    replace_output,
     uncompressed_bytes,
 )
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
-from .report import CompressionReport
+from .report import BatchReport, CompressionReport
 from .request import DEFAULT_METHOD, KeepPlan, Request
 from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
@@ -113,13 +120,17 @@ class CompressionSession:
         self.model = model
         self.method = method
         self.artifacts = list(artifacts)
-        self.reports: list[CompressionReport] = []
+        self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
+        self.batch_reports: list[BatchReport] = []  # one per compressed batch
+        self._latest: CompressionReport | BatchReport | None = None  # what the latest prefill compressed
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
         self.kept_positions: list[torch.Tensor] = []
         self._attention = attention_modules(model)
         self.prefill_chunk_size = prefill_chunk_size
         self._prefill: _Prefill | None = None
         self._feeding_chunks = False  # the earlier chunks of a streamed prompt are going in (the hooks let them be)
+        # A batch's stacked rows (hidden states, cache), waiting for the throwaway forward whose output they replace.
+        self._rows_output: tuple[torch.Tensor, Cache] | None = None
         # Per compressed cache, the masks of its layers whose heads keep fewer entries than their slots (`masked`
         # memory): they belong to that cache's entries, and go when it goes.
         self._keep_masks: weakref.WeakKeyDictionary[Cache, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -149,11 +160,19 @@ class CompressionSession:
         return self.reports[-1]
 
     @property
+    def batch_report(self) -> BatchReport:
+        """The report of the latest compressed batch: each row's report and the batch's bytes held."""
+        if not self.batch_reports:
+            raise KVRuntimeError("no batch was compressed yet: give generate or prefill several prompts")
+        return self.batch_reports[-1]
+
+    @property
     def active(self) -> bool:
         return bool(self._handles)
 
-    def prefill(self, input_ids: torch.Tensor) -> CompressedContext:
-        """Compress a context on its own (without the question) and return it, ready for several questions."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> CompressedContext:
+        """Compress a context on its own (without the question) and return it, ready for several questions.
+        A batch of contexts is left-padded, with its `attention_mask` (1 for a token, 0 for padding)."""
         if not self.active:
             raise KVRuntimeError("prefill inside the `with kvruntime.compress(...)` block: the block has ended")
         if input_ids.ndim != 2 or input_ids.shape[1] < 2:
@@ -161,9 +180,21 @@ class CompressionSession:
                 f"a context of {input_ids.shape[-1] if input_ids.ndim else 0} token(s) has nothing to compress: give at least 2"
             )
         cache = DynamicCache(config=self.model.config)
+        self._latest = None
         with torch.no_grad():
-            self.model(input_ids=input_ids, **cache_argument(self.model, cache), use_cache=True, logits_to_keep=1)
-        return CompressedContext(self, cache, input_ids.shape[1], self.report)
+            self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                **cache_argument(self.model, cache),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        if self._latest is None:
+            raise KVRuntimeError("the context was not compressed")
+        lengths = (
+            [input_ids.shape[1]] * input_ids.shape[0] if attention_mask is None else attention_mask.sum(1).tolist()
+        )
+        return CompressedContext(self, cache, lengths, self._latest)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -190,7 +221,8 @@ class CompressionSession:
     def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._feeding_chunks:
             return None
-        self._prefill = None  # an earlier prefill that raised left its state: it does not apply to this pass
+        # An earlier prefill that raised left its state: it does not apply to this pass.
+        self._prefill, self._rows_output = None, None
         if args:  # the input ids given by position: pass them on by name, as the chunks are
             kwargs, args = {**kwargs, "input_ids": args[0]}, args[1:]
         tokens_key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
@@ -202,11 +234,9 @@ class CompressionSession:
             self._keep_masks.pop(cache, None)
         if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
             return None
-        if batch != 1:
-            raise UnsupportedModelError(f"kvruntime compresses batch size 1 only (got a batch of {batch})")
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
-            raise UnsupportedModelError("padded inputs are not supported: pass one unpadded prompt")
+        if batch != 1 or (isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
+            return args, self._prefill_rows(module, kwargs, tokens_key, cache)
         check_positions(
             length, getattr(self.model.config, "max_position_embeddings", None), f"a prompt of {length} tokens"
         )
@@ -220,6 +250,60 @@ class CompressionSession:
         if chunk is None or length <= chunk or cache is None:
             return args, kwargs
         return args, self._feed_earlier_chunks(module, kwargs, tokens_key, chunk_bounds(length, chunk), state)
+
+    def _prefill_rows(self, module: nn.Module, kwargs: dict, tokens_key: str, cache: Cache | None) -> dict:
+        """A batch, or a padded prompt: each row's own tokens go through the model alone, at batch size 1, and are
+        compressed as that prompt alone would be (padding never enters a row's cache, each row keeps its own ratio
+        or budget of its own length; second-pass methods and streaming work as alone). The rows' caches are then
+        stacked into `cache`, and the arguments of a throwaway one-token forward returned: the forward that called
+        the hook runs it, and `_after_model` replaces its output by the rows' hidden states and the stacked cache."""
+        tokens = kwargs[tokens_key]
+        batch, length = tokens.shape[:2]
+        starts = row_starts(kwargs.get("attention_mask"), batch, length)
+        alone = {
+            key: value
+            for key, value in kwargs.items()
+            if key not in ("attention_mask", "position_ids", "cache_position", "cache", "past_key_values")
+        }
+        first_report = len(self.reports)
+        hidden, row_caches, row_positions = None, [], []
+        for row, start in enumerate(starts):
+            row_cache = DynamicCache(config=self.model.config)
+            row_tokens = tokens[row : row + 1, start:]
+            output = module(**{**alone, tokens_key: row_tokens, **cache_argument(self.model, row_cache)})
+            states = output.last_hidden_state
+            if hidden is None:
+                hidden = states.new_zeros(batch, length, states.shape[-1])
+            # Right-aligned: a streamed prompt's output holds its last chunk only, as it does alone.
+            hidden[row, length - states.shape[1] :] = states[0]
+            row_caches.append(row_cache)
+            # A row short enough to keep whole was not cut: its entries are its positions in order.
+            every = torch.arange(row_tokens.shape[1], device=tokens.device).expand(
+                1, row_cache.layers[0].keys.shape[1], -1
+            )
+            row_positions.append(self.kept_positions or [every] * len(row_cache.layers))
+        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        masks, self.kept_positions = {}, []
+        for index in range(len(row_caches[0].layers)):
+            layers = [row_cache.layers[index] for row_cache in row_caches]
+            cache.update(
+                stack_rows([layer.keys for layer in layers]), stack_rows([layer.values for layer in layers]), index
+            )
+            visible = stacked_visibility(
+                [layer.keys.shape[2] for layer in layers],
+                [self._keep_masks.get(row_cache, {}).get(index) for row_cache in row_caches],
+                layers[0].keys.shape[1],
+                tokens.device,
+            )
+            if visible is not None:
+                masks[index] = visible
+            self.kept_positions.append(stack_rows([positions[index] for positions in row_positions], fill=-1))
+        self._keep_masks[cache] = masks
+        self._latest = BatchReport(self.reports[first_report:], uncompressed_bytes(cache, length), cache_bytes(cache))
+        self.batch_reports.append(self._latest)
+        self._rows_output = (hidden, cache)
+        throwaway = DynamicCache(config=self.model.config)
+        return {**alone, tokens_key: tokens[:, -1:], **cache_argument(self.model, throwaway)}
 
     def _feed_earlier_chunks(
         self, module: nn.Module, kwargs: dict, tokens_key: str, bounds: list[tuple[int, int]], state: _Prefill
@@ -296,15 +380,18 @@ class CompressionSession:
             scores, positions = scores.gather(-1, indices), positions.gather(-1, indices)
         state.held[layer.index] = _HeldEntries(positions, scores, carry)
 
-    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         if self._feeding_chunks:
-            return
+            return None
+        if self._rows_output is not None:  # the throwaway forward of a batch: its output is the rows'
+            (hidden, cache), self._rows_output = self._rows_output, None
+            return replace_output(output, hidden, cache)
         state, self._prefill = self._prefill, None
         if state is None:
-            return
+            return None
         cache = output_cache(output)
         if cache is None:
-            return
+            return None
         started = time.perf_counter()
         peak = max(cache_bytes(cache), state.peak_bytes)
         prefill = Prefill(
@@ -318,24 +405,23 @@ class CompressionSession:
         with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
             slots, entries, notes = self._compress_cache(cache, state, prefill)
         ended = time.perf_counter()
-        self.reports.append(
-            CompressionReport(
-                method=self.method.name,
-                memory=self.memory,
-                requested=self.request.describe(),
-                context_length=state.length,
-                num_kv_heads=cache.layers[0].keys.shape[1],
-                slots_per_layer=slots,
-                entries_per_layer=entries,
-                bytes_before=uncompressed_bytes(cache, state.length),
-                bytes_after=cache_bytes(cache),
-                peak_bytes=peak,
-                prefill_seconds=started - state.started - state.scoring_seconds,
-                compress_seconds=state.scoring_seconds + ended - started,
-                cut=state.path(),
-                notes=notes,
-            )
+        self._latest = CompressionReport(
+            method=self.method.name,
+            memory=self.memory,
+            requested=self.request.describe(),
+            context_length=state.length,
+            num_kv_heads=cache.layers[0].keys.shape[1],
+            slots_per_layer=slots,
+            entries_per_layer=entries,
+            bytes_before=uncompressed_bytes(cache, state.length),
+            bytes_after=cache_bytes(cache),
+            peak_bytes=peak,
+            prefill_seconds=started - state.started - state.scoring_seconds,
+            compress_seconds=state.scoring_seconds + ended - started,
+            cut=state.path(),
+            notes=notes,
         )
+        self.reports.append(self._latest)
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         cache = hooked_cache(kwargs)
@@ -421,37 +507,62 @@ class CompressionSession:
 
 
 class CompressedContext:
-    """A context compressed without its question; answers questions one after another on the same cache."""
+    """A context (or a batch of contexts) compressed without its question; answers questions one after another on
+    the same cache."""
 
     def __init__(
-        self, session: CompressionSession, cache: Cache, context_length: int, report: CompressionReport
+        self,
+        session: CompressionSession,
+        cache: Cache,
+        context_lengths: list[int],
+        report: CompressionReport | BatchReport,
     ) -> None:
         self.session = session
         self.cache = cache
-        self.context_length = context_length
+        self.context_lengths = context_lengths  # each row's own tokens
         self.report = report
 
     @property
     def keep_masks(self) -> dict[int, torch.Tensor]:
-        """The keep masks of the compressed cache's layers (`masked` memory), held with the cache they describe."""
+        """The keep masks of the compressed cache's layers (`masked` memory, a batch's padding), held with the cache
+        they describe."""
         return self.session.keep_masks(self.cache)
 
-    def generate(self, question_ids: torch.Tensor, **generate_kwargs) -> object:
-        """`model.generate` on the question `question_ids` [1, q] after the compressed context; returns what
-        generate returns (sequences start with the question). The compressed context is restored afterwards
-        (zero-copy: transformers' cache update makes new tensors, the originals are kept)."""
+    def generate(
+        self, question_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **generate_kwargs
+    ) -> object:
+        """`model.generate` on the question `question_ids` [B, q] after the compressed context (a batch's questions
+        left-padded, with their `attention_mask`); returns what generate returns (sequences start with the
+        question). The compressed context is restored afterwards (zero-copy: transformers' cache update makes new
+        tensors, the originals are kept)."""
         if not self.session.active:
             raise KVRuntimeError(
                 "answer questions inside the `with kvruntime.compress(...)` block that made the context"
             )
+        if question_ids.shape[0] != len(self.context_lengths):
+            raise KVRuntimeError(
+                f"{question_ids.shape[0]} question(s) for a context of {len(self.context_lengths)} row(s): give one per row"
+            )
         saved = [(layer.keys, layer.values) for layer in self.cache.layers]
+        masks = self.session._keep_masks.get(self.cache, {})
+        if attention_mask is not None and not bool(attention_mask.all()):
+            # The question's padding enters the cache after the context: hidden from attention like the context's.
+            heads = self.cache.layers[0].keys.shape[1]
+            slots = [layer.keys.shape[2] for layer in self.cache.layers]
+            self.session._keep_masks[self.cache] = with_appended(masks, slots, heads, attention_mask)
         try:
             return generate_after_context(
-                self.session.model, self.cache, self.context_length, question_ids, **generate_kwargs
+                self.session.model,
+                self.cache,
+                self.context_lengths,
+                question_ids,
+                attention_mask=attention_mask,
+                **generate_kwargs,
             )
         finally:
             for layer, (keys, values) in zip(self.cache.layers, saved):
                 layer.keys, layer.values = keys, values
+            self.session._keep_masks[self.cache] = masks
 
 
 def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
@@ -462,17 +573,29 @@ def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
 
 
 def generate_after_context(
-    model: nn.Module, cache: Cache, context_length: int, question_ids: torch.Tensor, **generate_kwargs
+    model: nn.Module,
+    cache: Cache,
+    context_length: int | Sequence[int],
+    question_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    **generate_kwargs,
 ) -> object:
-    """`model.generate` on `question_ids` [1, q] after a context of `context_length` tokens held (compressed or
-    not) in `cache`: the question takes its original positions after the full context. A cache whose layers hold
-    different lengths needs `per_layer_attention` around this call."""
-    question_length = question_ids.shape[1]
-    positions = torch.arange(context_length, context_length + question_length, device=question_ids.device)
-    attention_mask = torch.ones(1, context_length + question_length, dtype=torch.long, device=question_ids.device)
+    """`model.generate` on `question_ids` [B, q] after contexts of `context_length` tokens (one, or one per row)
+    held (compressed or not) in `cache`: each question takes its original positions after its full context. A
+    batch's questions are left-padded, `attention_mask` [B, q] marking their tokens (the padding is not masked here:
+    `CompressedContext.generate` hides it). A cache whose layers hold different lengths needs `per_layer_attention`
+    around this call."""
+    batch, question_length = question_ids.shape
+    device = question_ids.device
+    lengths = [context_length] * batch if isinstance(context_length, int) else list(context_length)
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, question_length, dtype=torch.long, device=device)
+    offsets = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # a padded question's tokens count from 0 too
+    positions = torch.tensor(lengths, device=device)[:, None] + offsets
+    context_mask = torch.ones(batch, max(lengths), dtype=attention_mask.dtype, device=device)
     return model.generate(
         input_ids=question_ids,
-        attention_mask=attention_mask,
+        attention_mask=torch.cat([context_mask, attention_mask], dim=1),
         **cache_argument(model, cache),
         **explicit_positions(model, positions),
         **generate_kwargs,
@@ -480,12 +603,13 @@ def generate_after_context(
 
 
 def explicit_positions(model: nn.Module, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The arguments that give tokens their original positions [n] after a cut cache, whose length no longer says
-    how far the sequence has gone: position ids, and cache positions for transformers < 5.3 (kvpress's range),
-    which derives them from the cache length."""
-    explicit = {"position_ids": positions[None]}
+    """The arguments that give tokens their original positions ([n], or [B, n] per row) after a cut cache, whose
+    length no longer says how far the sequence has gone: position ids, and cache positions for transformers < 5.3
+    (kvpress's range), which derives them from the cache length (one row's: batches there are kvpress's own)."""
+    rows = positions if positions.ndim == 2 else positions[None]
+    explicit = {"position_ids": rows}
     if hasattr(model, "_get_initial_cache_position"):
-        explicit["cache_position"] = positions
+        explicit["cache_position"] = rows[0]
     return explicit
 
 

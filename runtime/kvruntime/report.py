@@ -74,3 +74,52 @@ class CompressionReport:
 
     def _overhead(self) -> float:
         return self.compress_seconds / self.prefill_seconds if self.prefill_seconds else 0.0
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """What one compressed batch holds: each row's own report (its prompt without padding), the bytes the batch's
+    rectangular cache holds (every layer as long as its longest row), and what that padding costs.
+
+    `bytes_before` is what the uncompressed padded batch holds (every row as long as the longest prompt)."""
+
+    rows: list[CompressionReport]
+    bytes_before: int
+    bytes_held: int
+
+    @property
+    def bytes_of_rows(self) -> int:
+        """What the rows' own compressed caches hold, without the batch's padding."""
+        return sum(row.bytes_after for row in self.rows)
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.bytes_held - self.bytes_of_rows
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": [row.to_dict() for row in self.rows],
+            "bytes_before": self.bytes_before,
+            "bytes_held": self.bytes_held,
+            "bytes_of_rows": self.bytes_of_rows,
+            "padding_bytes": self.padding_bytes,
+        }
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        first = self.rows[0]
+        lines = [
+            f"batch compression report: {first.method}, {first.requested}, memory mode {first.memory}, "
+            f"{len(self.rows)} prompts",
+            "  row  tokens  entries removed  KV bytes held (MiB)  prefill + compression (ms)",
+        ]
+        lines += [
+            f"  {index:>3}  {row.context_length:>6}  {row.entries_removed_fraction:>15.1%}  "
+            f"{row.bytes_after / mib:>19.2f}  {(row.prefill_seconds + row.compress_seconds) * 1e3:>10.0f}"
+            for index, row in enumerate(self.rows)
+        ]
+        lines.append(
+            f"  batch KV cache      {self.bytes_before / mib:.2f} MiB uncompressed (padded) -> {self.bytes_held / mib:.2f} "
+            f"MiB held, of which {self.padding_bytes / mib:.2f} MiB padding (rows padded to each layer's longest)"
+        )
+        return "\n".join(lines)
