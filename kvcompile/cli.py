@@ -687,6 +687,13 @@ def eval_(
     resume: Annotated[
         bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
     ] = False,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            help="Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not "
+            "measured per prompt). The full cache and kvpress's presses answer one by one."
+        ),
+    ] = 1,
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
     with clear_errors() as resources:
@@ -702,6 +709,8 @@ def eval_(
         )
         settings.check()
         settings.check_positions(position_limit(model))
+        if batch_size < 1:
+            raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
         ctx.params["methods"] = methods = methods or default_methods()
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or artifact_folder(model))
@@ -718,7 +727,7 @@ def eval_(
 
         loaded, tokenizer = recipe.load_model(model)
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
-        records = evaluate(loaded, tokenizer, contestants, paths, settings, store)
+        records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size)
         header = "\n".join(
             [
                 f"# kvcompile eval: {model}",

@@ -18,6 +18,9 @@ from typer.testing import CliRunner
 import kvcompile.cli as cli
 import kvruntime
 from kvcompile import recipe
+from kvcompile.evaluation import runner
+from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.runner import answer_batch, until_stop
 from kvruntime.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.errors import UnsupportedModelError
 from kvruntime.request import required_artifact_kinds
@@ -256,21 +259,39 @@ def test_generate_answers_several_prompt_files_and_a_jsonl_the_same_in_a_batch(t
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("method", ["kvcompress", "distilled+budgets"])
+@pytest.mark.parametrize(
+    "method", ["snapkv", "kvcompress", "srh", "compresskv", "kvcompose", "distilled", "distilled+budgets", "compilerkv"]
+)
 def test_the_default_model_answers_a_batch_row_by_row_as_each_prompt_alone(default_model, method):
     model, tokenizer = default_model
     folder = ROOT / "artifacts" / "smollm2-135m-instruct"
     artifacts = [folder / f"{kind}.safetensors" for kind in required_artifact_kinds(method)]
     text = (ROOT / "calibration_data" / "prompts" / "passkey_2k.txt").read_text()
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    prompts = [ids[:, :900], ids[:, 400:1000], ids[:, 150:900]]
-    greedy = {**GREEDY, "max_new_tokens": 8}
+    prompts = [ids[:, :600], ids[:, 400:800], ids[:, 150:650]]
     with kvruntime.compress(model, method, ratio=0.75, artifacts=artifacts) as session:
-        alone = [model.generate(prompt, **greedy) for prompt in prompts]
+        alone = [model.generate(prompt, **GREEDY) for prompt in prompts]
         batch, mask = left_padded(prompts)
-        batched = model.generate(batch, attention_mask=mask, **greedy)
+        batched = model.generate(batch, attention_mask=mask, **GREEDY)
     report = session.batch_report
-    assert [row.context_length for row in report.rows] == [900, 600, 750]
-    assert all(abs(row.entries_removed_fraction - 0.75) < 0.01 for row in report.rows)
+    assert [row.context_length for row in report.rows] == [600, 400, 500]
+    assert all(abs(row.entries_removed_fraction - 0.75) < 0.01 for row in report.rows), method
     for row, answer in enumerate(alone):
         assert_same_answer(answer, batched, row)
+
+
+def test_eval_answers_a_batch_as_it_answers_each_prompt_alone(setup):
+    """`kvcompile eval --batch-size`: a kvcompile method's batch of prompts gives each prompt the answer, first logits
+    and bytes held it gets alone (a stop token ends a row's answer as it ends a lone one)."""
+    model, paths, prompts = setup
+    contexts = [prompt[:, :-6] for prompt in prompts]
+    questions = [prompt[:, -n:] for prompt, n in zip(prompts, (3, 4, 5))]
+    contestant = Contestant("kvcompress", "kvcompile", "kvcompress")
+    tokenizer = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    alone = [runner.answer(model, tokenizer, contestant, 0.5, c, q, 6, []) for c, q in zip(contexts, questions)]
+    batched = answer_batch(model, tokenizer, contestant, 0.5, contexts, questions, 6, [])
+    for one, row in zip(alone, batched):
+        assert row.cache_bytes == one.cache_bytes and row.peak_mib is None
+        torch.testing.assert_close(row.first_logits, one.first_logits, atol=2e-4, rtol=1e-4)
+        assert row.tokens == one.tokens and row.text == one.text
+    assert until_stop([5, 7, 2, 9, 2], {2}) == [5, 7, 2] and until_stop([5, 7], {2}) == [5, 7]

@@ -64,6 +64,30 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
     assert [r for r in grown if r["method"] != "kvcompress"] == table and len(grown) == len(table) + 2
 
 
+def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, default_model, monkeypatch):
+    """`--batch-size 3`: kvcompile's methods answer three prompts at once; every record's answer, score and bytes
+    held are those of the run one prompt at a time; the batched rows' peak memory is not claimed per prompt."""
+    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
+    args = ["eval", "--methods", "snapkv,distilled", "--tasks", "passkey", "--lengths", "1k", "--samples", "3"]
+    args += ["--ratios", "0.5", "--new-tokens", "16"]
+    for out, batch in (("one", "1"), ("three", "3")):
+        result = runner.invoke(app, [*args, "--batch-size", batch, "--out", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+
+    def records(out: str) -> dict:
+        lines = (tmp_path / out / "runs.jsonl").read_text().splitlines()
+        return {(r["prompt"], r["method"]): r for r in map(json.loads, lines)}
+
+    alone, batched = records("one"), records("three")
+    assert alone.keys() == batched.keys() and len(alone) == 9
+    for key, record in alone.items():
+        other = batched[key]
+        for field in ("correct", "answer", "agreement", "cache_kept", "tokens"):
+            assert other[field] == record[field], (key, field)
+        assert other["kl"] == pytest.approx(record["kl"], abs=1e-3)
+        assert (other["peak_mib"] is None) == (key[1] != "full")
+
+
 def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_model, monkeypatch):
     monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
     target = tmp_path / "tuned_defaults.safetensors"

@@ -131,6 +131,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "--lengths 20480 and 48 new tokens: 20528 positions, more than the model's 8192",
     ),
     "eval: unknown method": (lambda d: ["eval", "--methods", "foo"], "unknown method 'foo'"),
+    "eval: a batch of no prompts": (
+        lambda d: ["eval", "--methods", "snapkv", "--batch-size", "0"],
+        "--batch-size 0: give at least 1 prompt per batch",
+    ),
     "eval: an output folder of other files": (
         lambda d: ["eval", "--methods", "snapkv", "--out", _user_folder(d, "mine")],
         "--out mine holds files that are not a kvcompile run's",

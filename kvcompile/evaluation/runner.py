@@ -23,6 +23,7 @@ from kvcompile.evaluation.measure import PeakMemory
 from kvcompile.tasks.retrieval import TaskPrompt
 from kvruntime import generate_after_context
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.batch_rows import left_pad
 from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes
 
 
@@ -185,3 +186,66 @@ def answer(
         peak_mib=context.peak_mib,
         cache_bytes=context.cache_bytes,
     )
+
+
+def answer_batch(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    contestant: Contestant,
+    ratio: float,
+    contexts: list[torch.Tensor],
+    questions: list[torch.Tensor],
+    new_tokens: int,
+    artifacts: list[Path],
+) -> list[Answer]:
+    """`answer` for several prompts at once (a kvcompile method): the contexts [1, n] compressed as one batch (each
+    row as it would be alone) and the questions [1, q] answered together. A row's prefill time and bytes held are
+    its own (the engine prefills row by row); its peak memory is not measured (the batch's is shared)."""
+    memory = "masked" if contestant.options.get("unstructured") else "padded"
+    pad = tokenizer.eos_token_id
+    context_ids, context_mask = left_pad([ids[0] for ids in contexts], pad)
+    question_ids, question_mask = left_pad([ids[0] for ids in questions], pad)
+    with kvruntime.compress(
+        model,
+        contestant.method,
+        ratio=ratio,
+        memory=memory,
+        artifacts=artifacts,
+        options=contestant.options,
+        prefill_chunk_size=contestant.prefill_chunk_size,
+    ) as session:
+        context = session.prefill(context_ids, attention_mask=context_mask)
+        output = context.generate(
+            question_ids,
+            attention_mask=question_mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+        )
+    stops = model.generation_config.eos_token_id
+    stops = {stops} if isinstance(stops, int) else set(stops or ())
+    answers = []
+    for row, report in enumerate(context.report.rows):
+        tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stops)
+        answers.append(
+            Answer(
+                text=tokenizer.decode(tokens, skip_special_tokens=True),
+                tokens=tokens,
+                first_logits=output.logits[0][row].float().cpu(),
+                prefill_seconds=report.prefill_seconds + report.compress_seconds,
+                peak_mib=None,
+                cache_bytes=report.bytes_after,
+            )
+        )
+    return answers
+
+
+def until_stop(tokens: list[int], stops: set[int]) -> list[int]:
+    """A batch row's generated tokens as generating it alone gives them: up to its first stop token (included);
+    generate fills a finished row with padding until the whole batch has finished."""
+    for index, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: index + 1]
+    return tokens

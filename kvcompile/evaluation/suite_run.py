@@ -1,8 +1,11 @@
 """`kvcompile eval`: the suite's prompts through every contestant at every ratio, one prompt at a time (the full
-cache first: it is the reference of every fidelity score and of the prefill time), recorded after each prompt."""
+cache first: it is the reference of every fidelity score and of the prefill time), recorded after each prompt.
+With a batch size above 1, a kvcompile method answers that many prompts at once (`answer_batch`); the full cache
+and kvpress's presses still answer one by one."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
@@ -12,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.metrics import greedy_agreement, next_token_kl
-from kvcompile.evaluation.runner import Answer, answer, split_prompt
+from kvcompile.evaluation.runner import Answer, answer, answer_batch, split_prompt
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.tasks.grid import suite_cells
@@ -28,6 +31,7 @@ def evaluate(
     artifacts: dict[str, list[Path]],
     settings: SuiteSettings,
     store: RunStore,
+    batch_size: int = 1,
 ) -> list[dict]:
     prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer)
     full = contestants[0]
@@ -39,16 +43,55 @@ def evaluate(
         reference_answer(model, tokenizer, todo[0], prompts[todo[0]], full, settings)
     done = len(prompts) * (1 + len(jobs)) - sum(1 + len(left[i]) for i in todo)
     bar = tqdm(total=len(prompts) * (1 + len(jobs)), initial=done, desc="kvcompile eval", unit="run")
-    for index in todo:
-        prompt = prompts[index]
-        # The reference is run again for added methods: their scores need its logits, which are not stored.
-        reference, record = reference_answer(model, tokenizer, index, prompt, full, settings)
-        bar.update()
-        results = run_prompt(model, tokenizer, index, prompt, left[index], artifacts, settings, reference, bar)
-        fresh = [] if store.done(index, full.label, 0.0) else [record]
-        store.add([*fresh, *(r for _, r in results)])
+    for first in range(0, len(todo), batch_size):
+        group = todo[first : first + batch_size]
+        answered = batched_answers(model, tokenizer, group, prompts, left, artifacts, settings)
+        for index in group:
+            prompt = prompts[index]
+            # The reference is run again for added methods: their scores need its logits, which are not stored.
+            reference, record = reference_answer(model, tokenizer, index, prompt, full, settings)
+            bar.update()
+            jobs = left[index]
+            results = run_prompt(
+                model, tokenizer, index, prompt, jobs, artifacts, settings, reference, bar, answered.get(index, {})
+            )
+            fresh = [] if store.done(index, full.label, 0.0) else [record]
+            store.add([*fresh, *(r for _, r in results)])
     bar.close()
     return store.records
+
+
+def batched_answers(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    group: list[int],
+    prompts: list[TaskPrompt],
+    left: dict[int, list[tuple[Contestant, float]]],
+    artifacts: dict[str, list[Path]],
+    settings: SuiteSettings,
+) -> dict[int, dict[tuple[str, float], Answer]]:
+    """The answers of the kvcompile methods' runs that the group's prompts share, each run a batch of those prompts:
+    prompt -> (method label, ratio) -> answer. Runs of a single prompt are left to `run_prompt`."""
+    answered: dict[int, dict[tuple[str, float], Answer]] = {index: {} for index in group}
+    jobs = {(c.label, r): (c, r) for index in group for c, r in left[index] if c.kind == "kvcompile"}
+    for contestant, ratio in jobs.values():
+        indices = [index for index in group if (contestant, ratio) in left[index]]
+        if len(indices) < 2:
+            continue
+        split = [split_prompt(tokenizer, prompts[index], settings.question_aware) for index in indices]
+        answers = answer_batch(
+            model,
+            tokenizer,
+            contestant,
+            ratio,
+            [context.to(model.device) for context, _ in split],
+            [question.to(model.device) for _, question in split],
+            settings.new_tokens,
+            artifacts.get(contestant.label, []),
+        )
+        for index, result in zip(indices, answers):
+            answered[index][contestant.label, ratio] = result
+    return answered
 
 
 def run_order(indices: list[int], settings: SuiteSettings) -> list[int]:
@@ -83,14 +126,16 @@ def run_prompt(
     settings: SuiteSettings,
     reference: Answer | None,
     bar: tqdm | None = None,
+    answered: Mapping[tuple[str, float], Answer] = {},
 ) -> list[tuple[Answer, dict]]:
-    """Each job's answer and record, scored against the `reference` answer (None: the job is the reference)."""
+    """Each job's answer and record, scored against the `reference` answer (None: the job is the reference); jobs
+    `answered` already (in a batch, by (method label, ratio)) are recorded, not run again."""
     context_ids, question_ids = (
         ids.to(model.device) for ids in split_prompt(tokenizer, prompt, settings.question_aware)
     )
     results = []
     for contestant, ratio in jobs:
-        result = answer(
+        result = answered.get((contestant.label, ratio)) or answer(
             model,
             tokenizer,
             contestant,

@@ -625,7 +625,8 @@ def compress(
     options: Mapping[str, object] = {},
     prefill_chunk_size: int | None = None,
 ) -> Iterator[CompressionSession]:
-    """Compress the KV cache of every prefill run inside the block.
+    """Compress the KV cache of every prefill run inside the block. A left-padded batch (with its attention mask)
+    is compressed row by row, each row as it would be alone; `session.batch_report` reports it.
 
     method: a method name or instance; None takes the method and ratio of a `tuned_defaults` artifact among
     `artifacts` (written by `kvcompile tune`), or `kvcompress` when there is none.

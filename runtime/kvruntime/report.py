@@ -96,15 +96,6 @@ class BatchReport:
     def padding_bytes(self) -> int:
         return self.bytes_held - self.bytes_of_rows
 
-    def to_dict(self) -> dict:
-        return {
-            "rows": [row.to_dict() for row in self.rows],
-            "bytes_before": self.bytes_before,
-            "bytes_held": self.bytes_held,
-            "bytes_of_rows": self.bytes_of_rows,
-            "padding_bytes": self.padding_bytes,
-        }
-
     def __str__(self) -> str:
         mib = 1 << 20
         first = self.rows[0]
