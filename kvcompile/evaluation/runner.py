@@ -61,22 +61,39 @@ class Prefill:
     generate: Callable[..., object]  # (question_ids, **generate kwargs) -> generate's output
 
 
+def compressing(
+    model: nn.Module, contestant: Contestant, ratio: float, artifacts: list[Path]
+) -> contextlib.AbstractContextManager:
+    """`kvruntime.compress` as a kvcompile contestant asks for it (masked memory for unstructured counts)."""
+    return kvruntime.compress(
+        model,
+        contestant.method,
+        ratio=ratio,
+        memory="masked" if contestant.options.get("unstructured") else "padded",
+        artifacts=artifacts,
+        options=contestant.options,
+        prefill_chunk_size=contestant.prefill_chunk_size,
+    )
+
+
+def greedy(new_tokens: int, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The decoding every contestant answers with: greedy, with the logits of every step."""
+    return dict(
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+
+
 @contextlib.contextmanager
 def prefilled(
     model: nn.Module, contestant: Contestant, ratio: float, context_ids: torch.Tensor, artifacts: list[Path]
 ) -> Iterator[Prefill]:
     """Prefill and compress the context (timed, peak memory measured); answer inside the block."""
     if contestant.kind == "kvcompile":
-        memory = "masked" if contestant.options.get("unstructured") else "padded"
-        with kvruntime.compress(
-            model,
-            contestant.method,
-            ratio=ratio,
-            memory=memory,
-            artifacts=artifacts,
-            options=contestant.options,
-            prefill_chunk_size=contestant.prefill_chunk_size,
-        ) as session:
+        with compressing(model, contestant, ratio, artifacts) as session:
             with PeakMemory() as peak:
                 started = time.perf_counter()
                 context = session.prefill(context_ids)
@@ -169,14 +186,7 @@ def answer(
 ) -> Answer:
     """The contestant's greedy answer to the question over its compressed context, with the prefill's measures."""
     with prefilled(model, contestant, ratio, context_ids, artifacts) as context:
-        output = context.generate(
-            question_ids,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=tokenizer.eos_token_id,
-        )
+        output = context.generate(question_ids, **greedy(new_tokens, tokenizer))
     tokens = output.sequences[0, question_ids.shape[1] :].tolist()
     return Answer(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
@@ -201,29 +211,11 @@ def answer_batch(
     """`answer` for several prompts at once (a kvcompile method): the contexts [1, n] compressed as one batch (each
     row as it would be alone) and the questions [1, q] answered together. A row's prefill time and bytes held are
     its own (the engine prefills row by row); its peak memory is not measured (the batch's is shared)."""
-    memory = "masked" if contestant.options.get("unstructured") else "padded"
-    pad = tokenizer.eos_token_id
-    context_ids, context_mask = left_pad([ids[0] for ids in contexts], pad)
-    question_ids, question_mask = left_pad([ids[0] for ids in questions], pad)
-    with kvruntime.compress(
-        model,
-        contestant.method,
-        ratio=ratio,
-        memory=memory,
-        artifacts=artifacts,
-        options=contestant.options,
-        prefill_chunk_size=contestant.prefill_chunk_size,
-    ) as session:
+    context_ids, context_mask = left_pad([ids[0] for ids in contexts], tokenizer.eos_token_id)
+    question_ids, question_mask = left_pad([ids[0] for ids in questions], tokenizer.eos_token_id)
+    with compressing(model, contestant, ratio, artifacts) as session:
         context = session.prefill(context_ids, attention_mask=context_mask)
-        output = context.generate(
-            question_ids,
-            attention_mask=question_mask,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-        )
+        output = context.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
     stops = model.generation_config.eos_token_id
     stops = {stops} if isinstance(stops, int) else set(stops or ())
     answers = []
