@@ -62,14 +62,8 @@ def setup(request, tmp_path_factory):
 
 
 def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch as transformers' tokenizers pad it for generation: ids and attention mask, padding on the left."""
-    longest = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), longest), PAD, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, longest - prompt.shape[1] :] = prompt[0]
-        mask[row, longest - prompt.shape[1] :] = 1
-    return ids, mask
+    """Prompts [1, n] as a batch padded on the left for generation (`left_pad`, checked by hand below)."""
+    return left_pad([prompt[0] for prompt in prompts], PAD)
 
 
 def artifacts_for(method: str, paths) -> list:

@@ -51,9 +51,8 @@ def evaluate(
             # The reference is run again for added methods: their scores need its logits, which are not stored.
             reference, record = reference_answer(model, tokenizer, index, prompt, full, settings)
             bar.update()
-            jobs = left[index]
             results = run_prompt(
-                model, tokenizer, index, prompt, jobs, artifacts, settings, reference, bar, answered.get(index, {})
+                model, tokenizer, index, prompt, left[index], artifacts, settings, reference, bar, answered[index]
             )
             fresh = [] if store.done(index, full.label, 0.0) else [record]
             store.add([*fresh, *(r for _, r in results)])
