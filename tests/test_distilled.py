@@ -29,7 +29,14 @@ from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
 from kvruntime.allocation import error_aware_budgets
 from kvruntime.methods import Distilled
-from kvruntime.methods.distilled import DistilledScorer, feature_count, likeness_to_earlier, token_features
+from kvruntime.methods.distilled import (
+    DistilledScorer,
+    feature_count,
+    key_leverage,
+    likeness_to_earlier,
+    token_features,
+    with_leverage,
+)
 from kvruntime.request import kept_per_head
 
 runner = CliRunner()
@@ -274,9 +281,12 @@ def test_bad_distill_input_is_refused_in_one_line_and_nothing_is_written(args, m
     [
         (["distill", "--device", "tpu"], "--device 'tpu': use cpu, cuda, cuda:N or mps"),
         (["distill", "--dtype", "float64"], "--dtype 'float64': use one of float32, bfloat16, float16"),
-        (["tables", "--device", "cuda"], "--device 'cuda': this command runs on cpu only"),
+        (["tables", "--device", "mps"], "--device 'mps': this command runs on cpu, cuda only"),
         *(
-            [(["stats", "--device", "cuda:0"], "this machine has no CUDA device")]
+            [
+                (["stats", "--device", "cuda:0"], "this machine has no CUDA device"),
+                (["tables", "--device", "cuda"], "this machine has no CUDA device"),
+            ]
             if not torch.cuda.is_available()
             else []
         ),
@@ -349,3 +359,111 @@ def test_the_first_sinks_tokens_always_stay_whatever_the_scorer_says(tiny, token
         expected = [*range(sinks), *range(length - keep + sinks, length)]
         for positions in s.kept_positions:
             assert all(sorted(p.tolist()) == expected for p in positions[0]), (chunk, positions[0, 0].tolist())
+
+
+def hat_matrix_diagonal(keys: np.ndarray, ridge: float) -> np.ndarray:
+    """Each row's leverage under a ridge, from a QR factorisation of the keys stacked on sqrt(lambda) I: with
+    A = [K; sqrt(lambda) I] = QR, K (K^T K + lambda I)^-1 K^T = Q_K Q_K^T, so the diagonal is Q_K's row norms."""
+    lam = ridge * (keys**2).sum() / keys.shape[1]
+    q, _ = np.linalg.qr(np.vstack([keys, np.sqrt(lam) * np.eye(keys.shape[1])]))
+    return (q[: keys.shape[0]] ** 2).sum(axis=1)
+
+
+def test_key_leverage_is_the_ridge_hat_matrix_diagonal_and_ranks_a_repeated_key_below_a_unique_one():
+    keys = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    keys[0, 0, 10:20] = keys[0, 0, 10]  # one key repeated ten times
+    leverage = key_leverage(keys)
+    for b in range(2):
+        for h in range(3):
+            np.testing.assert_allclose(leverage[b, h].numpy(), hat_matrix_diagonal(keys[b, h].numpy(), 1e-4), rtol=1e-4)
+    # Ten copies of a key share one direction's leverage; a key alone in its direction has nearly all of its own.
+    assert leverage[0, 0, 10:20].max() < 0.5 * leverage[0, 0, 20:].median()
+    outlier = keys.clone()
+    outlier[1, 2, 5] = 100.0 * torch.nn.functional.normalize(torch.randn(8, dtype=torch.float64), dim=0)
+    assert key_leverage(outlier)[1, 2, 5] > 0.99
+
+
+def test_the_leverage_term_moves_only_the_fresh_unprotected_entries_by_beta_times_their_spread():
+    generator = torch.Generator().manual_seed(1)
+    scores, keys = torch.randn(1, 2, 30, generator=generator), torch.randn(1, 2, 30, 4, generator=generator)
+    scores[..., 0] = scores[..., -3:] = float("inf")  # a sink and the window
+    mixed = with_leverage(scores, keys, beta=2.0, fresh=20)
+    assert torch.equal(mixed[..., :10], scores[..., :10])  # the held entries keep their scores
+    assert torch.equal(mixed[..., -3:], scores[..., -3:])
+    moved = (mixed - scores)[..., 10:27]
+    spread = scores[..., 10:27].std(-1)
+    torch.testing.assert_close(moved.mean(-1), torch.zeros(1, 2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(moved.std(-1), 2.0 * spread)
+    log_leverage = key_leverage(keys).log()[..., 10:27]  # the same order as the leverage among all keys held
+    assert torch.equal(moved.argsort(-1), log_leverage.argsort(-1))
+    assert torch.equal(with_leverage(scores, keys, beta=0.0, fresh=20), scores)
+
+
+@pytest.mark.parametrize("chunk", [None, 80])
+def test_with_leverage_each_head_keeps_the_tokens_of_its_best_mixed_score_among_the_keys_of_the_prompt(
+    tiny, tokens, tmp_path, chunk
+):
+    """Reference: the uncompressed prompt's keys per layer, their leverage from the QR above, z-scored over the
+    unprotected tokens and added at beta x the spread to the scorer's -log1p(position); the top of each head under
+    uniform budgets, with the sink and the window. A chunk as long as the prompt takes the streamed path."""
+    hidden, beta, window = tiny.config.hidden_size, 2.0, 8
+    path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
+    options = {"allocation": "uniform", "window": window, "leverage": beta}
+    with kvruntime.compress(
+        tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
+    ) as s:
+        s.prefill(tokens)
+    with torch.no_grad():
+        cache = tiny(tokens, use_cache=True).past_key_values
+    length = tokens.shape[1]
+    free = np.arange(1, length - window)
+    base = -np.log1p(free.astype(np.float64))
+    keep = kept_per_head(length, window, ratio=0.5)
+    for layer, positions in enumerate(s.kept_positions):
+        for head in range(positions.shape[1]):
+            log_leverage = np.log(hat_matrix_diagonal(cache.layers[layer].keys[0, head].double().numpy(), 1e-4))[free]
+            z = (log_leverage - log_leverage.mean()) / log_leverage.std(ddof=1)
+            mixed = base + beta * base.std(ddof=1) * z
+            order = np.argsort(-mixed)
+            assert mixed[order[keep - window - 2]] - mixed[order[keep - window - 1]] > 1e-4  # no near tie at the cut
+            expected = {0, *free[order[: keep - window - 1]].tolist(), *range(length - window, length)}
+            assert set(positions[0, head].tolist()) == expected, (layer, head)
+
+
+def test_a_negative_leverage_is_refused_in_one_line():
+    with pytest.raises(kvruntime.KVRuntimeError, match="distilled leverage -1.0: give a weight, 0 or more"):
+        Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), leverage=-1.0)
+
+
+def test_streamed_with_leverage_each_chunk_is_ranked_among_the_keys_held_and_the_held_keep_their_scores(
+    tiny, tokens, tmp_path
+):
+    """Chunks of 16: a by-hand replay of the cuts for layer 0 (its keys depend on the tokens alone, so the
+    uncompressed forward gives them): each chunk's tokens get their leverage among the keys held then plus the
+    chunk's, z-scored over the chunk's unprotected tokens; the held entries keep the scores they came with."""
+    hidden, beta, window, chunk = tiny.config.hidden_size, 2.0, 8, 16
+    path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
+    options = {"allocation": "uniform", "window": window, "leverage": beta}
+    with kvruntime.compress(
+        tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
+    ) as s:
+        s.prefill(tokens)
+    with torch.no_grad():
+        keys = tiny(tokens, use_cache=True).past_key_values.layers[0].keys[0].double().numpy()
+    length = tokens.shape[1]
+    budget = kept_per_head(length, window, ratio=0.5)
+    for head in range(keys.shape[0]):
+        held: dict[int, float] = {}
+        for start in range(0, length, chunk):
+            fresh = np.arange(start, start + chunk)
+            present = [*held, *fresh.tolist()]
+            log_leverage = np.log(hat_matrix_diagonal(keys[head, present], 1e-4))[-chunk:]
+            protected = (fresh == 0) | ((start + chunk == length) & (fresh >= length - window))
+            base = -np.log1p(fresh.astype(np.float64))
+            free = ~protected
+            z = (log_leverage[free] - log_leverage[free].mean()) / log_leverage[free].std(ddof=1)
+            scores = np.where(protected, np.inf, base)
+            scores[free] += beta * base[free].std(ddof=1) * z
+            held.update(zip(fresh.tolist(), scores.tolist()))
+            held = dict(sorted(held.items(), key=lambda item: -item[1])[:budget])
+        assert set(s.kept_positions[0][0, head].tolist()) == set(held), head

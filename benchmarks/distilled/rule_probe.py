@@ -7,19 +7,17 @@ with the share of the answer's tokens each keeps.
 Variants: the default (dynamic allocation), uniform and compiled layer splits, the teacher (`scores=oracle`, two
 passes), and the compiled split over the student's scores mixed with a key-geometry term, Compactor's: the log of
 each key's leverage score (its diagonal entry of the hat matrix of the layer's keys, per KV head), z-scored and
-scaled by the student's own spread, `beta` times. The leverage term reads every key of the prompt, so it cannot
-stream; it is a probe of whether redundancy-aware ranking is what the student lacks, not a method.
+scaled by the student's own spread, `beta` times: distilled's `leverage` option since (`kvruntime/methods/distilled/
+leverage.py`; this probe found it).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 import kvruntime
@@ -35,35 +33,6 @@ SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
 TASKS = ("passkey", "needle", "multikey")
 
 
-def key_leverage(keys: torch.Tensor, ridge: float = 1e-4) -> torch.Tensor:
-    """[B, H, N, D] -> [B, H, N]: each key's leverage score, k_i^T (K^T K + ridge * mean diag)^-1 k_i: high for a key
-    unlike the others (an outlier direction), low for one of many alike (repeated text)."""
-    keys = keys.float()
-    gram = keys.transpose(-1, -2) @ keys
-    gram = gram + ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(gram.shape[-1])
-    return (keys * torch.linalg.solve(gram, keys.transpose(-1, -2)).transpose(-1, -2)).sum(-1)
-
-
-def zscore(scores: torch.Tensor) -> torch.Tensor:
-    return (scores - scores.mean(-1, keepdim=True)) / scores.std(-1, keepdim=True).clamp(min=1e-6)
-
-
-@dataclasses.dataclass
-class LeverageMixed(Distilled):
-    """The student's scores plus `beta` x their spread x the z-scored log key leverage."""
-
-    beta: float = 1.0
-
-    def stream_scores(self, layer, held, carry):
-        # Budgets known in advance: the engine scores (and cuts) each layer inside the prefill through this.
-        scores, carry = super().stream_scores(layer, held, carry)
-        finite = scores.isfinite().all(dim=(0, 1))  # the protected sinks and window are kept anyway
-        spread = scores[..., finite].std(-1, keepdim=True)
-        mixed = scores.clone()
-        mixed[..., finite] += self.beta * spread * zscore(key_leverage(layer.keys).log()[..., finite])
-        return mixed, carry
-
-
 def variants(scorer: DistilledScorer, betas: list[float]) -> dict[str, kvruntime.Method]:
     return {
         "distilled (dynamic)": Distilled(scorer=scorer),
@@ -71,7 +40,7 @@ def variants(scorer: DistilledScorer, betas: list[float]) -> dict[str, kvruntime
         "allocation=compiled": Distilled(scorer=scorer, allocation="compiled"),
         "teacher (scores=oracle)": Distilled(scorer=scorer, scores="oracle"),
         **{
-            f"compiled + leverage, beta {beta:g}": LeverageMixed(scorer=scorer, allocation="compiled", beta=beta)
+            f"compiled + leverage, beta {beta:g}": Distilled(scorer=scorer, allocation="compiled", leverage=beta)
             for beta in betas
         },
     }

@@ -1,6 +1,6 @@
 """Distilled at run time: its registration (`spec.py`), the method (`method.py`), the compiled scorer's reader
 (`scorer.py`), what it was distilled from (`oracle.py`) and the token features and predictions it shares with
-`kvcompile distill` (`features.py`)."""
+`kvcompile distill` (`features.py`), and the key-geometry term mixed into its scores (`leverage.py`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ __getattr__, __dir__ = lazy_exports(
             ),
             "features",
         ),
+        **dict.fromkeys(("key_leverage", "with_leverage"), "leverage"),
         **dict.fromkeys(("ORACLES", "PREFIXED", "oracle_scores", "oracle_targets", "second_pass_target"), "oracle"),
     },
 )

@@ -35,6 +35,7 @@ from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
 from .features import predicted_scores, running_state_sum, token_features
+from .leverage import with_leverage
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
 
@@ -51,6 +52,7 @@ class Distilled(Method):
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
     layer_error: torch.Tensor | None = None  # [L] from a layer_budgets artifact: error-aware layer budgets instead
     scores: str = "predicted"  # or "oracle": the teacher, replayed on the prompt by a second pass
+    leverage: float = 0.0  # weight of the keys' leverage mixed into the student's scores (`leverage.py`)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -71,6 +73,8 @@ class Distilled(Method):
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
         if self.sinks < 0:
             raise KVRuntimeError(f"distilled sinks {self.sinks}: give a number of first tokens, 0 or more")
+        if self.leverage < 0:
+            raise KVRuntimeError(f"distilled leverage {self.leverage}: give a weight, 0 or more")
         if self.scores not in SCORES:
             raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
         if self.allocation == "compiled" and self.scorer.layer_shares is None:
@@ -124,12 +128,15 @@ class Distilled(Method):
         self, layer: LayerPrefill, held: torch.Tensor | None, carry: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact in chunks: a token's score depends on its own inputs and, through `carry` (the running sum of the
-        earlier states, `running_state_sum`), on the tokens before it; the held entries keep their scores."""
+        earlier states, `running_state_sum`), on the tokens before it; the held entries keep their scores. With
+        `leverage`, the chunk's keys' leverage among the keys held (`with_leverage`)."""
         scores = self.token_scores(layer.index, layer.hidden_states, layer.start, carry)
+        fresh = scores.shape[-1]
         if held is not None:
             scores = torch.cat([held, scores], dim=-1)
         if layer.final:
             scores = protect_window(scores, min(self.window, scores.shape[-1]))
+        scores = with_leverage(scores, layer.keys, self.leverage, fresh)
         return scores, running_state_sum(layer.hidden_states, layer.start, carry)
 
     def token_scores(

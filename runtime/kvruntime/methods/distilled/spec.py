@@ -15,6 +15,9 @@ SPEC = MethodSpec(
         ),
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
+        "leverage": Option(
+            float, 0.0, "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores"
+        ),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
