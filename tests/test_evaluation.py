@@ -21,7 +21,7 @@ from kvcompile.evaluation.metrics import (
     largest_ratio_within,
     next_token_kl,
 )
-from kvcompile.evaluation.report import paired_auc_table, results_table, summary_table
+from kvcompile.evaluation.report import paired_accuracy_table, paired_auc_table, results_table, summary_table
 from kvcompile.evaluation.runner import answer
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
@@ -257,6 +257,14 @@ def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_wh
     assert row["distilled_minus_method"] == pytest.approx(auc["distilled"] - auc["tova"], abs=2e-4)
     assert (row["distilled_ahead"], row["method_ahead"]) == (1, 1)
     assert row["low_95"] <= row["distilled_minus_method"] <= row["high_95"]
+    # At each ratio, by hand from the answers above: 0.5 (1,1,1) vs (1,0,1), 0.75 the same, 0.9 (0,0,1) vs (1,0,1).
+    by_ratio = {r["ratio"]: r for r in paired_accuracy_table(records, "distilled")}
+    assert list(by_ratio) == list(ratios) and all(
+        r["method"] == "tova" and r["prompts"] == 3 for r in by_ratio.values()
+    )
+    assert [by_ratio[r]["distilled_minus_method"] for r in ratios] == [round(1 / 3, 4), 0.0, round(-1 / 3, 4)]
+    assert [(by_ratio[r]["distilled_ahead"], by_ratio[r]["method_ahead"]) for r in ratios] == [(1, 0), (0, 0), (0, 1)]
+    assert by_ratio[0.75]["low_95"] == by_ratio[0.75]["high_95"] == 0.0
 
 
 def test_a_run_goes_sample_by_sample_so_that_a_run_stopped_early_covers_every_task_and_length():

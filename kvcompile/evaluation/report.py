@@ -98,23 +98,36 @@ def paired_auc_table(records: list[dict], subject: str) -> list[dict]:
     """`subject`'s AUC minus each other method's, paired over the prompts both answered, with a 95% bootstrap
     interval over prompts and the prompts on which either is ahead: what a claim that one beats another needs."""
     aucs = prompt_aucs(records)
-    rows = []
-    for other in (m for m in aucs if m != subject):
-        prompts = sorted(set(aucs[subject]) & set(aucs[other]))
-        differences = [aucs[subject][p] - aucs[other][p] for p in prompts]
-        low, high = bootstrap_interval(differences)
-        rows.append(
-            {
-                "method": other,
-                f"{subject}_minus_method": round(statistics.mean(differences), 4),
-                "low_95": round(low, 4),
-                "high_95": round(high, 4),
-                "prompts": len(prompts),
-                f"{subject}_ahead": sum(d > 0 for d in differences),
-                "method_ahead": sum(d < 0 for d in differences),
-            }
-        )
-    return rows
+    return [{"method": other, **_paired(aucs[subject], aucs[other], subject)} for other in aucs if other != subject]
+
+
+def paired_accuracy_table(records: list[dict], subject: str) -> list[dict]:
+    """The same at each ratio: `subject`'s accuracy minus each other method's at equal ratio, paired over prompts
+    (a claim at one ratio, where the AUC sums over them)."""
+    answers: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
+    for r in records:
+        if r["method"] != FULL:
+            answers[(r["method"], r["ratio"])][r["prompt"]] = r["correct"]
+    return [
+        {"method": method, "ratio": ratio, **_paired(answers[(subject, ratio)], correct, subject)}
+        for (method, ratio), correct in sorted(answers.items(), key=lambda item: item[0][1])
+        if method != subject and (subject, ratio) in answers
+    ]
+
+
+def _paired(subject_values: dict[int, float], other_values: dict[int, float], subject: str) -> dict:
+    """The mean of the per-prompt differences over the prompts both have, its 95% bootstrap interval, and counts."""
+    prompts = sorted(set(subject_values) & set(other_values))
+    differences = [subject_values[p] - other_values[p] for p in prompts]
+    low, high = bootstrap_interval(differences)
+    return {
+        f"{subject}_minus_method": round(statistics.mean(differences), 4),
+        "low_95": round(low, 4),
+        "high_95": round(high, 4),
+        "prompts": len(prompts),
+        f"{subject}_ahead": sum(d > 0 for d in differences),
+        "method_ahead": sum(d < 0 for d in differences),
+    }
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -148,6 +161,11 @@ def _paired_section(records: list[dict], subject: str | None) -> list[str]:
         "interval over prompts (10,000 resamples); ahead: prompts on which one method's AUC is the larger.",
         "",
         to_markdown(paired),
+        f"## {subject}'s accuracy against each method's at each ratio, paired over prompts",
+        "",
+        "The difference of the answers per prompt at equal ratio, averaged, with the same interval.",
+        "",
+        to_markdown(paired_accuracy_table(records, subject)),
     ]
 
 
