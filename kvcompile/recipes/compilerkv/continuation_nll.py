@@ -78,7 +78,7 @@ class ContinuationScorer:
         base = model.base_model
         self.layers = list(base.layers)
         inputs = prompt.continuation[:, :-1]
-        positions = torch.arange(prompt.length, prompt.length + inputs.shape[1])[None]
+        positions = torch.arange(prompt.length, prompt.length + inputs.shape[1], device=inputs.device)[None]
         self.embedded = base.embed_tokens(inputs)
         self.position_ids = positions
         self.position_embeddings = base.rotary_emb(self.embedded, positions)
@@ -92,9 +92,10 @@ class ContinuationScorer:
             self.reference = F.log_softmax(model.get_output_embeddings()(full[0]).float(), dim=-1)
 
     def _gather(self, layer: int, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept entries of one layer for one or more kept sets: kept [m] -> [1, ...], kept [K, m] -> [K, ...]."""
-        rows = kept if kept.dim() == 2 else kept[None]
+        """Kept entries of one layer for one or more kept sets (positions, on any device): kept [m] -> [1, ...],
+        kept [K, m] -> [K, ...]."""
         keys, values = self.prompt.keys[layer][0], self.prompt.values[layer][0]  # [Hkv, N, D]
+        rows = (kept if kept.dim() == 2 else kept[None]).to(keys.device)
         return keys[:, rows].transpose(0, 1), values[:, rows].transpose(0, 1)
 
     def _run_layers(
@@ -151,6 +152,7 @@ class ContinuationScorer:
             raise ValueError("a variant keeps what the base keeps: its NLL is the base's")
         order = sorted(range(len(variants)), key=lambda i: first_change[i])
         results: dict[int, float] = {}
+        hidden_device = base.layer_inputs[0].device
         with per_layer_attention(self.model):
             for begin in range(0, len(order), self.batch_size):
                 batch = order[begin : begin + self.batch_size]
@@ -167,7 +169,7 @@ class ContinuationScorer:
                     valid = torch.arange(longest)[None] < torch.tensor([len(k) for k in sets])[:, None]
                     if not bool(valid.all()):
                         kv_heads = self.prompt.keys[layer].shape[1]
-                        masks[layer] = valid[:, None, :].expand(-1, kv_heads, -1)
+                        masks[layer] = valid[:, None, :].expand(-1, kv_heads, -1).to(hidden_device)
                 hidden = base.layer_inputs[start].expand(len(batch), -1, -1)
                 results.update(zip(batch, self._losses(self._run_layers(hidden, start, prefixes, masks))))
         return [results[i] for i in range(len(variants))]

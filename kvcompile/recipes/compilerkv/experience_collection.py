@@ -53,26 +53,29 @@ class CalibrationPrompt:
 def prefill_with_signals(
     model: nn.Module, ids: torch.Tensor, context: int
 ) -> tuple[PromptSignals, DynamicCache, torch.Tensor]:
-    """Prefill the first `context` tokens of `ids` with the runtime's signal hooks: the prompt's signals, its cache
-    and the log-probabilities after the context's last token [vocab]."""
+    """Prefill the first `context` tokens of `ids` with the runtime's signal hooks: the prompt's signals (on the
+    CPU, where the tables and the selection are), its cache and the log-probabilities after the context's last token
+    [vocab] (on the model's device)."""
+    ids = ids.to(model.device)
     layers: dict[int, LayerSignals] = {}
 
     def gather(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object) -> None:
-        layers[module.layer_idx] = layer_signals(queries, keys, values, module.scaling)
+        signals = layer_signals(queries, keys, values, module.scaling)
+        layers[module.layer_idx] = tuple(signal.cpu() for signal in signals)  # type: ignore[assignment]
 
     cache = DynamicCache(config=model.config)
     with query_hooks(model, gather, window=WINDOW):
         logits = model(ids[:, :context], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW).logits
     logprobs = logits[0].float().log_softmax(dim=-1)
     window_logprobs = logprobs[:-1].gather(-1, ids[0, context - WINDOW + 1 : context, None]).T  # [1, w - 1]
-    return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs), cache, logprobs[-1]
+    return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs.cpu()), cache, logprobs[-1]
 
 
 @torch.no_grad()
 def greedy_continuation(model: nn.Module, ids: torch.Tensor, context: int, tokens: int) -> torch.Tensor:
     """The first `context` tokens of `ids` followed by the full-cache model's own greedy continuation of them
     (`tokens` long): [1, context + tokens]."""
-    prefix = ids[:, :context]
+    prefix = ids[:, :context].to(model.device)
     return model.generate(
         prefix, attention_mask=torch.ones_like(prefix), do_sample=False, max_new_tokens=tokens,
         min_new_tokens=tokens, pad_token_id=0,
@@ -81,9 +84,10 @@ def greedy_continuation(model: nn.Module, ids: torch.Tensor, context: int, token
 
 def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int, batch_size: int) -> CalibrationPrompt:
     """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and decode the
-    continuation over the full cache."""
+    continuation over the full cache (the cache and the continuation on the model's device, the kept sets chosen on
+    the CPU)."""
     signals, cache, last_logprobs = prefill_with_signals(model, ids, context)
-    continuation = ids[:, context:]
+    continuation = ids[:, context:].to(model.device)
     prefilled = PrefilledPrompt(
         keys=[layer.keys for layer in cache.layers],
         values=[layer.values for layer in cache.layers],

@@ -17,7 +17,7 @@ from kvcompile.recipes.compilerkv.settings import (
 
 class TablesRecipe(Recipe):
     kind = "compilerkv_tables"
-    devices = ("cpu",)  # the rollouts and d3rlpy's CQL run on the CPU
+    devices = ("cpu", "cuda")  # the rollouts run on the model's device; the selection and d3rlpy's CQL on the CPU
 
     def __init__(self, corpus: str | None = None, from_experience: Path | None = None) -> None:
         self.corpus = corpus
