@@ -124,11 +124,18 @@ def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.
 def scorer_that_prefers(
     model: torch.nn.Module, feature: int, sign: float = 1.0, oracle: str = "test"
 ) -> kvruntime.Artifact:
-    """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly."""
+    """A scorer whose score is one feature (per KV head): a reference the selection must follow exactly. Its
+    compiled layer shares (the default allocation's) grow with the layer, the same at every ratio."""
     fingerprint = kvruntime.model_fingerprint(model)
     weights = torch.zeros(fingerprint.num_layers, feature_count(model.config.hidden_size), fingerprint.num_kv_heads)
     weights[:, feature] = sign
-    return kvruntime.Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": oracle})
+    shares = torch.arange(1.0, fingerprint.num_layers + 1)
+    tensors = {
+        "weights": weights,
+        "share_ratios": torch.tensor([0.25, 0.5, 0.75, 0.9]),
+        "layer_shares": (shares / shares.sum()).expand(4, -1).clone(),
+    }
+    return kvruntime.Artifact("distilled_scorer", tensors, fingerprint, {}, {"oracle": oracle})
 
 
 def compiled_artifacts(

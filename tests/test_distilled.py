@@ -147,7 +147,9 @@ def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_laye
         save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors"),
         save_artifact(budgets, tmp_path / "layer_budgets.safetensors"),
     ]
-    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options={"window": 8}) as session:
+    scorer = DistilledScorer.from_artifact(kvruntime.read_artifact(paths[0]))
+    method = Distilled(scorer=scorer, window=8, leverage=0.0).with_layer_budgets(layer_error)  # the scorer's order
+    with kvruntime.compress(tiny, method, budget=24) as session:
         session.prefill(tokens)
     length, window = tokens.shape[1], 8
     expected = error_aware_budgets(layer_error.tolist(), 24, length=length)
@@ -156,6 +158,9 @@ def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_laye
         assert all(
             p.tolist() == sorted({*range(slots - window), *range(length - window, length)}) for p in positions[0]
         )
+    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options={"window": 8}) as named:
+        named.prefill(tokens)
+    assert named.report.method == "distilled+budgets" and named.report.slots_per_layer == expected
     for options in ({"allocation": "uniform"}, {"floor": 0.1}):  # refused, never silently ignored
         with pytest.raises(KVRuntimeError, match=r"from the layer_budgets artifact: options \['(allocation|floor)'\]"):
             with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options=options) as s:
@@ -167,8 +172,9 @@ def test_a_scorer_of_another_feature_layout_is_refused_in_one_line(tiny, tokens,
     weights = torch.zeros(fingerprint.num_layers, tiny.config.hidden_size + 3, fingerprint.num_kv_heads)
     old = Artifact("distilled_scorer", {"weights": weights}, fingerprint, {}, {"oracle": "test"})
     path = save_artifact(old, tmp_path / "old.safetensors")
+    options = {"window": 8, "allocation": "dynamic"}  # the default would first miss the compiled layer shares
     with pytest.raises(KVRuntimeError, match="reads 67 features per token, this runtime makes 68: recompile"):
-        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options={"window": 8}) as session:
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options=options) as session:
             session.prefill(tokens)
 
 
@@ -214,7 +220,7 @@ def test_the_recipe_writes_a_scorer_per_layer_and_kv_head_that_shards_and_resump
 def test_each_head_keeps_its_own_best_tokens_in_shared_slots_and_the_ratio_holds(tiny, tokens, tmp_path, allocation):
     hidden = tiny.config.hidden_size
     path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
-    options = {"allocation": allocation, "window": 8}
+    options = {"allocation": allocation, "window": 8, "leverage": 0.0}
     with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options=options) as s:
         s.prefill(tokens)
     length, window = tokens.shape[1], 8
@@ -234,7 +240,7 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
     path = save_artifact(scorer, tmp_path / "s.safetensors")
     slots = {}
     for floor in (0.0, 0.5):
-        options = {"floor": floor, "window": 8}
+        options = {"allocation": "dynamic", "floor": floor, "window": 8, "leverage": 0.0}
         with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options=options) as s:
             s.prefill(tokens)
         slots[floor] = s.report.slots_per_layer
@@ -316,7 +322,13 @@ def test_question_mode_answers_from_exactly_the_entries_distilled_kept(tiny, tok
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
     question = torch.tensor([[3, 4, 5, 9]])
     got, reference, report, _ = answer_and_reference(
-        tiny, tokens, question, "distilled", artifacts=[path], ratio=0.75, options={"window": 8}
+        tiny,
+        tokens,
+        question,
+        "distilled",
+        artifacts=[path],
+        ratio=0.75,
+        options={"window": 8, "allocation": "dynamic"},
     )
     assert len(set(report.slots_per_layer)) > 1  # the dynamic allocation gave the layers different counts
     torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
@@ -350,7 +362,7 @@ def test_the_first_sinks_tokens_always_stay_whatever_the_scorer_says(tiny, token
     path = save_artifact(scorer_that_prefers(tiny, tiny.config.hidden_size + 1), tmp_path / "newest.safetensors")
     length, window = tokens.shape[1], 8
     for chunk in (None, 16):
-        options = {"allocation": "uniform", "window": window, "sinks": sinks}
+        options = {"allocation": "uniform", "window": window, "sinks": sinks, "leverage": 0.0}
         with kvruntime.compress(
             tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
         ) as s:
@@ -467,3 +479,19 @@ def test_streamed_with_leverage_each_chunk_is_ranked_among_the_keys_held_and_the
             held.update(zip(fresh.tolist(), scores.tolist()))
             held = dict(sorted(held.items(), key=lambda item: -item[1])[:budget])
         assert set(s.kept_positions[0][0, head].tolist()) == set(held), head
+
+
+def test_the_default_allocation_refuses_a_scorer_without_compiled_layer_shares_in_one_line(tiny, tokens, tmp_path):
+    """A scorer compiled before the layer shares existed: the default (compiled shares) names the fix; the dynamic
+    allocation and the error-aware budgets need no shares."""
+    scorer = scorer_that_prefers(tiny, 0)
+    for name in ("share_ratios", "layer_shares"):
+        del scorer.tensors[name]
+    path = save_artifact(scorer, tmp_path / "old.safetensors")
+    with pytest.raises(KVRuntimeError, match="holds no compiled layer shares .* or use allocation=dynamic") as refused:
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path]) as session:
+            session.prefill(tokens)
+    assert "\n" not in str(refused.value)
+    with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options={"allocation": "dynamic"}) as s:
+        s.prefill(tokens)
+    assert s.report.bytes_after == pytest.approx(s.report.bytes_before / 2, rel=0.02)

@@ -65,12 +65,13 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
 
 
 def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, default_model, monkeypatch):
-    """`--batch-size 3`: kvcompile's methods answer three prompts at once; every record's answer, score and bytes
-    held are those of the run one prompt at a time; the batched rows' peak memory is not claimed per prompt."""
+    """`--batch-size 2`: kvcompile's methods answer two prompts at once; every record's answer, score and bytes
+    held are those of the run one prompt at a time; the batched rows' peak memory is not claimed per prompt (one
+    method and two prompts: the rows themselves are checked method by method in test_batches)."""
     monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
-    args = ["eval", "--methods", "snapkv,distilled", "--tasks", "passkey", "--lengths", "1k", "--samples", "3"]
+    args = ["eval", "--methods", "distilled", "--tasks", "passkey", "--lengths", "1k", "--samples", "2"]
     args += ["--ratios", "0.5", "--new-tokens", "16"]
-    for out, batch in (("one", "1"), ("three", "3")):
+    for out, batch in (("one", "1"), ("two", "2")):
         result = runner.invoke(app, [*args, "--batch-size", batch, "--out", str(tmp_path / out)])
         assert result.exit_code == 0, result.output
 
@@ -78,8 +79,8 @@ def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, d
         lines = (tmp_path / out / "runs.jsonl").read_text().splitlines()
         return {(r["prompt"], r["method"]): r for r in map(json.loads, lines)}
 
-    alone, batched = records("one"), records("three")
-    assert alone.keys() == batched.keys() and len(alone) == 9
+    alone, batched = records("one"), records("two")
+    assert alone.keys() == batched.keys() and len(alone) == 4
     for key, record in alone.items():
         other = batched[key]
         for field in ("correct", "answer", "agreement", "cache_kept", "tokens"):

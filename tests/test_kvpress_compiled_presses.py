@@ -114,7 +114,8 @@ def test_the_distilled_press_runs_under_kvpress_wrappers(model, artifacts, conte
     for module in attention_modules(model):
         module.masked_key_indices = None
 
-    dms = DMSPress(DistilledPress.from_artifact(artifacts), threshold=0.0, sliding_window_size=16)
+    # The scorer's own scores (no leverage mixed in: the reference below is the scorer's map alone).
+    dms = DMSPress(DistilledPress.from_artifact(artifacts, leverage=0.0), threshold=0.0, sliding_window_size=16)
     with torch.no_grad(), dms(model):
         model(input_ids=context, past_key_values=transformers_cache(model), use_cache=True)
     masked = [module.masked_key_indices for module in attention_modules(model)]

@@ -292,7 +292,7 @@ def test_distilled_uniform_keeps_each_heads_best_predicted_scores(model, ids, me
     weights[:, -4:] *= 20  # the position and first-token features as loud as the state's
     weights[:, -1] *= 10  # and the likeness to earlier tokens louder still: its small differences must show
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
-    options = {"allocation": "uniform", "window": window, "sinks": 0}
+    options = {"allocation": "uniform", "window": window, "sinks": 0, "leverage": 0.0}
     got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer], options=options)
     count = kept(LENGTH, window, ratio)
     for layer, states in enumerate(attention_inputs(model, ids)):
@@ -317,7 +317,7 @@ def test_distilled_compiled_keeps_each_heads_best_in_the_compiled_layer_shares(m
         layer_shares=shares,
         share_ratios=torch.tensor([0.5, 0.75]),
     )
-    options = {"allocation": "compiled", "window": window, "sinks": 0}
+    options = {"allocation": "compiled", "window": window, "sinks": 0, "leverage": 0.0}
     got = runtime_kept(model, ids, "distilled", "padded", ratio=ratio, artifacts=[scorer], options=options)
     assert [len(layer[0]) for layer in got] == list(counts)
     for layer, states in enumerate(attention_inputs(model, ids)):
@@ -416,13 +416,13 @@ def test_kvcompose_dynamic_keeps_the_second_passs_best_in_this_prompts_allocatio
 
 @pytest.mark.parametrize("memory", ["padded", "masked"])
 def test_distilled_dynamic_keeps_each_heads_best_in_the_pooled_allocation_with_its_floor(model, ids, memory, tmp_path):
-    """Distilled's default allocation: KVCompose's global pool over the exponentiated predictions (the last 8
+    """Distilled's dynamic allocation: KVCompose's global pool over the exponentiated predictions (the last 8
     tokens always kept), after every layer's first quarter of the average count is granted."""
     window, ratio = 8, 0.5
     weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(14))
     weights[2, CONFIG["hidden_size"]] -= 30  # the last layer's bias: the pool alone would leave it its window
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
-    options = {"window": window, "sinks": 0}
+    options = {"allocation": "dynamic", "window": window, "sinks": 0, "leverage": 0.0}
     got = runtime_kept(model, ids, "distilled", memory, ratio=ratio, artifacts=[scorer], options=options)
     keep = kept(LENGTH, window, ratio)
     scores = []
@@ -464,7 +464,7 @@ def test_the_window_option_sets_the_observation_window_and_what_always_stays(mod
             assert_best(got[layer][head], scores[head], kept(LENGTH, 48, 0.7), 48)
     weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(15))
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights)
-    options = {"allocation": "uniform", "window": 40, "sinks": 0}
+    options = {"allocation": "uniform", "window": 40, "sinks": 0, "leverage": 0.0}
     got = runtime_kept(model, ids, "distilled", memory, ratio=0.7, artifacts=[scorer], options=options)
     for layer, states in enumerate(attention_inputs(model, ids)):
         scores = (distilled_features(states) @ weights[layer].double()).T

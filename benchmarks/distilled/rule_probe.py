@@ -14,10 +14,12 @@ leverage.py`; this probe found it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 import kvruntime
@@ -26,14 +28,43 @@ from benchmarks.reporting import command_line, machine, markdown_table, write_re
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.tasks.suite import suite_prompts
+from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import Distilled
-from kvruntime.methods.distilled import DistilledScorer
+from kvruntime.methods.distilled import DistilledScorer, with_leverage
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
 TASKS = ("passkey", "needle", "multikey")
 
 
-def variants(scorer: DistilledScorer, betas: list[float]) -> dict[str, kvruntime.Method]:
+def keys_before_rope(attention: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A layer's keys before RoPE [B, Hkv, N, D] from its attention input [B, N, hidden] (k_proj, and k_norm where
+    the model has one)."""
+    keys = attention.k_proj(hidden_states).view(*hidden_states.shape[:2], -1, attention.head_dim)
+    if hasattr(attention, "k_norm"):
+        keys = attention.k_norm(keys)
+    return keys.transpose(1, 2)
+
+
+@dataclasses.dataclass
+class LeverageBeforeRope(Distilled):
+    """The student's scores mixed with the leverage of the keys before RoPE, centred or not (Compactor's choice:
+    RoPE turns the copies of a repeated text apart, so among post-RoPE keys a repeat is less redundant than it is).
+    The whole prompt at once (not streamed)."""
+
+    beta: float = 2.0
+    centred: bool = True
+    attention: tuple = ()
+
+    def stream_scores(self, layer, held, carry):
+        scores, carry = super().stream_scores(layer, held, carry)
+        keys = keys_before_rope(self.attention[layer.index], layer.hidden_states).float()
+        if self.centred:
+            keys = keys - keys.mean(dim=-2, keepdim=True)
+        return with_leverage(scores, keys, self.beta, scores.shape[-1]), carry
+
+
+def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module) -> dict[str, kvruntime.Method]:
+    attention = tuple(attention_modules(model))
     return {
         "distilled (dynamic)": Distilled(scorer=scorer),
         "allocation=uniform": Distilled(scorer=scorer, allocation="uniform"),
@@ -42,6 +73,13 @@ def variants(scorer: DistilledScorer, betas: list[float]) -> dict[str, kvruntime
         **{
             f"compiled + leverage, beta {beta:g}": Distilled(scorer=scorer, allocation="compiled", leverage=beta)
             for beta in betas
+        },
+        **{
+            f"compiled + leverage before RoPE{', centred' if centred else ''}, beta {beta:g}": LeverageBeforeRope(
+                scorer=scorer, allocation="compiled", beta=beta, centred=centred, attention=attention
+            )
+            for beta in betas
+            for centred in (True, False)
         },
     }
 
@@ -59,7 +97,7 @@ def main() -> None:
     scorer = DistilledScorer.from_artifact(kvruntime.load_artifact(SCORER, model=model))
     methods = {
         label: method
-        for label, method in variants(scorer, [float(x) for x in args.betas.split(",")]).items()
+        for label, method in variants(scorer, [float(x) for x in args.betas.split(",")], model).items()
         if args.variants in label
     }
     prompts = suite_prompts(load_corpus("moby-dick"), tokenizer, TASKS, [2048], 6, args.seed, "auto")

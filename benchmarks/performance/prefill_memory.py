@@ -37,7 +37,7 @@ CHUNKED = (
     "snapkv",
     "compresskv",
     "kvcompose",
-    "distilled:allocation=compiled",
+    "distilled",  # compiled layer shares, the default since issue #33
     "distilled:allocation=uniform",
     "distilled+budgets",
 )
@@ -45,7 +45,7 @@ METHODS = (
     "full",
     *CHUNKED,
     "kvcompress",
-    "distilled",
+    "distilled:allocation=dynamic",
     "kvpress-snapkv",
     "kvpress-tova",
     "kvpress-expected_attention",

@@ -34,6 +34,7 @@ from ..bundle import resolve_artifact_path
 from ..errors import KVRuntimeError
 from ..fingerprint import model_fingerprint
 from ..methods import Method, get_method
+from ..methods.distilled import with_leverage
 from ..registry import method_spec
 from ..selection import protect_window
 from ..window import window_queries
@@ -101,9 +102,11 @@ class DistilledPress(CompiledScorerPress):
                 f"{keys.shape[2]} keys: use it on a prefill, or in a wrapper that scores the new tokens (DMSPress)"
             )
         scores = self.method.token_scores(module.layer_idx, hidden_states, start)
-        if start == 0:  # the prompt's last tokens; a decoding wrapper protects its own sliding window
-            scores = protect_window(scores, min(self.method.window, scores.shape[-1]))
-        return scores
+        if start > 0:  # a decoding wrapper's new tokens: it protects its own sliding window
+            return scores
+        # The prompt's last tokens stay, and the keys' leverage is mixed in as kvruntime's prefill does.
+        scores = protect_window(scores, min(self.method.window, scores.shape[-1]))
+        return with_leverage(scores, keys, self.method.leverage, scores.shape[-1])
 
 
 @dataclasses.dataclass

@@ -2,17 +2,19 @@
 `distilled_scorer` artifact, a linear student of what a second pass over the context finds (`kvcompile distill`).
 
 Each KV head keeps its own best tokens in its layer's shared slots (composite tokens: every removed byte is freed).
-How many each layer keeps: `allocation="dynamic"` (default) ranks the layers' composite tokens by their predicted
+How many each layer keeps: `allocation="compiled"` (default) takes the layer shares the teacher's dynamic
+allocation gave the calibration prompts (averaged at compile time, per ratio), known before the prefill, so each
+layer is cut inside it and a long prompt streams; `"dynamic"` ranks the layers' composite tokens by their predicted
 scores in one global pool, as KVCompose's dynamic mode does with its second pass's, after giving every layer
-`floor` times the average count; `"compiled"` takes the layer shares the teacher's dynamic allocation gave the
-calibration prompts (averaged at compile time, per ratio), known before the prefill, so each layer is cut inside it
-and a long prompt streams; `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
+`floor` times the average count (level with the compiled shares on 60 held-out prompts, but it holds the whole
+prompt until the prefill ends: `benchmarks/distilled/eval_sixty/`); `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
 error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts
 (`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens and the first `sinks` always stay (a
 second pass that weighs what a token adds to the output, KVzip+, scores the attention sink low, and dropping it
-shifts every layer's attention: issue #33). A token's score depends
+shifts every layer's attention: issue #33). `leverage` mixes each key's leverage among the layer's keys into the
+student's scores (`leverage.py`). A token's score depends
 only on its own inputs and the tokens before it, never on the tokens after it: with uniform or error-aware budgets
 each layer is cut inside the prefill, and a long prompt can stream in chunks with the same scores it would have had
 in one piece (given the same hidden states).
@@ -48,11 +50,15 @@ class Distilled(Method):
     window: int = 32
     sinks: int = 1  # the first tokens, always kept
     scorer: DistilledScorer | None = None
-    allocation: str = "dynamic"
+    allocation: str = "compiled"
     floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
-    layer_error: torch.Tensor | None = None  # [L] from a layer_budgets artifact: error-aware layer budgets instead
+    # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
+    # takes no options: the registry refuses them)
+    layer_error: torch.Tensor | None = None
     scores: str = "predicted"  # or "oracle": the teacher, replayed on the prompt by a second pass
-    leverage: float = 0.0  # weight of the keys' leverage mixed into the student's scores (`leverage.py`)
+    # Weight of the keys' leverage mixed into the student's scores (`leverage.py`): the student ranks the copies of a
+    # repeated text alike, the keys' geometry ranks them apart (the pass key in repeated filler; issue #33).
+    leverage: float = 2.0
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -65,10 +71,7 @@ class Distilled(Method):
             )
         if not 0.0 <= self.floor <= 1.0:
             raise KVRuntimeError(f"distilled floor {self.floor}: give a share of the average in [0, 1]")
-        if self.layer_error is not None and self.allocation != "dynamic":
-            raise KVRuntimeError(
-                "distilled+budgets takes its layer shares from the layer_budgets artifact: drop allocation"
-            )
+
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
         if self.sinks < 0:
@@ -77,11 +80,6 @@ class Distilled(Method):
             raise KVRuntimeError(f"distilled leverage {self.leverage}: give a weight, 0 or more")
         if self.scores not in SCORES:
             raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
-        if self.allocation == "compiled" and self.scorer.layer_shares is None:
-            raise KVRuntimeError(
-                "this distilled_scorer holds no compiled layer shares: recompile it with `kvcompile distill`, "
-                "or use allocation=dynamic"
-            )
         if self.scores == "oracle" and self.scorer.oracle in PREFIXED and not self.scorer.task_prefix:
             raise KVRuntimeError(
                 f"this distilled_scorer does not record its {self.scorer.oracle} oracle's instruction: "
@@ -114,7 +112,13 @@ class Distilled(Method):
         return "uniform allocation"
 
     def _compiled_shares(self, plan: KeepPlan) -> tuple[torch.Tensor, str]:
-        """The scorer's compiled layer shares at this plan's ratio [L], and how they were had."""
+        """The scorer's compiled layer shares at this plan's ratio [L], and how they were had (asked for before the
+        prefill: a scorer compiled before issue #33 holds none)."""
+        if self.scorer.layer_shares is None:
+            raise KVRuntimeError(
+                "this distilled_scorer holds no compiled layer shares (allocation=compiled, the default): recompile "
+                "it with `kvcompile distill`, or use allocation=dynamic"
+            )
         return shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:

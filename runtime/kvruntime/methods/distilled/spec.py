@@ -10,18 +10,18 @@ SPEC = MethodSpec(
     options={
         "allocation": Option(
             ("dynamic", "compiled", "uniform"),
-            "dynamic",
-            "layer shares: one global pool, the teacher's compiled shares (streams), or the same count",
+            "compiled",
+            "layer shares: the teacher's compiled shares (streams), one global pool, or the same count",
         ),
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
-            float, 0.0, "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores"
+            float, 2.0, "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores"
         ),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
-        options.get("allocation", "dynamic") in ("compiled", "uniform")
+        options.get("allocation", "compiled") in ("compiled", "uniform")
         and options.get("scores", "predicted") == "predicted"
     ),
     budgetable=True,
