@@ -411,6 +411,21 @@ def test_the_leverage_term_moves_only_the_fresh_unprotected_entries_by_beta_time
     assert torch.equal(with_leverage(scores, keys, beta=0.0, fresh=20), scores)
 
 
+def kept_with_leverage(model, tokens, folder, chunk, beta, window):
+    """What distilled keeps (uniform budgets at ratio 0.5, a scorer preferring the oldest tokens, `leverage` beta;
+    streamed in chunks of `chunk` tokens, or whole for None) and the uncompressed prompt's cache (the reference's
+    keys)."""
+    scorer = scorer_that_prefers(model, model.config.hidden_size + 1, sign=-1.0)
+    path = save_artifact(scorer, folder / "oldest.safetensors")
+    options = {"allocation": "uniform", "window": window, "leverage": beta}
+    with kvruntime.compress(
+        model, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
+    ) as session:
+        session.prefill(tokens)
+    with torch.no_grad():
+        return session.kept_positions, model(tokens, use_cache=True).past_key_values
+
+
 @pytest.mark.parametrize("chunk", [None, 80])
 def test_with_leverage_each_head_keeps_the_tokens_of_its_best_mixed_score_among_the_keys_of_the_prompt(
     tiny, tokens, tmp_path, chunk
@@ -418,20 +433,13 @@ def test_with_leverage_each_head_keeps_the_tokens_of_its_best_mixed_score_among_
     """Reference: the uncompressed prompt's keys per layer, their leverage from the QR above, z-scored over the
     unprotected tokens and added at beta x the spread to the scorer's -log1p(position); the top of each head under
     uniform budgets, with the sink and the window. A chunk as long as the prompt takes the streamed path."""
-    hidden, beta, window = tiny.config.hidden_size, 2.0, 8
-    path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
-    options = {"allocation": "uniform", "window": window, "leverage": beta}
-    with kvruntime.compress(
-        tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
-    ) as s:
-        s.prefill(tokens)
-    with torch.no_grad():
-        cache = tiny(tokens, use_cache=True).past_key_values
+    beta, window = 2.0, 8
+    kept_positions, cache = kept_with_leverage(tiny, tokens, tmp_path, chunk, beta, window)
     length = tokens.shape[1]
     free = np.arange(1, length - window)
     base = -np.log1p(free.astype(np.float64))
     keep = kept_per_head(length, window, ratio=0.5)
-    for layer, positions in enumerate(s.kept_positions):
+    for layer, positions in enumerate(kept_positions):
         for head in range(positions.shape[1]):
             log_leverage = np.log(hat_matrix_diagonal(cache.layers[layer].keys[0, head].double().numpy(), 1e-4))[free]
             z = (log_leverage - log_leverage.mean()) / log_leverage.std(ddof=1)
@@ -453,15 +461,9 @@ def test_streamed_with_leverage_each_chunk_is_ranked_among_the_keys_held_and_the
     """Chunks of 16: a by-hand replay of the cuts for layer 0 (its keys depend on the tokens alone, so the
     uncompressed forward gives them): each chunk's tokens get their leverage among the keys held then plus the
     chunk's, z-scored over the chunk's unprotected tokens; the held entries keep the scores they came with."""
-    hidden, beta, window, chunk = tiny.config.hidden_size, 2.0, 8, 16
-    path = save_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0), tmp_path / "oldest.safetensors")
-    options = {"allocation": "uniform", "window": window, "leverage": beta}
-    with kvruntime.compress(
-        tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
-    ) as s:
-        s.prefill(tokens)
-    with torch.no_grad():
-        keys = tiny(tokens, use_cache=True).past_key_values.layers[0].keys[0].double().numpy()
+    beta, window, chunk = 2.0, 8, 16
+    kept_positions, cache = kept_with_leverage(tiny, tokens, tmp_path, chunk, beta, window)
+    keys = cache.layers[0].keys[0].double().numpy()
     length = tokens.shape[1]
     budget = kept_per_head(length, window, ratio=0.5)
     for head in range(keys.shape[0]):
@@ -478,7 +480,7 @@ def test_streamed_with_leverage_each_chunk_is_ranked_among_the_keys_held_and_the
             scores[free] += beta * base[free].std(ddof=1) * z
             held.update(zip(fresh.tolist(), scores.tolist()))
             held = dict(sorted(held.items(), key=lambda item: -item[1])[:budget])
-        assert set(s.kept_positions[0][0, head].tolist()) == set(held), head
+        assert set(kept_positions[0][0, head].tolist()) == set(held), head
 
 
 def test_the_default_allocation_refuses_a_scorer_without_compiled_layer_shares_in_one_line(tiny, tokens, tmp_path):
