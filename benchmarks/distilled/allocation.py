@@ -41,7 +41,10 @@ def main() -> None:
     args = parser.parse_args()
     floors = [float(f) for f in args.floors.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
-    variants = [(f"floor {f:g}", {"floor": f}) for f in floors] + [("uniform", {"allocation": "uniform"})]
+    # The dynamic pool's floors and the uniform split, as the study measured them (before `leverage` and the compiled
+    # default: spelled out).
+    variants = [(f"floor {f:g}", {"allocation": "dynamic", "floor": f, "leverage": 0.0}) for f in floors]
+    variants.append(("uniform", {"allocation": "uniform", "leverage": 0.0}))
     model, tokenizer = kvruntime.load_model("default")
     prompts = suite_prompts(
         load_corpus("moby-dick"), tokenizer, TASKS, parse_lengths(args.lengths), args.samples, args.seed

@@ -48,8 +48,8 @@ def keys_before_rope(attention: torch.nn.Module, hidden_states: torch.Tensor) ->
 @dataclasses.dataclass
 class LeverageBeforeRope(Distilled):
     """The student's scores mixed with the leverage of the keys before RoPE, centred or not (Compactor's choice:
-    RoPE turns the copies of a repeated text apart, so among post-RoPE keys a repeat is less redundant than it is).
-    The whole prompt at once (not streamed)."""
+    RoPE turns the copies of a repeated text apart, so among post-RoPE keys a repeat is less redundant than it is),
+    in place of the option's post-RoPE term (build it with leverage=0). The whole prompt at once (not streamed)."""
 
     beta: float = 2.0
     centred: bool = True
@@ -65,18 +65,20 @@ class LeverageBeforeRope(Distilled):
 
 def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module) -> dict[str, kvruntime.Method]:
     attention = tuple(attention_modules(model))
+    # The rules as the probe measured them, before `leverage` existed (spelled out: the defaults have moved since).
+    plain = dict(scorer=scorer, leverage=0.0)
     return {
-        "distilled (dynamic)": Distilled(scorer=scorer),
-        "allocation=uniform": Distilled(scorer=scorer, allocation="uniform"),
-        "allocation=compiled": Distilled(scorer=scorer, allocation="compiled"),
-        "teacher (scores=oracle)": Distilled(scorer=scorer, scores="oracle"),
+        "distilled (dynamic)": Distilled(**plain, allocation="dynamic"),
+        "allocation=uniform": Distilled(**plain, allocation="uniform"),
+        "allocation=compiled": Distilled(**plain, allocation="compiled"),
+        "teacher (scores=oracle)": Distilled(**plain, allocation="dynamic", scores="oracle"),
         **{
             f"compiled + leverage, beta {beta:g}": Distilled(scorer=scorer, allocation="compiled", leverage=beta)
             for beta in betas
         },
         **{
             f"compiled + leverage before RoPE{', centred' if centred else ''}, beta {beta:g}": LeverageBeforeRope(
-                scorer=scorer, allocation="compiled", beta=beta, centred=centred, attention=attention
+                **plain, allocation="compiled", beta=beta, centred=centred, attention=attention
             )
             for beta in betas
             for centred in (True, False)

@@ -7,17 +7,17 @@ allocation gave the calibration prompts (averaged at compile time, per ratio), k
 layer is cut inside it and a long prompt streams; `"dynamic"` ranks the layers' composite tokens by their predicted
 scores in one global pool, as KVCompose's dynamic mode does with its second pass's, after giving every layer
 `floor` times the average count (level with the compiled shares on 60 held-out prompts, but it holds the whole
-prompt until the prefill ends: `benchmarks/distilled/eval_sixty/`); `"uniform"` gives every layer the same count; `distilled+budgets` takes CompressKV's
-error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
+prompt until the prefill ends: `benchmarks/distilled/eval_sixty/`); `"uniform"` gives every layer the same count;
+`distilled+budgets` takes CompressKV's error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
 ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
 the same), and a floor of a quarter answered more held-out prompts
 (`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens and the first `sinks` always stay (a
 second pass that weighs what a token adds to the output, KVzip+, scores the attention sink low, and dropping it
 shifts every layer's attention: issue #33). `leverage` mixes each key's leverage among the layer's keys into the
-student's scores (`leverage.py`). A token's score depends
-only on its own inputs and the tokens before it, never on the tokens after it: with uniform or error-aware budgets
-each layer is cut inside the prefill, and a long prompt can stream in chunks with the same scores it would have had
-in one piece (given the same hidden states).
+student's scores (`leverage.py`). The student's score of a token depends only on its own inputs and the tokens
+before it, never on the tokens after it: with compiled, uniform or error-aware budgets each layer is cut inside the
+prefill, and a long prompt can stream in chunks with the scores it would have had in one piece (given the same
+hidden states); the leverage then ranks a chunk's keys among the keys held when it came.
 
 `scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) instead of
 the student's predictions, under the same selection rule, to measure what the student could reach.
@@ -71,7 +71,6 @@ class Distilled(Method):
             )
         if not 0.0 <= self.floor <= 1.0:
             raise KVRuntimeError(f"distilled floor {self.floor}: give a share of the average in [0, 1]")
-
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
         if self.sinks < 0:
