@@ -2,17 +2,19 @@
 
 from ...registry import MethodSpec, Option
 
+ALLOCATION = Option(
+    ("dynamic", "compiled", "uniform"),
+    "compiled",
+    "layer shares: the teacher's compiled shares (streams), one global pool, or the same count",
+)
+
 SPEC = MethodSpec(
     name="distilled",
     summary="kvcompile's own: a compiled one-pass scorer of what a second pass over the context would find",
     window=32,
     needs="distilled_scorer",
     options={
-        "allocation": Option(
-            ("dynamic", "compiled", "uniform"),
-            "compiled",
-            "layer shares: the teacher's compiled shares (streams), one global pool, or the same count",
-        ),
+        "allocation": ALLOCATION,
         "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
@@ -21,7 +23,7 @@ SPEC = MethodSpec(
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
-        options.get("allocation", "compiled") in ("compiled", "uniform")
+        options.get("allocation", ALLOCATION.default) in ("compiled", "uniform")
         and options.get("scores", "predicted") == "predicted"
     ),
     budgetable=True,
