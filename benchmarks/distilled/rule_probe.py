@@ -8,12 +8,16 @@ Variants: the default (dynamic allocation), uniform and compiled layer splits, t
 passes), and the compiled split over the student's scores mixed with a key-geometry term, Compactor's: the log of
 each key's leverage score (its diagonal entry of the hat matrix of the layer's keys, per KV head), z-scored and
 scaled by the student's own spread, `beta` times: distilled's `leverage` option since (`kvruntime/methods/distilled/
-leverage.py`; this probe found it).
+leverage.py`; this probe found it). Then the levers measured against that default: the leverage of the keys before
+RoPE (centred or not), the leverage at per-layer weights fitted against the teacher (`leverage_fit.py`), the layers'
+pool with leverage, one pool over every (layer, KV head) (the DMS/KVzap threshold at equal bytes), and the compiled
+shares with part of the budget pooled per prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import datetime
 import statistics
@@ -30,10 +34,14 @@ from kvcompile.evaluation.runner import split_prompt
 from kvcompile.tasks.suite import suite_prompts
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import Distilled
+from kvruntime.methods.base import Selection
 from kvruntime.methods.distilled import DistilledScorer, with_leverage
+from kvruntime.methods.kvcompose.composite_tokens import composite_curve
+from kvruntime.selection import global_head_counts, pooled_top_counts
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
 TASKS = ("passkey", "needle", "multikey")
+FITTED = Path("benchmarks/distilled/leverage_fit.csv")
 
 
 def keys_before_rope(attention: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -63,6 +71,61 @@ class LeverageBeforeRope(Distilled):
         return with_leverage(scores, keys, self.beta, scores.shape[-1]), carry
 
 
+@dataclasses.dataclass
+class HeadPool(Distilled):
+    """KVzap's and DMS's threshold across heads and layers at equal bytes: one pool over every (layer, KV head)'s
+    scores, the per-prompt threshold that keeps the budget; the engine's `padded` memory then gives each layer its
+    share of what its heads won (per-head slots free no bytes in a rectangular cache: a layer holds its largest
+    head's count)."""
+
+    def select(self, statistics, plan, prefill):
+        return Selection(statistics, global_head_counts(statistics, plan.keep), ["per-head pool"])
+
+
+@dataclasses.dataclass
+class CompiledWithPool(Distilled):
+    """The compiled layer shares for `1 - pooled` of the budget, the rest to the prompt's own global pool of
+    composite tokens (layers the calibration prompts' average starves can take more on this prompt). Holds the whole
+    prompt until its end, as the dynamic pool does."""
+
+    pooled: float = 0.25
+
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return False  # the pooled part waits for every layer's scores
+
+    def select(self, statistics, plan, prefill):
+        num_layers, (_, num_kv_heads, length) = len(statistics), statistics[0].shape
+        compiled = torch.tensor(self.layer_budgets(num_layers, plan))
+        reserved = (compiled * (1 - self.pooled)).floor().long().clamp_min(plan.window)
+        curves = composite_curve(torch.stack([s[0] for s in statistics]))
+        ranks = torch.arange(length)
+        curves = torch.where(ranks[None, :] < reserved[:, None], torch.inf, curves)
+        counts = pooled_top_counts(curves, int(compiled.sum()))
+        return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), ["compiled + pool"])
+
+
+@dataclasses.dataclass
+class FittedLeverage(Distilled):
+    """The leverage term at per-layer weights fitted against the teacher (`leverage_fit.py`) in place of the option's
+    one weight (build it with leverage=0)."""
+
+    weights: tuple = ()
+
+    def stream_scores(self, layer, held, carry):
+        scores, carry = super().stream_scores(layer, held, carry)
+        fresh = layer.hidden_states.shape[1]
+        return with_leverage(scores, layer.keys, self.weights[layer.index], fresh), carry
+
+
+def fitted_leverage_weights() -> tuple:
+    """The per-layer weights `leverage_fit.py` wrote (empty before it ran)."""
+    if not FITTED.exists():
+        return ()
+    with open(FITTED) as handle:
+        return tuple(float(row["fitted leverage weight"]) for row in csv.DictReader(handle))
+
+
 def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module) -> dict[str, kvruntime.Method]:
     attention = tuple(attention_modules(model))
     # The rules as the probe measured them, before `leverage` existed (spelled out: the defaults have moved since).
@@ -75,6 +138,26 @@ def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module
         **{
             f"compiled + leverage, beta {beta:g}": Distilled(scorer=scorer, allocation="compiled", leverage=beta)
             for beta in betas
+        },
+        **(
+            {"compiled + fitted leverage": FittedLeverage(**plain, allocation="compiled", weights=fitted)}
+            if (fitted := fitted_leverage_weights())
+            else {}
+        ),
+        **{
+            f"dynamic + leverage, beta {beta:g}": Distilled(scorer=scorer, allocation="dynamic", leverage=beta)
+            for beta in betas
+        },
+        **{
+            f"per-head pool + leverage, beta {beta:g}": HeadPool(scorer=scorer, allocation="dynamic", leverage=beta)
+            for beta in betas
+        },
+        **{
+            f"compiled {1 - pooled:g} + pool {pooled:g} + leverage, beta {beta:g}": CompiledWithPool(
+                scorer=scorer, allocation="compiled", leverage=beta, pooled=pooled
+            )
+            for beta in betas
+            for pooled in (0.25, 0.5)
         },
         **{
             f"compiled + leverage before RoPE{', centred' if centred else ''}, beta {beta:g}": LeverageBeforeRope(
@@ -91,7 +174,9 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.5,0.75,0.9")
     parser.add_argument("--betas", default="1,2")
     parser.add_argument("--seed", type=int, default=0, help="the suite's seed (0: the eval's prompts)")
-    parser.add_argument("--variants", default="", help="run only the variants whose label contains this")
+    parser.add_argument(
+        "--variants", default="", help="run only the variants whose label contains this (or one of these, split by |)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/distilled/rule_probe.md"))
     args = parser.parse_args()
     ratios = [float(x) for x in args.ratios.split(",")]
@@ -100,7 +185,7 @@ def main() -> None:
     methods = {
         label: method
         for label, method in variants(scorer, [float(x) for x in args.betas.split(",")], model).items()
-        if args.variants in label
+        if any(part in label for part in args.variants.split("|"))
     }
     prompts = suite_prompts(load_corpus("moby-dick"), tokenizer, TASKS, [2048], 6, args.seed, "auto")
     rows = []

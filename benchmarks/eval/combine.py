@@ -3,11 +3,13 @@ if they had run together (greedy decoding is deterministic, so a method's answer
 run), paired over prompts with the bootstrap intervals `kvcompile eval` writes.
 
     python -m benchmarks.eval.combine RUN_DIR [RUN_DIR ...] --subject METHOD --out DIR [--ratios 0.75,0.9]
-        [--methods M1,M2,...]
+        [--methods M1,M2,...] [--common-prompts]
 
 The runs must share the suite (tasks, lengths, samples, seed, prompt format, question mode, answer length); the
 full cache's answers must agree wherever two runs hold them (checked). `--ratios` keeps the ratios every method was
-run at, so that the AUCs are over the same points; `--methods` keeps those methods (and the full cache).
+run at, so that the AUCs are over the same points; `--methods` keeps those methods (and the full cache);
+`--common-prompts` keeps the prompts every method answered at every ratio (a run stopped part way compared on the
+prompts it reached).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def combined_records(folders: list[Path], ratios: set[float] | None, methods: se
     return records
 
 
+def on_common_prompts(records: list[dict]) -> list[dict]:
+    """The records of the prompts that every method holds at every ratio it was run at (the full cache included)."""
+    cells = {(r["method"], r["ratio"]) for r in records}
+    held: dict[object, set] = {}
+    for record in records:
+        held.setdefault(record["prompt"], set()).add((record["method"], record["ratio"]))
+    return [r for r in records if held[r["prompt"]] == cells]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
@@ -54,8 +65,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ratios", type=lambda text: {float(r) for r in text.split(",")})
     parser.add_argument("--methods", type=lambda text: set(text.split(",")))
+    parser.add_argument("--common-prompts", action="store_true")
     args = parser.parse_args()
     records = combined_records(args.runs, args.ratios, args.methods)
+    if args.common_prompts:
+        records = on_common_prompts(records)
     args.out.mkdir(parents=True, exist_ok=True)
     header = "\n".join(
         [
