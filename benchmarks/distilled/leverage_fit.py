@@ -27,7 +27,8 @@ from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.selection import protect_sinks, protect_window
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
-OUT = Path("benchmarks/distilled/leverage_fit.md")
+OUT = Path("benchmarks/distilled/leverage_fit.md")  # and its table of weights, `.csv` beside it
+WEIGHT = "fitted leverage weight"  # the table's column the rule probe reads
 
 
 def layer_keys(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -83,7 +84,7 @@ def main() -> None:
         residuals.append(torch.stack(res))
         regressors.append(torch.stack(reg))
     weights = fitted_weights(residuals, regressors)
-    rows = [{"layer": layer, "fitted leverage weight": f"{w:.3f}"} for layer, w in enumerate(weights.tolist())]
+    rows = [{"layer": layer, WEIGHT: f"{w:.3f}"} for layer, w in enumerate(weights.tolist())]
     lines = [
         "# The leverage weight fitted against the teacher, per layer",
         "",

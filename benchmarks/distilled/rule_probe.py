@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.coverage import answer_positions, coverage
+from benchmarks.distilled import leverage_fit
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
@@ -41,7 +42,7 @@ from kvruntime.selection import global_head_counts, pooled_top_counts
 
 SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
 TASKS = ("passkey", "needle", "multikey")
-FITTED = Path("benchmarks/distilled/leverage_fit.csv")
+FITTED = leverage_fit.OUT.with_suffix(".csv")
 
 
 def keys_before_rope(attention: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ def fitted_leverage_weights() -> tuple:
     if not FITTED.exists():
         return ()
     with open(FITTED) as handle:
-        return tuple(float(row["fitted leverage weight"]) for row in csv.DictReader(handle))
+        return tuple(float(row[leverage_fit.WEIGHT]) for row in csv.DictReader(handle))
 
 
 def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module) -> dict[str, kvruntime.Method]:
