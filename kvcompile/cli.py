@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import shlex
+import signal
 import sys
 import typing
 from collections.abc import Callable, Collection, Iterator
@@ -20,6 +21,7 @@ import typer
 from kvcompile import recipe
 from kvcompile.recipe import artifact_folder, claim_output, compile_artifact, default_artifact
 from kvruntime import KVRuntimeError
+from kvruntime.errors import printable
 from kvruntime.registry import COMPARED_NAMES, methods_help
 
 app = typer.Typer(
@@ -43,8 +45,8 @@ PromptFormatOption = Annotated[
 
 @contextlib.contextmanager
 def clear_errors() -> Iterator[contextlib.ExitStack]:
-    """Bad input ends the command with one line naming the problem and a non-zero exit, no traceback. Yields the
-    command's resources (output locks), released when it ends."""
+    """Bad input ends the command with one line naming the problem and a non-zero exit, no traceback; an
+    interrupted one with "aborted" (130). Yields the command's resources (output locks), released when it ends."""
     try:
         with contextlib.ExitStack() as resources:
             yield resources
@@ -55,6 +57,9 @@ def clear_errors() -> Iterator[contextlib.ExitStack]:
         where = f" ({exc.filename})" if exc.filename else ""
         typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`main`): the resources above are released by now
+        typer.echo("aborted", err=True)
+        raise typer.Exit(130) from None
 
 
 try:  # the click typer runs on: its own copy in newer typers, the click package in older ones
@@ -64,9 +69,15 @@ except ImportError:
 _NO_ARGS_IS_HELP = getattr(_CLICK, "NoArgsIsHelpError", ())  # click >= 8.2; older ones print the help themselves
 
 
+def _terminated(signum: int, frame: object) -> None:
+    # A run ended by `kill` or `timeout` unwinds as Ctrl-C does: its locks and staging files are released.
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """The `kvcompile` command: a usage error (an option of the wrong type, a missing option, an unknown command)
-    is one line and exit code 2, like every other refusal."""
+    is one line and exit code 2, like every other refusal; Ctrl-C and SIGTERM end it with "aborted" (130)."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)
     except _NO_ARGS_IS_HELP as exc:
@@ -75,7 +86,7 @@ def main() -> None:
     except _CLICK.UsageError as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)
         code = 2
-    except _CLICK.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         typer.echo("aborted", err=True)
         code = 130
     sys.exit(code or 0)
@@ -119,15 +130,41 @@ def _read_prompts(paths: list[Path]) -> list[tuple[str, str]]:
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError:
-                raise KVRuntimeError(f"line {number} of {path} is not JSON: give one prompt per line") from None
+            except (ValueError, RecursionError) as exc:  # a number past Python's digits, nesting past its stack
+                why = "is not JSON" if isinstance(exc, json.JSONDecodeError) else "is JSON past Python's limits"
+                raise KVRuntimeError(f"line {number} of {path} {why}: give one prompt per line") from None
             prompt = item.get("prompt") if isinstance(item, dict) else item
             if not isinstance(prompt, str) or not prompt.strip():
                 raise KVRuntimeError(
                     f'line {number} of {path} holds no prompt: write a JSON string or {{"prompt": "..."}}'
                 )
+            check_encodable(f"line {number} of {path}", prompt)
             prompts.append((f"prompt {path}:{number}", prompt))
     return prompts
+
+
+def check_encodable(what: str, text: str) -> None:
+    """Refuse text that is not Unicode a tokenizer can take: a lone surrogate (a JSON escape, or bytes of another
+    encoding on the command line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise KVRuntimeError(f"{what} holds a lone surrogate (not Unicode text): give UTF-8 text") from None
+
+
+# No tokenizer we know has a token of more bytes (the default model's longest is 128; byte-level BPE merges stay
+# short): a prompt of more bytes than this times the model's positions cannot fit, whatever it says.
+MAX_TOKEN_BYTES = 256
+
+
+def check_prompt_bytes(name: str, text: str, limit: int | None) -> None:
+    """Refuse, before tokenizing it, a prompt too long in bytes to fit in `limit` positions."""
+    size = len(text.encode("utf-8"))
+    if limit is not None and size > MAX_TOKEN_BYTES * limit:
+        raise KVRuntimeError(
+            f"{name} is {size:,} bytes: more than the model's {limit:,} positions can hold (at most "
+            f"{MAX_TOKEN_BYTES} bytes per token)"
+        )
 
 
 @app.command()
@@ -198,10 +235,10 @@ def generate(
         from kvcompile.prompt_format import check_prompt_format
         from kvruntime import ARTIFACT_KINDS, Request
         from kvruntime.artifact_header import header_kind, header_params
-        from kvruntime.bundle import artifact_files
+        from kvruntime.bundle import artifact_files, beside
         from kvruntime.model_spec import check_model_spec, check_positions, position_limit
         from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
-        from kvruntime.serving import check_serves
+        from kvruntime.serving import check_has_artifact, check_serves
 
         prompts = _read_prompts(prompt_file)
         if batch_size < 1:
@@ -210,10 +247,15 @@ def generate(
         check_model_spec(model)
         if max_new_tokens < 1:
             raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
+        check_positions(max_new_tokens, position_limit(model), f"--max-new-tokens {max_new_tokens}")
+        for name, text in prompts:
+            check_prompt_bytes(name, text, position_limit(model))
         if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
         if question is not None and not all(text.strip() for text in question):
             raise KVRuntimeError("--question is empty: give the text of each question")
+        for text in question or []:
+            check_encodable("--question", text)
         options = parse_option_pairs(option or [])
         if options and method is None:
             raise KVRuntimeError("--option needs --method: options belong to a method")
@@ -233,19 +275,24 @@ def generate(
             tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
             recommended = header_params(tuned[0]).get("recommended") if tuned else None
             if isinstance(recommended, dict) and isinstance(recommended.get("method"), str):
-                artifacts_ = [tuned[0].parent / name for name in recommended.get("artifacts") or []]
-                served = recommended["method"], artifacts_, recommended.get("options") or {}
+                beside_tuned = beside(tuned[0], recommended.get("artifacts") or [], "its recommendation")
+                served = recommended["method"], beside_tuned, recommended.get("options") or {}
         if not tuned and ratio is None and budget is None:
             ratio = 0.5
         if method is not None:
             kinds = required_artifact_kinds(method, options)
-            paths = paths or [default_artifact(model, kind) for kind in kinds]
-            for kind, path in zip(kinds, paths):
-                if not path.exists():
-                    command = ARTIFACT_KINDS[kind].command
-                    raise KVRuntimeError(
-                        f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
-                    )
+            if paths:  # the artifacts given must hold what the method needs, as `compress` requires
+                given = {header_kind(path) for path in paths}
+                for kind in kinds:
+                    check_has_artifact(method, kind, given)
+            else:
+                paths = [default_artifact(model, kind) for kind in kinds]
+                for kind, path in zip(kinds, paths):
+                    if not path.exists():
+                        command = ARTIFACT_KINDS[kind].command
+                        raise KVRuntimeError(
+                            f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
+                        )
             served = method, paths, options
         request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
         if served is not None:
@@ -260,7 +307,7 @@ def generate(
         from kvcompile.prompt_format import chat_frame, uses_chat
 
         loaded, tokenizer = recipe.load_model(model)
-        tokenizer.model_max_length = sys.maxsize  # `check_fits` refuses a prompt past the positions, in one line
+        tokenizer.model_max_length = sys.maxsize  # the prompts' check below refuses one past the positions, in one line
         chat = uses_chat(tokenizer, prompt_format)
         turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
 
@@ -275,15 +322,24 @@ def generate(
         limit = getattr(loaded.config, "max_position_embeddings", None)
         # Chat: a prompt is the user's turn, stripped as a chat front end sends it; raw: the text as it is.
         contexts = [(name, text.strip() if chat else text) for name, text in prompts]
+        # Every prompt's ids, checked before the first is answered: a batch is refused whole or answered whole.
+        # Question mode: the context inside the user's turn, then per question its ids after that context.
+        encoded = []
         for name, context in contexts:
             if encode(context).shape[1] < 2:
                 raise KVRuntimeError(f"{name} holds fewer than 2 tokens: nothing to compress")
-
-        def check_fits(name: str, tokens: int) -> None:
+            if question:
+                row = encode(turn_start + context, special=not chat)[0]
+                separator = "\n\n" if chat else ("" if context[-1].isspace() else "\n")
+                asked = [encode(separator + text.strip() + turn_end)[0] for text in question]
+            else:
+                row, asked = encode(turn_start + context + turn_end, special=not chat)[0], []
+            tokens = len(row) + max((len(ids) for ids in asked), default=0)
             check_positions(tokens + max_new_tokens, limit, f"{name} ({tokens} tokens) and {max_new_tokens} new tokens")
+            encoded.append((name, row, asked))
 
         def show(name: str, text: str) -> None:
-            if len(contexts) > 1:
+            if len(encoded) > 1:
                 typer.echo(f"== {name}")
             typer.echo(text)
 
@@ -298,34 +354,23 @@ def generate(
             options=options,
             prefill_chunk_size=prefill_chunk_size,
         ) as session:
-            for first in range(0, len(contexts), batch_size):
-                batch = contexts[first : first + batch_size]
+            for first in range(0, len(encoded), batch_size):
+                batch = encoded[first : first + batch_size]
+                ids, mask = left_pad([row for _, row, _ in batch], pad)
                 if question:
-                    # The context is compressed inside the user's turn; each question ends the turn.
-                    rows = [encode(turn_start + context, special=not chat)[0] for _, context in batch]
-                    separators = ["\n\n" if chat else ("" if context[-1].isspace() else "\n") for _, context in batch]
-                    # Per question, its ids after each row's context.
-                    asked = [[encode(sep + text.strip() + turn_end)[0] for sep in separators] for text in question]
-                    for (name, _), row, its_questions in zip(batch, rows, zip(*asked)):
-                        check_fits(name, len(row) + max(len(ids) for ids in its_questions))
-                    ids, mask = left_pad(rows, pad)
                     compressed = session.prefill(ids, attention_mask=mask)
                     answers = [[] for _ in batch]
-                    for text, per_row in zip(question, asked):
-                        question_ids, question_mask = left_pad(per_row, pad)
+                    for number, text in enumerate(question):
+                        question_ids, question_mask = left_pad([asked[number] for _, _, asked in batch], pad)
                         output = compressed.generate(question_ids, attention_mask=question_mask, **greedy)
                         for lines, answer in zip(answers, output[:, question_ids.shape[1] :]):
                             decoded = tokenizer.decode(answer, skip_special_tokens=True).strip()
                             lines.append(f"Q: {text.strip()}\nA: {decoded}")
-                    for (name, _), lines in zip(batch, answers):
+                    for (name, _, _), lines in zip(batch, answers):
                         show(name, "\n".join(lines))
                 else:
-                    rows = [encode(turn_start + context + turn_end, special=not chat)[0] for _, context in batch]
-                    for (name, _), row in zip(batch, rows):
-                        check_fits(name, len(row))
-                    ids, mask = left_pad(rows, pad)
                     output = loaded.generate(input_ids=ids, attention_mask=mask, **greedy)
-                    for (name, _), answer in zip(batch, output[:, ids.shape[1] :]):
+                    for (name, _, _), answer in zip(batch, output[:, ids.shape[1] :]):
                         show(name, tokenizer.decode(answer, skip_special_tokens=True).strip())
                 typer.echo(str(session.batch_report if len(batch) > 1 else session.report))
 
@@ -395,6 +440,14 @@ ArtifactsOption = Annotated[
 
 # Where and how a compile writes, not what it computes: left out of the command an artifact records.
 OUTPUT_OPTIONS = ("out", "resume", "shard", "checkpoint_every")
+# The commands that write an artifact (what `reproduce` may run), each with its parameters that read a file or folder.
+COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
+
+
+def _reads_path(hint: object) -> bool:
+    """Whether an option annotated `hint` (`Annotated[Path | None, ...]`) takes a path."""
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    return base is Path or Path in typing.get_args(base)
 
 
 def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 4) -> Callable:
@@ -435,6 +488,7 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
         )
         command.__name__, command.__doc__ = build.__name__, build.__doc__
         app.command()(command)
+        COMPILE_COMMANDS[build.__name__] = frozenset(p.name for p in own if _reads_path(p.annotation))
         return build
 
     return register
@@ -890,6 +944,25 @@ def bundle(
         typer.echo(f"wrote {out}: {kinds}, manifest.json, README.md")
 
 
+def can_ask() -> bool:
+    """Whether a person can answer a question (standard input is a terminal)."""
+    return sys.stdin.isatty()
+
+
+def compile_commands() -> dict[str, object]:
+    """What `reproduce` may run: each compile command's options (`kvcompile.bundle.CompileCommand`)."""
+    from kvcompile.bundle import CompileCommand
+
+    group = typer.main.get_command(app)
+    commands = {}
+    for name, paths in COMPILE_COMMANDS.items():
+        params = group.commands[name].params
+        options = {option: p.name for p in params for option in (*p.opts, *p.secondary_opts)}
+        flags = {option for p in params if p.is_flag for option in (*p.opts, *p.secondary_opts)}
+        commands[name] = CompileCommand(options, frozenset(flags), paths)
+    return commands
+
+
 @app.command()
 def reproduce(
     path: Annotated[Path, typer.Argument(help="A bundle (its folder or hub repo id).")],
@@ -897,16 +970,40 @@ def reproduce(
         list[str] | None, typer.Option(help="Reproduce only the artifacts of this kind (repeatable).")
     ] = None,
     work: Annotated[Path | None, typer.Option(help="Where the scratch folder goes (default: the system's).")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The model to use where a recorded command names a local model folder.")
+    ] = None,
+    corpus: Annotated[
+        str | None, typer.Option(help="The corpus to use where a recorded command names a corpus file or folder.")
+    ] = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Run the commands shown without asking.")] = False,
 ) -> None:
-    """Rerun the command recorded for each of a bundle's artifacts and compare the bytes with the bundle's (run it
-    from where the commands ran: their input paths are relative to it). Exit code 1 when one differs."""
+    """Rerun the compile command recorded for each of a bundle's artifacts and compare the bytes with the bundle's.
+    It shows the commands and asks first; each reads only the bundle's files, the data shipped with kvcompile, the
+    default model or a cached hub model, and what --model and --corpus name. Exit code 1 when one differs."""
     with clear_errors():
+        from kvcompile.bundle import check_kinds
         from kvcompile.bundle import reproduce as rerun
         from kvruntime.bundle import read_bundle
 
-        verdicts = rerun(read_bundle(path), only or [], work, typer.echo)
+        bundle = read_bundle(path)
+        check_kinds(bundle, only or [])
+        if not yes and not can_ask():
+            raise KVRuntimeError(
+                "reproduce runs the bundle's recorded commands (`kvcompile info` shows them): pass --yes to run them "
+                "without a terminal to ask"
+            )
+
+        def confirm() -> bool:
+            return yes or typer.confirm("Run these commands?", default=False)
+
+        named = {"model": model, "corpus": corpus}
+        verdicts = rerun(bundle, only or [], work, typer.echo, compile_commands(), named, confirm)
+        if verdicts is None:
+            typer.echo("nothing run")
+            return
         for file, verdict in verdicts:
-            typer.echo(f"{file}: {verdict}")
+            typer.echo(printable(f"{file}: {verdict}"))
     if any(verdict.startswith("differs") for _, verdict in verdicts):
         raise typer.Exit(1)
 

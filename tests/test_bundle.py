@@ -77,7 +77,8 @@ def test_a_bundle_holds_the_artifacts_a_manifest_and_a_model_card(compiled, bund
     model_folder, artifact = compiled
     names = sorted(p.name for p in bundle.iterdir())
     assert names == [
-        "README.md", "kvcompose_stats.png", "kvcompose_stats.run.json", "kvcompose_stats.safetensors", "manifest.json"
+        ".kvcompile-bundle.json", "README.md", "kvcompose_stats.png", "kvcompose_stats.run.json",
+        "kvcompose_stats.safetensors", "manifest.json",
     ]  # fmt: skip
     manifest = json.loads((bundle / "manifest.json").read_text())
     (entry,) = manifest["artifacts"]
@@ -92,8 +93,9 @@ def test_a_bundle_holds_the_artifacts_a_manifest_and_a_model_card(compiled, bund
     assert entry["provenance"]["command"] in card and 'kvruntime.compress(model, "kvcompose"' in card
 
 
-def test_reproduce_reruns_the_recorded_command_and_compares_the_bytes(bundle, tmp_path):
-    output = invoke(["reproduce", str(bundle)])
+def test_reproduce_reruns_the_recorded_command_and_compares_the_bytes(compiled, bundle, tmp_path):
+    model = str(compiled[0])  # a local model folder: reproduce reads it only when the user names it
+    output = invoke(["reproduce", str(bundle), "--model", model, "--yes"])
     assert "kvcompose_stats.safetensors: reproduced" in output
     # An artifact whose recorded command is not what made it (seed 0 recorded, seed 1 used): reproduce says so.
     seed_one = tmp_path / "seed1" / "kvcompose_stats.safetensors"
@@ -104,7 +106,7 @@ def test_reproduce_reruns_the_recorded_command_and_compares_the_bytes(bundle, tm
     artifact.provenance["command"] = recorded
     save_artifact(artifact, seed_one)
     invoke(["bundle", str(seed_one), "--out", str(tmp_path / "mislabelled")])
-    result = runner.invoke(cli.app, ["reproduce", str(tmp_path / "mislabelled")])
+    result = runner.invoke(cli.app, ["reproduce", str(tmp_path / "mislabelled"), "--model", model, "--yes"])
     assert result.exit_code == 1 and "kvcompose_stats.safetensors: differs: sha256" in result.output
 
 
@@ -166,7 +168,7 @@ def test_a_bundle_of_another_model_is_refused(bundle):
 
 def test_bundle_refuses_bad_input_in_one_line(compiled, bundle, tmp_path):
     model_folder, artifact = compiled
-    refused(["bundle", str(artifact), "--out", str(model_folder)], "exists and is not a bundle")
+    refused(["bundle", str(artifact), "--out", str(model_folder)], "did not write there")
     refused(["bundle", str(artifact.parent), "--out", str(artifact.parent / "b")], "overlaps the source")
     other = tmp_path / "other.safetensors"
     save_artifact(kvruntime.Artifact("srh_heads", {"srh_score": torch.rand(30, 9)}, *_default_shaped()), other)
@@ -180,3 +182,180 @@ def test_bundle_refuses_bad_input_in_one_line(compiled, bundle, tmp_path):
 def _default_shaped() -> tuple:
     fingerprint = ModelFingerprint("LlamaForCausalLM", 30, 9, 3, 64, "0" * 16)
     return fingerprint, {}, {}
+
+
+# Issue #48: a bundle handed to a user may be hostile, and `bundle --out` must never take a folder it did not write.
+
+
+def _recorded(bundle: Path, command: str) -> Path:
+    """The bundle with its artifact's recorded command replaced (the manifest only: it may say anything)."""
+    manifest_path = bundle / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["artifacts"][0]["provenance"]["command"] = command
+    manifest_path.write_text(json.dumps(manifest))
+    return bundle
+
+
+def test_reproduce_imports_no_code_from_the_current_folder(compiled, bundle, tmp_path, monkeypatch):
+    """A bundle cloned from a hub with a typer.py, torch.py and kvcompile/ of its own, reproduced from inside it as
+    its card says (`cd bundle && kvcompile reproduce .`): none of them runs."""
+    witness = tmp_path / "PWNED"
+    payload = f"open({str(witness)!r}, 'w').write('ran')\n"
+    for name in ("typer.py", "torch.py", "kvcompile/__init__.py"):
+        (bundle / name).parent.mkdir(exist_ok=True)
+        (bundle / name).write_text(payload)
+    monkeypatch.chdir(bundle)
+    output = invoke(["reproduce", ".", "--model", str(compiled[0]), "--yes"])
+    assert "kvcompose_stats.safetensors: reproduced" in output
+    assert not witness.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "verdict"),
+    [
+        ("python -c 'import os'", "its recorded command is not one of kvcompile's compile commands"),
+        ("kvcompile generate --prompt-file /etc/hostname", "its recorded command is not one of kvcompile's compile"),
+        ("kvcompile stats --corpus /etc/hostname --model default", "it reads /etc/hostname, which is neither"),
+        ("kvcompile stats --task-set ../../secret.txt", "it reads ../../secret.txt, which is neither"),
+        ("kvcompile stats --task-set=/etc/hostname", "it reads /etc/hostname, which is neither"),
+        ("kvcompile stats --model /home/someone/model", "it reads /home/someone/model, which is neither in the bundle "
+         "nor shipped with kvcompile: name it with --model"),
+        ("kvcompile stats --out /tmp/elsewhere.safetensors", "its recorded command names where to write (--out)"),
+        ("kvcompile stats --resume", "its recorded command names where to write (--resume)"),
+        ("kvcompile stats --help", "its recorded command has a word stats does not take (--help)"),
+        ("kvcompile stats --prompts", "its recorded command gives --prompts no value"),
+        ("kvcompile stats 'unclosed", "its recorded command is not a command line"),
+    ],
+)  # fmt: skip
+def test_reproduce_runs_only_compile_commands_whose_inputs_are_the_bundles_or_named(bundle, command, verdict):
+    result = runner.invoke(cli.app, ["reproduce", str(_recorded(bundle, command)), "--yes"])
+    assert result.exit_code == 0, result.output
+    assert f"kvcompose_stats.safetensors: not reproducible: {verdict}" in result.output
+    assert "--out <scratch>" not in result.output  # nothing shown to run, nothing ran
+
+
+def test_a_recorded_input_resolves_to_the_bundles_file_or_kvcompiles_shipped_data(bundle):
+    from kvcompile.bundle import rerun_arguments
+    from kvcompile.shipped import shipped_folder
+
+    read = read_bundle(bundle)
+    commands = cli.compile_commands()
+    task_set = "calibration_data/tasks/reading_questions.txt"
+    arguments = rerun_arguments(f"kvcompile stats --task-set {task_set} --seed 0", read, commands, {})
+    shipped = shipped_folder("calibration_data") / "tasks" / "reading_questions.txt"
+    assert arguments == ["stats", "--task-set", str(shipped), "--seed", "0"]
+    heads = "artifacts/m/kvcompose_stats.safetensors"  # recorded where it was compiled: the bundle holds its copy
+    arguments = rerun_arguments(f"kvcompile budgets --heads={heads} --corpus austen", read, commands, {})
+    assert arguments == ["budgets", f"--heads={bundle.resolve() / 'kvcompose_stats.safetensors'}", "--corpus", "austen"]
+    named = {"corpus": "/data/mine.txt", "model": None}
+    assert rerun_arguments("kvcompile stats --corpus mine.txt", read, commands, named)[-1] == "/data/mine.txt"
+
+
+def test_reproduce_shows_its_commands_and_runs_none_when_not_confirmed(compiled, bundle, monkeypatch):
+    monkeypatch.setattr(cli, "can_ask", lambda: True)  # a terminal: the runner's input answers
+    result = runner.invoke(cli.app, ["reproduce", str(bundle), "--model", str(compiled[0])], input="n\n")
+    assert result.exit_code == 0, result.output
+    assert "kvcompose_stats.safetensors: kvcompile stats --ratios 0.5,0.75" in result.output
+    assert f"--model {compiled[0]}" in result.output and "Run these commands?" in result.output
+    assert result.output.strip().endswith("nothing run") and "reproduced" not in result.output
+
+
+def test_a_manifest_holding_an_escape_sequence_is_refused_never_printed(bundle):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["created"] = "\x1b]0;owned\x07 today"
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    result = runner.invoke(cli.app, ["info", str(bundle)])
+    assert result.exit_code == 2 and "\x1b" not in result.output
+    assert "malformed manifest (created is not a line of printable text)" in result.output
+
+
+def test_bundle_out_replaces_its_own_bundle_and_nothing_else(compiled, bundle, tmp_path, monkeypatch):
+    source = str(compiled[1])
+    invoke(["bundle", source, "--out", str(bundle)])  # its own, unchanged: replaced
+    assert read_bundle(bundle).entries[0]["file"] == "kvcompose_stats.safetensors"
+
+    clone = tmp_path / "clone"  # a git clone of a bundle: the bundle's files, .git and a licence
+    shutil.copytree(bundle, clone)
+    (clone / ".git").mkdir()
+    (clone / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (clone / "LICENSE").write_text("the publisher's licence\n")
+    users = tmp_path / "extension"  # a folder of the user's files that happens to hold a manifest.json
+    (users / "src").mkdir(parents=True)
+    (users / "src" / "main.js").write_text("code\n")
+    (users / "manifest.json").write_text('{"name": "extension"}\n')
+    edited = tmp_path / "edited"  # its own bundle, whose card the user edited
+    shutil.copytree(bundle, edited)
+    (edited / "README.md").write_text("my notes\n")
+    for folder in (clone, users, edited):
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        refused(["bundle", source, "--out", str(folder)], "did not write there (or that changed since)")
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+    link = tmp_path / "link"
+    link.symlink_to(bundle)
+    refused(["bundle", source, "--out", str(link)], "is a symbolic link")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    refused(["bundle", source, "--out", "."], "--out . holds the current folder")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging, no stale link
+
+
+def test_a_published_run_record_holds_no_local_absolute_path(compiled, tmp_path):
+    """A run record names this machine's folders (an --out, merged shards): the bundle publishes file names."""
+    source = tmp_path / "compiled" / compiled[1].name
+    source.parent.mkdir()
+    shutil.copyfile(compiled[1], source)
+    record = {"command_line": "kvcompile stats --out /home/me/secret/kvcompose_stats.safetensors --out=/home/me/x",
+              "merged_from": ["/home/me/secret/a.safetensors", "b.safetensors"], "run_of": source.name}  # fmt: skip
+    source.with_suffix(".run.json").write_text(json.dumps(record))
+    invoke(["bundle", str(source), "--out", str(tmp_path / "b")])
+    expected = {"command_line": "kvcompile stats --out kvcompose_stats.safetensors --out=x",
+                "merged_from": ["a.safetensors", "b.safetensors"], "run_of": source.name}  # fmt: skip
+    assert json.loads((tmp_path / "b" / "kvcompose_stats.run.json").read_text()) == expected
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["artifacts"][0]["run"] == expected
+
+
+def _tuned_defaults(model_folder: Path, path: Path, names: list[str]) -> Path:
+    """A tuned_defaults artifact for the tiny model recommending kvcompose with the artifacts `names`."""
+    recommended = {"method": "kvcompose", "options": {}, "ratio": 0.5, "accuracy": 0.9, "artifacts": names}
+    artifact = kvruntime.Artifact(
+        "tuned_defaults",
+        {
+            "full_accuracy": torch.tensor([0.9]),
+            "ratios": torch.tensor([0.25, 0.5]),
+            "accuracy": torch.tensor([[0.9, 0.9]]),
+        },
+        kvruntime.model_fingerprint(kvruntime.load_model(str(model_folder))[0]),
+        {"command": "test"},
+        {"tolerance": 0.02, "recommended": recommended, "methods": ["kvcompose"]},
+    )
+    save_artifact(artifact, path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["../kvcompose_stats.safetensors", "/etc/hostname", "sub/x.safetensors", ".."])
+def test_a_tuned_default_naming_a_file_outside_its_folder_is_refused(compiled, tmp_path, name):
+    model_folder, _ = compiled
+    tuned = _tuned_defaults(model_folder, tmp_path / "t" / "tuned_defaults.safetensors", [name])
+    model, _ = kvruntime.load_model(str(model_folder))
+    with pytest.raises(kvruntime.ArtifactError, match="its recommendation names a file outside its folder"):
+        with kvruntime.compress(model, artifacts=[tuned]):
+            pass
+
+
+def test_a_bundled_tuned_default_applies_only_files_its_manifest_lists(compiled, tmp_path):
+    model_folder, artifact = compiled
+    folder = tmp_path / "sources"
+    folder.mkdir()
+    _tuned_defaults(model_folder, folder / "tuned_defaults.safetensors", [artifact.name])
+    invoke(["bundle", str(folder / "tuned_defaults.safetensors"), "--out", str(tmp_path / "b")])
+    shutil.copyfile(artifact, tmp_path / "b" / artifact.name.replace(".safetensors", ".bin"))
+    model, _ = kvruntime.load_model(str(model_folder))
+    with pytest.raises(kvruntime.ArtifactError, match="names kvcompose_stats.safetensors, which its bundle does not"):
+        with kvruntime.compress(model, artifacts=[tmp_path / "b"]):
+            pass
+    invoke(["bundle", str(folder / "tuned_defaults.safetensors"), str(artifact), "--out", str(tmp_path / "b2")])
+    with kvruntime.compress(model, artifacts=[tmp_path / "b2"]) as session:  # listed: applied
+        session.prefill(torch.randint(3, 96, (1, 64), generator=torch.Generator().manual_seed(0)))
+    assert session.report.method == "kvcompose"

@@ -3,6 +3,8 @@ a tiny model (shards and resumption give the artifact of one run), and the runti
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -450,9 +452,18 @@ def test_with_leverage_each_head_keeps_the_tokens_of_its_best_mixed_score_among_
             assert set(positions[0, head].tolist()) == expected, (layer, head)
 
 
-def test_a_negative_leverage_is_refused_in_one_line():
-    with pytest.raises(kvruntime.KVRuntimeError, match="distilled leverage -1.0: give a weight, 0 or more"):
-        Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), leverage=-1.0)
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ({"leverage": -1.0}, r"distilled option leverage=-1.0: give a value at least 0.0"),
+        ({"leverage": math.nan}, "distilled option leverage=nan is not finite"),
+        ({"floor": math.inf}, "distilled option floor=inf is not finite"),
+        ({"floor": 1.5}, r"distilled option floor=1.5: give a value in \[0.0, 1.0\]"),
+    ],
+)
+def test_a_value_outside_an_options_range_or_not_finite_is_refused_by_hand_too(options, refusal):
+    with pytest.raises(kvruntime.KVRuntimeError, match=refusal):
+        Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), **options)
 
 
 def test_streamed_with_leverage_each_chunk_is_ranked_among_the_keys_held_and_the_held_keep_their_scores(

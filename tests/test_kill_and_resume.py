@@ -79,3 +79,39 @@ def test_a_run_killed_three_times_resumes_to_the_artifact_of_an_uninterrupted_ru
     assert resumed.params == json.loads(json.dumps(straight.params))
     for name, tensor in straight.tensors.items():
         assert torch.equal(tensor, resumed.tensors[name]), name
+
+
+def test_a_run_ended_by_sigterm_releases_its_lock_and_says_aborted(tmp_path):
+    """`timeout` and `kill` send SIGTERM: the run unwinds as Ctrl-C does (issue #48: it used to leave its lock)."""
+    from conftest import save_char_tokenizer, tiny_model
+
+    model_folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_folder)
+    save_char_tokenizer(model_folder)
+    locks = tmp_path / "cache" / "locks"
+    env = {**os.environ, "KVCOMPILE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    args = [
+        "stats",
+        "--model",
+        str(model_folder),
+        "--prompts",
+        "400",
+        "--prompt-tokens",
+        "256",
+        "--out",
+        "s.safetensors",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcompile.cli", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not list(locks.glob("*.lock")):  # the run holds its output's lock once it has checked its input
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "the run never took its lock"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "aborted"
+    assert list(locks.glob("*.lock")) == []
+    assert not (tmp_path / "s.safetensors").exists()

@@ -353,3 +353,38 @@ def test_every_registered_method_that_needs_no_artifact_is_built_by_its_name():
     assert free == ["kvcompress", "snapkv"]
     for name in free:
         assert kvruntime.get_method(name).name == name
+
+
+def test_every_prompt_of_a_batch_is_checked_before_the_first_is_answered(workdir):
+    """Issue #48: a prompt too long for the model among several used to be refused after the earlier ones were
+    answered and printed."""
+    lines = [json.dumps(PROMPT), json.dumps(PROMPT * 20)]  # the second: 820 characters, past the model's 512
+    (workdir / "p.jsonl").write_text("\n".join(lines) + "\n")
+    assert_refused(
+        workdir,
+        ["generate", "--prompt-file", "p.jsonl", "--method", "snapkv", "--max-new-tokens", "2"],
+        "prompt p.jsonl:2 (820 tokens) and 2 new tokens: 822 positions, more than the model's 512",
+    )
+
+
+def test_a_window_longer_than_the_prompt_is_refused_as_a_budget_is(tiny):
+    """Issue #48: such a window keeps the whole prompt, and the report said 'ratio 0.5'."""
+    ids = _ids(40)
+    expected = tiny(ids).logits
+    for request in ({"ratio": 0.5}, {"budget": 30}):
+        with kvruntime.compress(tiny, "snapkv", options={"window": 64}, **request) as session:
+            with pytest.raises(KVRuntimeError, match=r"window of 64 recent tokens is longer than the prompt \(40"):
+                session.prefill(ids)
+    with kvruntime.compress(tiny, "snapkv", budget=41) as session:
+        with pytest.raises(KVRuntimeError, match=r"budget 41 tokens per layer is larger than the prompt \(40"):
+            session.prefill(ids)
+    assert torch.equal(tiny(ids).logits, expected)
+    with kvruntime.compress(tiny, "snapkv", ratio=0.5, options={"window": 40}) as session:  # the whole prompt: kept
+        session.prefill(ids)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_float_option_that_is_not_finite_is_refused_by_the_api(tiny, value):
+    with pytest.raises(KVRuntimeError, match=f"distilled option leverage={value} is not finite"):
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, options={"leverage": value}):
+            pass

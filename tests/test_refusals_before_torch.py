@@ -6,6 +6,7 @@ here."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,8 +56,46 @@ def _user_folder(folder: Path, name: str) -> str:
     return name
 
 
+def _link(folder: Path, name: str, target: str) -> str:
+    (folder / name).symlink_to(target)
+    return name
+
+
 def _text(folder: Path, name: str, text: str) -> str:
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(text)
+    return name
+
+
+def _bundle(folder: Path, name: str, *kinds: str) -> str:
+    """A bundle of the shipped artifacts of `kinds` (written with torch here, in the test; read without it there)."""
+    from kvcompile.bundle import write_bundle
+
+    write_bundle([ARTIFACTS / f"{kind}.safetensors" for kind in kinds], folder / name)
+    return name
+
+
+def _manifest_edited(folder: Path, edit: Callable[[dict], object]) -> str:
+    """A bundle of the shipped kvcompose statistics whose manifest `edit` changed (a hostile or broken one)."""
+    name = _bundle(folder, "edited", "kvcompose_stats")
+    manifest = json.loads((folder / name / "manifest.json").read_text())
+    edit(manifest)
+    (folder / name / "manifest.json").write_text(json.dumps(manifest))
+    return name
+
+
+def _tuned_naming(folder: Path, names: list[str]) -> str:
+    """The shipped tuned defaults, their recommendation naming `names` as the artifacts it needs."""
+    from kvruntime.artifact import read_artifact, save_artifact
+
+    artifact = read_artifact(ARTIFACTS / "tuned_defaults.safetensors")
+    artifact.params["recommended"]["artifacts"] = names
+    save_artifact(artifact, folder / "tuned_defaults.safetensors")
+    return "tuned_defaults.safetensors"
+
+
+def _sized(folder: Path, name: str, size: int) -> str:
+    (folder / name).write_text(json.dumps("x" * size) + "\n")
     return name
 
 
@@ -125,6 +164,125 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: [*GENERATE, "--method", "snapkv", "--model", str(d / "no-model")],
         "not found: give a local model directory",
     ),
+    "an option that is not finite": (
+        lambda d: [*GENERATE, "--method", "distilled", "--option", "leverage=nan"],
+        "distilled option leverage=nan is not finite",
+    ),
+    "an option outside its range": (
+        lambda d: [*GENERATE, "--method", "distilled", "--option", "floor=2"],
+        "distilled option floor=2.0: give a value in [0.0, 1.0]",
+    ),
+    "a bundle without the method's artifact": (
+        lambda d: [*GENERATE, "--method", "srh", "--artifact", _bundle(d, "b", "kvcompose_stats")],
+        "method 'srh' needs a srh_heads artifact",
+    ),
+    "a tuned default naming a file outside its folder": (
+        lambda d: [*GENERATE, "--artifact", _tuned_naming(d, ["../srh_heads.safetensors"])],
+        "its recommendation names a file outside its folder",
+    ),
+    "a tuned default naming a file by an absolute path": (
+        lambda d: [*GENERATE, "--artifact", _tuned_naming(d, ["/etc/hostname"])],
+        "its recommendation names a file outside its folder",
+    ),
+    "a bundled tuned default naming a file its bundle does not hold": (
+        lambda d: [*GENERATE, "--artifact", _bundle(d, "b", "tuned_defaults")],
+        "its recommendation names srh_heads.safetensors, which its bundle does not hold",
+    ),
+    "--max-new-tokens past the model's positions": (
+        lambda d: [*GENERATE, "--max-new-tokens", "9000"],
+        "--max-new-tokens 9000: 9000 positions, more than the model's 8192",
+    ),
+    "a JSONL line nested past Python's limits": (
+        lambda d: ["generate", "--prompt-file", _text(d, "deep.jsonl", "[" * 100_000 + "\n")],
+        "line 1 of deep.jsonl is JSON past Python's limits",
+    ),
+    "a JSONL line with a 100,000-digit number": (
+        lambda d: ["generate", "--prompt-file", _text(d, "digits.jsonl", "1" * 100_000 + "\n")],
+        "line 1 of digits.jsonl is JSON past Python's limits",
+    ),
+    "a JSONL prompt with a lone surrogate": (
+        lambda d: ["generate", "--prompt-file", _text(d, "s.jsonl", '"a prompt \\ud800 with half a character"\n')],
+        "line 1 of s.jsonl holds a lone surrogate",
+    ),
+    "a 10 MB prompt, past the positions in bytes alone": (
+        lambda d: ["generate", "--prompt-file", _sized(d, "big.jsonl", 10_000_000)],
+        "prompt big.jsonl:1 is 10,000,000 bytes: more than the model's 8,192 positions can hold",
+    ),
+    "bundle: --out the current folder": (
+        lambda d: ["bundle", str(ARTIFACTS / "srh_heads.safetensors"), "--out", "."],
+        "--out . holds the current folder",
+    ),
+    "bundle: --out a folder of the user's files with a manifest.json": (
+        lambda d: [
+            "bundle",
+            str(ARTIFACTS / "srh_heads.safetensors"),
+            "--out",
+            _user_folder(d, "ext"),
+            _text(d, "ext/manifest.json", "{}") and "--base-model",
+            "x/y",
+        ],
+        "--out ext holds files that `kvcompile bundle` did not write there",
+    ),  # fmt: skip
+    "bundle: --out a symbolic link": (
+        lambda d: [
+            "bundle",
+            str(ARTIFACTS / "srh_heads.safetensors"),
+            "--out",
+            _link(d, "link", _bundle(d, "b", "srh_heads")),
+        ],
+        "--out link is a symbolic link",
+    ),
+    "reproduce: no terminal to ask and no --yes": (
+        lambda d: ["reproduce", _bundle(d, "b", "kvcompose_stats")],
+        "pass --yes to run them without a terminal to ask",
+    ),
+    "info: a manifest whose provenance is a string": (
+        lambda d: ["info", _manifest_edited(d, lambda m: m["artifacts"][0].update(provenance="kvcompile stats"))],
+        "malformed manifest (kvcompose_stats.safetensors's provenance is not an object)",
+    ),
+    "info: a manifest whose command is a number": (
+        lambda d: ["info", _manifest_edited(d, lambda m: m["artifacts"][0]["provenance"].update(command=7))],
+        "malformed manifest (kvcompose_stats.safetensors's command is not a line of printable text)",
+    ),
+    "info: a manifest whose command holds an escape sequence": (
+        lambda d: ["info", _manifest_edited(d, lambda m: m["artifacts"][0]["provenance"].update(command="\x1b[2J"))],
+        "malformed manifest (kvcompose_stats.safetensors's command is not a line of printable text)",
+    ),
+    "info: a manifest whose file name holds an escape sequence": (
+        lambda d: ["info", _manifest_edited(d, lambda m: m["artifacts"][0].update(file="\x1b[2Jx.safetensors"))],
+        "malformed manifest (an artifact's file is not a file name in the bundle)",
+    ),
+    "info: a manifest of 200 MB": (
+        lambda d: ["info", _bundle(d, "b", "srh_heads") and _sized(d, "b/manifest.json", 200_000_000) and "b"],
+        "not a readable manifest (200000003 bytes, more than a manifest's 4194304)",
+    ),
+    "eval: an option outside its range": (
+        lambda d: ["eval", "--methods", "distilled:leverage=-1"],
+        "distilled option leverage=-1.0: give a value at least 0.0",
+    ),
+    "tune: an option that is not finite": (
+        lambda d: ["tune", "--methods", "distilled:leverage=inf"],
+        "distilled option leverage=inf is not finite",
+    ),
+    "a hub id not in the local cache": (
+        lambda d: [*GENERATE, "--model", "nobody/no-such-model"],
+        "model 'nobody/no-such-model' not found: give a local model directory, a hub id in the local cache",
+    ),
+    "eval: --resume from a corrupt run.json": (
+        lambda d: [
+            "eval",
+            "--resume",
+            "--out",
+            _text(d, "run/run.json", "{oops") and _text(d, "run/runs.jsonl", "") and "run",
+            "--methods",
+            "full,snapkv",
+            "--tasks",
+            "passkey",
+            "--samples",
+            "1",
+        ],
+        "cannot resume from run/run.json: is not JSON",
+    ),  # fmt: skip
     "eval: unknown task": (lambda d: ["eval", "--tasks", "foo"], "unknown tasks ['foo']"),
     "eval: a length past the model's positions": (
         lambda d: ["eval", "--lengths", "20k", "--methods", "snapkv"],

@@ -1,6 +1,7 @@
-"""kvruntime is a distribution of its own (runtime/pyproject.toml): what its modules import is what it declares,
-so `pip install ./runtime` runs without the compile stage (`make check-runtime` installs it alone and answers a
-prompt); kvcompile depends on it at its version."""
+"""kvruntime is a distribution of its own (runtime/pyproject.toml): what its modules import, and what transformers
+needs to load the default model's GGUF, is what it declares, so `pip install ./runtime` runs without the compile
+stage (`make check-runtime` installs it alone, with an empty model cache, and answers a prompt); kvcompile depends
+on it at its version."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from kvruntime import default_model
+from kvruntime.errors import KVRuntimeError
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "runtime"
@@ -54,6 +60,28 @@ def test_the_runtime_imports_only_what_it_declares():
     }
     assert not undeclared, f"imported by the runtime, not in runtime/pyproject.toml: {undeclared}"
     assert "torch" in imported and "transformers" in imported  # the scan sees imports at all
+
+
+def test_every_dependency_is_imported_or_needed_by_transformers_to_load_the_default_model():
+    declared = requirement_names(runtime_project()["dependencies"])
+    imported = set(third_party_imports(RUNTIME / "kvruntime"))
+    loader_needs = set(default_model.GGUF_LOADER_NEEDS)
+    assert loader_needs <= declared, "transformers cannot load the default model's GGUF without these"
+    assert not loader_needs & imported, "imported by the runtime: no need to list it in GGUF_LOADER_NEEDS"
+    assert declared <= imported | loader_needs, f"declared but never needed: {declared - imported - loader_needs}"
+
+
+def test_loading_the_default_model_without_accelerate_refuses_in_one_line(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # never read: the refusal comes first
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: gguf)
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # importlib finds no accelerate
+    with pytest.raises(KVRuntimeError) as refused:
+        default_model.load_default_model(lambda folder: pytest.fail("nothing to load"))
+    message = str(refused.value)
+    assert "\n" not in message and "accelerate" in message and "`pip install accelerate`" in message
+    assert not any((tmp_path / "cache" / "models").iterdir())  # no half-built cache left behind
 
 
 def test_the_optional_integrations_are_extras():

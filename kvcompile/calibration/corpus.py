@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
 REPEATING_CORPUS = "austen-repeats"  # the novels and two documents of repeated Austen sentences (`kvcompile distill`)
 MIXED_CORPUS = "mixed"  # austen-repeats and `calibration_data/mixed/`: code, software documentation, math docstrings
+HELD_OUT_CORPUS = "moby-dick"  # evaluation and tuning text, never calibration
+SHIPPED_CORPORA = (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, HELD_OUT_CORPUS)  # named, not paths
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
 _TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -93,9 +95,9 @@ def load_corpus(source: str | Path | None = None) -> Corpus:
             return Corpus(REPEATING_CORPUS, repeating)
         mixed = _text_files(MIXED_CORPUS, sorted((shipped_folder("calibration_data") / "mixed").glob("*.txt.gz")))
         return Corpus(MIXED_CORPUS, (*repeating, *mixed.documents))
-    if str(source) == "moby-dick":
+    if str(source) == HELD_OUT_CORPUS:
         return _text_files(
-            "moby-dick", sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz"))
+            HELD_OUT_CORPUS, sorted((shipped_folder("calibration_data") / "books").glob("melville_*.txt.gz"))
         )
     path = Path(source)
     if not path.exists():

@@ -36,6 +36,77 @@ def write_text_atomically(path: Path, text: str) -> None:
     write_atomically(path, lambda tmp_name: Path(tmp_name).write_text(text))
 
 
+# What a record needs for resuming (`RunStore.key`); the report reads the rest.
+RECORD_KEYS = {"prompt": ((int,), "an integer"), "method": ((str,), "a string"), "ratio": ((int, float), "a number")}
+UNREADABLE_HINT = "run again without --resume into a new --out"
+
+
+def _unreadable(path: Path, problem: str) -> KVRuntimeError:
+    return KVRuntimeError(f"cannot resume from {path}: {problem}; {UNREADABLE_HINT}")
+
+
+def _parse_json(path: Path, text: str, where: str = "") -> object:
+    """`text` parsed, or one line naming `path` (and `where` in it) and the problem. A deeply nested value raises
+    RecursionError and a number past Python's digit limit a plain ValueError: both are a damaged file, not a bug."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        at = f"column {exc.colno}" if where else f"line {exc.lineno} column {exc.colno}"
+        problem = f"{where}is not JSON ({exc.msg} at {at})"
+    except RecursionError:
+        problem = f"{where}is nested too deep to read"
+    except ValueError:
+        problem = f"{where}holds a number too long to read"
+    raise _unreadable(path, problem)  # outside the handler: the parser's traceback adds nothing to the line
+
+
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise _unreadable(path, "it is not UTF-8 text") from None
+    except OSError as exc:
+        raise _unreadable(path, exc.strerror or str(exc)) from None
+
+
+def read_saved_settings(path: Path) -> dict:
+    """The settings an earlier run saved in `path` (run.json): a JSON object, or one line saying why not."""
+    saved = _parse_json(path, _read_utf8(path))
+    if not isinstance(saved, dict):
+        raise _unreadable(path, f"it holds a JSON {type(saved).__name__}, not the run's settings (an object)")
+    return saved
+
+
+def read_saved_records(path: Path) -> list[dict]:
+    """The records an earlier run saved in `path` (runs.jsonl, one JSON object per line), or one line naming the
+    first line that is not a record."""
+    records = []
+    # Split on newlines only: json.dumps escapes every other line break, so none is inside a record.
+    for number, line in enumerate(_read_utf8(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"line {number} "
+        record = _parse_json(path, line, where)
+        if not isinstance(record, dict):
+            raise _unreadable(path, f"{where}is not a run record (a JSON object)")
+        for key, (types, kind) in RECORD_KEYS.items():
+            value = record.get(key)
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise _unreadable(path, f"{where}is not a run record (its {key} is missing or not {kind})")
+        records.append(record)
+    return records
+
+
+def _grows(saved: object, given: object) -> bool:
+    """Whether the list `given` holds every item of `saved` (an extendable setting that grew or stayed)."""
+    if not isinstance(saved, list | None) or not isinstance(given, list | None):
+        return False
+    try:
+        return set(saved or []) <= set(given or [])
+    except TypeError:  # unhashable items: not a list of names, so not one that grew
+        return False
+
+
 class RunStore:
     """`extendable`: settings whose lists may grow on resume (methods added to an earlier run: only their runs are
     made); every other setting must be the same."""
@@ -50,19 +121,18 @@ class RunStore:
                 f"{folder} holds the records of an earlier run: pass --resume to continue it, or another --out"
             )
         if resume and runs_path.exists():
-            saved = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+            saved = read_saved_settings(settings_path) if settings_path.exists() else {}
             given = json.loads(json.dumps(settings))
             changed = sorted(
                 k
                 for k in set(saved) | set(given)
-                if saved.get(k) != given.get(k)
-                and not (k in extendable and set(saved.get(k) or []) <= set(given.get(k) or []))
+                if saved.get(k) != given.get(k) and not (k in extendable and _grows(saved.get(k), given.get(k)))
             )
             if changed:
                 raise KVRuntimeError(
                     f"{folder} holds a run with other settings ({', '.join(changed)} differ): use another --out"
                 )
-            self.records = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
+            self.records = read_saved_records(runs_path)
         self._keys = {self.key(r["prompt"], r["method"], r["ratio"]) for r in self.records}
         self._settings = settings
         self._settings_path, self._runs_path = settings_path, runs_path

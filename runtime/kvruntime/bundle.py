@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from .artifact_header import ARTIFACT_SUFFIX, artifact_file_name, check_artifact_file, read_header
-from .errors import ArtifactError, first_line, short_repr
+from .errors import ArtifactError, first_line, printable, short_repr
 
 MANIFEST_NAME = "manifest.json"
 CARD_NAME = "README.md"
 BUNDLE_FORMAT = "kvcompile-bundle"
 BUNDLE_FORMAT_VERSION = 1
+MANIFEST_MAX_BYTES = 4 << 20  # a manifest lists a few artifacts in kilobytes: a larger one is refused unread
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,8 @@ def read_bundle(source: str | os.PathLike) -> Bundle:
     listed = {entry["file"] for entry in manifest["artifacts"]}
     for entry in manifest["artifacts"]:
         path = folder / entry["file"]
+        if path.is_symlink():  # it could lead out of the bundle
+            raise ArtifactError(f"bundle {source}: {entry['file']} is a symbolic link, not a file of the bundle")
         if not path.is_file():
             raise ArtifactError(f"bundle {source}: {entry['file']} is listed in its manifest but missing")
         if file_sha256(path) != entry["sha256"]:
@@ -112,7 +116,7 @@ def read_bundle(source: str | os.PathLike) -> Bundle:
         header = read_header(path)
         if header.get("kind") != entry["kind"]:
             raise ArtifactError(
-                f"bundle {source}: {entry['file']} is a {header.get('kind')} artifact, its manifest says {entry['kind']}"
+                f"bundle {source}: {entry['file']} is a {printable(header.get('kind'))} artifact, its manifest says {entry['kind']}"
             )
         if header.get("model") != json.dumps(model, sort_keys=True):
             raise ArtifactError(f"bundle {source}: {entry['file']} was compiled for another model than its manifest's")
@@ -125,12 +129,17 @@ def read_bundle(source: str | os.PathLike) -> Bundle:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, checked field by field: it may come from anyone, so every value later used as a path, printed
+    or compared has the type and shape expected (a file is a plain name in the bundle, text is printable)."""
     try:
+        size = path.stat().st_size
+        if size > MANIFEST_MAX_BYTES:
+            raise ValueError(f"{size} bytes, more than a manifest's {MANIFEST_MAX_BYTES}")
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError, RecursionError) as exc:
-        raise ArtifactError(f"{path}: not a readable manifest ({first_line(exc)})") from None
+        raise ArtifactError(f"{path}: not a readable manifest ({printable(first_line(exc))})") from None
     if manifest.get("format") != BUNDLE_FORMAT:
         raise ArtifactError(f"{path}: not a kvcompile bundle manifest (format {short_repr(manifest.get('format'))})")
     if manifest.get("format_version") != BUNDLE_FORMAT_VERSION:
@@ -138,17 +147,76 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"{path}: bundle format version {short_repr(manifest.get('format_version'))}, this kvruntime reads "
             f"version {BUNDLE_FORMAT_VERSION}"
         )
-    entries = manifest.get("artifacts")
-    fields = {"file": str, "kind": str, "sha256": str}
-    well_formed = isinstance(entries, list) and all(
-        isinstance(entry, dict) and all(isinstance(entry.get(key), kind) for key, kind in fields.items())
-        for entry in entries
-    )
-    if not well_formed or not isinstance(manifest.get("model"), dict):
-        raise ArtifactError(f"{path}: malformed manifest (needs a model and artifacts with file, kind and sha256)")
-    if any(Path(entry["file"]).name != entry["file"] for entry in entries):
-        raise ArtifactError(f"{path}: malformed manifest (an artifact's file is a path, not a name in the bundle)")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise ArtifactError(f"{path}: malformed manifest ({problem})")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with a manifest's fields, or None."""
+    from .fingerprint import ModelFingerprint
+
+    try:
+        ModelFingerprint.from_dict(manifest.get("model"))
+    except ValueError as exc:
+        return f"its model: {first_line(exc)}"
+    for key in ("base_model", "created", "bundled_by"):
+        if manifest.get(key) is not None and not _is_text(manifest[key]):
+            return f"{key} is not a line of printable text"
+    entries = manifest.get("artifacts")
+    if not isinstance(entries, list) or not entries:
+        return "needs a list of artifacts"
+    for entry in entries:
+        if not isinstance(entry, dict):
+            return "an artifact entry is not an object"
+        for key in ("file", "picture"):
+            if (key == "file" or key in entry) and not is_plain_name(entry.get(key)):
+                return f"an artifact's {key} is not a file name in the bundle"
+        if not _is_text(entry.get("kind")) or not isinstance(entry.get("sha256"), str):
+            return f"{entry['file']} needs a kind and a sha256"
+        if not _SHA256.fullmatch(entry["sha256"]):
+            return f"{entry['file']}'s sha256 is not 64 hexadecimal digits"
+        for key in ("provenance", "params", "run"):
+            if entry.get(key) is not None and not isinstance(entry[key], dict):
+                return f"{entry['file']}'s {key} is not an object"
+        provenance = entry.get("provenance") or {}
+        if "command" in provenance and not _is_text(provenance["command"]):
+            return f"{entry['file']}'s command is not a line of printable text"
+        libraries = provenance.get("libraries", {})
+        if not isinstance(libraries, dict) or not all(isinstance(v, str) for v in libraries.values()):
+            return f"{entry['file']}'s libraries are not names and versions"
+    return None
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and value.isprintable()
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether `name` names a file directly in a folder: no separator, not `.` or `..`, printable."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and Path(name).name == name
+        and "\\" not in name
+        and name.isprintable()
+    )
+
+
+def beside(artifact: Path, names: object, what: str) -> list[Path]:
+    """The files an artifact names by `names` (a list of file names), beside it: each a plain name, and where the
+    artifact sits in a bundle, a file of that bundle (in its manifest, its bytes checked). A name that would lead
+    elsewhere is refused: an artifact may come from anyone."""
+    if not isinstance(names, list) or not all(is_plain_name(name) for name in names):
+        raise ArtifactError(f"{artifact}: {what} names a file outside its folder (give plain file names)")
+    folder = artifact.parent
+    if is_bundle(folder):
+        listed = {entry["file"] for entry in read_bundle(folder).entries}
+        unlisted = [name for name in names if name not in listed]
+        if unlisted:
+            raise ArtifactError(f"{artifact}: {what} names {printable(unlisted[0])}, which its bundle does not hold")
+    return [folder / name for name in names]
 
 
 def resolve_artifact_path(source: str | os.PathLike, kind: str) -> Path:

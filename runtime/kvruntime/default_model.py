@@ -37,6 +37,9 @@ CONVERTER_PACKAGES = ("transformers", "tokenizers", "gguf")
 # Text the tokenizer must encode and decode back unchanged: spaces, a blank line, indentation, a tab, digits,
 # punctuation and non-ASCII text exercise the byte-level pre-tokenizer and decoder.
 ROUND_TRIP_PROBE = "Hello world! The pass key is 25613.\n\n    Indented,\ttabbed; naïve café — 日本語 «ok»."
+# Packages transformers needs to load a GGUF but does not install itself (it refuses without accelerate >= 1.1).
+# kvruntime never imports them: runtime/pyproject.toml declares them (tests/test_runtime_distribution.py checks).
+GGUF_LOADER_NEEDS = ("accelerate",)
 
 log = logging.getLogger("kvruntime")
 
@@ -244,12 +247,29 @@ def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str |
     return built
 
 
+def check_gguf_loader() -> None:
+    """Refuse in one line where transformers would refuse to load the GGUF with a traceback."""
+    from transformers.utils import is_accelerate_available
+
+    for name in GGUF_LOADER_NEEDS:
+        if importlib.util.find_spec(name) is None:
+            raise KVRuntimeError(
+                f"loading the default model's GGUF needs {name}, which is not installed: run `pip install {name}`"
+            )
+    if not is_accelerate_available():  # installed, but older than this transformers accepts
+        raise KVRuntimeError(
+            f"transformers refuses to load a GGUF with accelerate {importlib.metadata.version('accelerate')}: "
+            "run `pip install -U accelerate`"
+        )
+
+
 def dequantise_default(gguf: Path, staging: Path) -> dict:
     """Write the default model into `staging`: dequantised float32 weights, and the tokenizer built from the GGUF."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
+    check_gguf_loader()
     spec = read_gguf_tokenizer(gguf)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()

@@ -23,3 +23,11 @@ def short_repr(value: object, limit: int = 40) -> str:
     """repr(value), cut to `limit` characters: bad input quoted in a one-line message stays short."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def printable(value: object) -> str:
+    """`value` as text safe for a terminal: control characters (an escape sequence, a newline) and unpaired
+    surrogates written as escapes, so that text from a file handed to us cannot drive the terminal."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in str(value)
+    )

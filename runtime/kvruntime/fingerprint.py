@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .errors import short_repr
+
+if TYPE_CHECKING:  # torch only where a model is fingerprinted: a manifest's fingerprint is checked without it
+    import torch
+    from torch import nn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ def _hashed_weights(model: nn.Module) -> list[torch.Tensor]:
 def model_fingerprint(model: nn.Module) -> ModelFingerprint:
     """Fingerprint of a transformers causal LM. Weights are hashed in bfloat16, so one checkpoint loaded in
     float32, float16 or bfloat16 has one fingerprint."""
+    import torch
+
     config = model.config
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

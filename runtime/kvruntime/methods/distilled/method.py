@@ -32,7 +32,7 @@ import torch
 
 from ...allocation import apportion, error_aware_budgets, shares_at_ratio
 from ...errors import KVRuntimeError
-from ...request import KeepPlan
+from ...request import KeepPlan, check_method_options
 from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
@@ -40,9 +40,7 @@ from .features import predicted_scores, running_state_sum, token_features
 from .leverage import with_leverage
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
-
-ALLOCATIONS = ("dynamic", "compiled", "uniform")
-SCORES = ("predicted", "oracle")
+from .spec import SPEC
 
 
 @dataclasses.dataclass
@@ -65,20 +63,10 @@ class Distilled(Method):
         return "distilled" if self.layer_error is None else "distilled+budgets"
 
     def __post_init__(self) -> None:
-        if self.allocation not in ALLOCATIONS:
-            raise KVRuntimeError(
-                f"unknown distilled allocation {self.allocation!r} (use one of {', '.join(ALLOCATIONS)})"
-            )
-        if not 0.0 <= self.floor <= 1.0:
-            raise KVRuntimeError(f"distilled floor {self.floor}: give a share of the average in [0, 1]")
+        # The options' words and ranges are the registration's: an instance built by hand is held to them too.
+        check_method_options(SPEC.name, {key: getattr(self, key) for key in SPEC.all_options})
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
-        if self.sinks < 0:
-            raise KVRuntimeError(f"distilled sinks {self.sinks}: give a number of first tokens, 0 or more")
-        if self.leverage < 0:
-            raise KVRuntimeError(f"distilled leverage {self.leverage}: give a weight, 0 or more")
-        if self.scores not in SCORES:
-            raise KVRuntimeError(f"unknown distilled scores {self.scores!r} (use one of {', '.join(SCORES)})")
         if self.scores == "oracle" and self.scorer.oracle in PREFIXED and not self.scorer.task_prefix:
             raise KVRuntimeError(
                 f"this distilled_scorer does not record its {self.scorer.oracle} oracle's instruction: "

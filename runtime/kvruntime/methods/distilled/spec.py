@@ -15,10 +15,15 @@ SPEC = MethodSpec(
     needs="distilled_scorer",
     options={
         "allocation": ALLOCATION,
-        "floor": Option(float, 0.25, "share of the average count every layer keeps (dynamic allocation)"),
+        "floor": Option(
+            float, 0.25, "share of the average count every layer keeps (dynamic allocation)", minimum=0.0, maximum=1.0
+        ),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
-            float, 2.0, "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores"
+            float,
+            2.0,
+            "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores",
+            minimum=0.0,
         ),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
