@@ -234,7 +234,7 @@ def generate(
     with clear_errors():
         from kvcompile.prompt_format import check_prompt_format
         from kvruntime import ARTIFACT_KINDS, Request
-        from kvruntime.artifact_header import header_kind, header_params
+        from kvruntime.artifact_header import header_kind, header_params, read_header
         from kvruntime.bundle import artifact_files, beside
         from kvruntime.model_spec import check_model_spec, check_positions, position_limit
         from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
@@ -282,7 +282,7 @@ def generate(
         if method is not None:
             kinds = required_artifact_kinds(method, options)
             if paths:  # the artifacts given must hold what the method needs, as `compress` requires
-                given = {header_kind(path) for path in paths}
+                given = {read_header(path).get("kind") for path in paths}
                 for kind in kinds:
                     check_has_artifact(method, kind, given)
             else:

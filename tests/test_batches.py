@@ -20,7 +20,7 @@ import kvruntime
 from kvcompile import recipe
 from kvcompile.evaluation import runner
 from kvcompile.evaluation.contestants import Contestant
-from kvcompile.evaluation.runner import answer_batch, until_stop
+from kvcompile.evaluation.runner import Scoring, answer_batch, until_stop
 from kvruntime.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.errors import UnsupportedModelError
 from kvruntime.request import required_artifact_kinds
@@ -275,17 +275,24 @@ def test_the_default_model_answers_a_batch_row_by_row_as_each_prompt_alone(defau
 
 
 def test_eval_answers_a_batch_as_it_answers_each_prompt_alone(setup):
-    """`kvcompile eval --batch-size`: a kvcompile method's batch of prompts gives each prompt the answer, first logits
-    and bytes held it gets alone (a stop token ends a row's answer as it ends a lone one)."""
+    """`kvcompile eval --batch-size`: a kvcompile method's batch of prompts gives each prompt the answer, first logits,
+    teacher-forced logits and bytes held it gets alone (a stop token ends a row's answer as it ends a lone one)."""
     model, paths, prompts = setup
     contexts = [prompt[:, :-6] for prompt in prompts]
     questions = [prompt[:, -n:] for prompt, n in zip(prompts, (3, 4, 5))]
     contestant = Contestant("kvcompress", "kvcompile", "kvcompress")
     tokenizer = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
-    alone = [runner.answer(model, tokenizer, contestant, 0.5, c, q, 6, []) for c, q in zip(contexts, questions)]
-    batched = answer_batch(model, tokenizer, contestant, 0.5, contexts, questions, 6, [])
+    # Answers of other lengths per row (the full cache's, and the expected one): the forced rows are left-padded.
+    scorings = [Scoring([7, 3, 9, 4][: 2 + row], [11, 12, 13][row:]) for row in range(3)]
+    alone = [
+        runner.answer(model, tokenizer, contestant, 0.5, c, q, 6, [], scoring)
+        for c, q, scoring in zip(contexts, questions, scorings)
+    ]
+    batched = answer_batch(model, tokenizer, contestant, 0.5, contexts, questions, 6, [], scorings)
     for one, row in zip(alone, batched):
         assert row.cache_bytes == one.cache_bytes and row.peak_mib is None
         torch.testing.assert_close(row.first_logits, one.first_logits, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(row.reference_logits, one.reference_logits, atol=2e-4, rtol=1e-4)
+        assert row.gold_logprob == pytest.approx(one.gold_logprob, abs=1e-3)
         assert row.tokens == one.tokens and row.text == one.text
     assert until_stop([5, 7, 2, 9, 2], {2}) == [5, 7, 2] and until_stop([5, 7], {2}) == [5, 7]

@@ -41,10 +41,16 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
     assert all(float(r["cache_kept"]) == pytest.approx(0.5, abs=0.01) for r in snapkv)
     records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(r["tokens"] < 1024 for r in records)
+    # Fidelity at every answer token: none for the full cache against itself, some for a cache half cut; the
+    # expected answer's log-probability is a log-probability.
+    assert all(r["answer_kl"] == 0 for r in records if r["method"] == "full")
+    assert all(r["answer_kl"] > 0 for r in records if r["method"] == "snapkv")
+    assert all(r["answer_logprob"] < 0 for r in records)
     for name in ("results.md", "summary.csv", "accuracy_vs_ratio.png", "niah_heatmap.png"):
         assert (out / name).stat().st_size > 0
     report = (out / "results.md").read_text()
     assert "question-agnostic" in report and "Machine:" in report and "Command: `kvcompile eval" in report
+    assert "fidelity against each method's at each ratio" in report and "### log_answer_kl" in report
 
     # A finished run resumes without running anything; a new run into the same folder is refused.
     real_answer = suite_run.answer
@@ -86,6 +92,8 @@ def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, d
         for field in ("correct", "answer", "agreement", "cache_kept", "tokens"):
             assert other[field] == record[field], (key, field)
         assert other["kl"] == pytest.approx(record["kl"], abs=1e-3)
+        assert other["answer_kl"] == pytest.approx(record["answer_kl"], abs=1e-3)
+        assert other["answer_logprob"] == pytest.approx(record["answer_logprob"], abs=1e-2)
         assert (other["peak_mib"] is None) == (key[1] != "full")
 
 

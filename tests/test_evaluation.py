@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -16,13 +17,21 @@ from kvcompile.evaluation import contestants as contestants_module
 from kvcompile.evaluation.contestants import Contestant, artifact_paths, parse_methods
 from kvcompile.evaluation.metrics import (
     accuracy_auc,
+    answer_kl,
     bootstrap_interval,
     greedy_agreement,
     largest_ratio_within,
     next_token_kl,
 )
-from kvcompile.evaluation.report import paired_accuracy_table, paired_auc_table, results_table, summary_table
-from kvcompile.evaluation.runner import answer
+from kvcompile.evaluation.report import (
+    FIDELITY_MEASURES,
+    paired_accuracy_table,
+    paired_auc_table,
+    paired_by_ratio,
+    results_table,
+    summary_table,
+)
+from kvcompile.evaluation.runner import Scoring, answer, answer_logprob, scored_tokens, stop_tokens
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import run_order
@@ -203,20 +212,64 @@ class DigitTokenizer:
 def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_less(kind, tokens):
     model = tiny_model(kind)
     context_ids, question_ids = tokens[:, :70], tokens[:, 70:]
-    full = answer(model, DigitTokenizer(), Contestant("full", "full"), 0.0, context_ids, question_ids, 8, [])
+    gold = [5, 17, 42]
+    scoring = Scoring(None, gold)
+    full = answer(model, DigitTokenizer(), Contestant("full", "full"), 0.0, context_ids, question_ids, 8, [], scoring)
     plain = model.generate(tokens, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert full.tokens == plain[0, 80:].tolist()
     logits = model(tokens).logits[0, -1]
     assert torch.allclose(full.first_logits, logits, atol=1e-4)
-    same = answer(
-        model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.0, context_ids, question_ids, 8, []
-    )
+    # Teacher forcing, against one plain forward over the whole sequence: the full cache's own answer (all 8
+    # tokens: the tiny model has no stop token) and the expected answer's log-probability.
+    own = scored_tokens(full.tokens, stop_tokens(model))
+    assert own == full.tokens
+    with torch.no_grad():
+        plain_forced = model(torch.cat([tokens, torch.tensor([own[:-1]])], dim=1)).logits[0, 79:]
+        gold_logits = model(torch.cat([tokens, torch.tensor([gold[:-1]])], dim=1)).logits[0, 79:]
+    assert torch.allclose(full.reference_logits, plain_forced, atol=1e-4)
+    by_hand = sum(torch.log_softmax(gold_logits[i].double(), -1)[t] for i, t in enumerate(gold))
+    assert full.gold_logprob == pytest.approx(float(by_hand), abs=1e-4)
+    on_full = Scoring(own, gold)
+    snapkv = Contestant("snapkv", "kvcompile", "snapkv")
+    same = answer(model, DigitTokenizer(), snapkv, 0.0, context_ids, question_ids, 8, [], on_full)
     assert same.tokens == full.tokens and next_token_kl(full.first_logits, same.first_logits) < 1e-8
-    half = answer(
-        model, DigitTokenizer(), Contestant("snapkv", "kvcompile", "snapkv"), 0.5, context_ids, question_ids, 8, []
-    )
+    assert answer_kl(full.reference_logits, same.reference_logits) < 1e-8
+    assert same.gold_logprob == pytest.approx(full.gold_logprob, abs=1e-4)
+    half = answer(model, DigitTokenizer(), snapkv, 0.5, context_ids, question_ids, 8, [], on_full)
     assert half.cache_bytes == pytest.approx(full.cache_bytes / 2, rel=0.02)
     assert full.prefill_seconds > 0 and half.prefill_seconds > 0
+    assert answer_kl(full.reference_logits, half.reference_logits) > 1e-4  # half the context: it differs
+    # Teacher-forced on its own greedy answer, the compressed context predicts each of its tokens as generate did.
+    own_half = answer(model, DigitTokenizer(), snapkv, 0.5, context_ids, question_ids, 8, [], scoring)
+    assert own_half.tokens == half.tokens
+    assert torch.allclose(own_half.reference_logits[0], half.first_logits, atol=1e-4)
+    assert own_half.reference_logits.argmax(dim=-1).tolist() == half.tokens
+
+
+def test_the_answer_kl_averages_the_kl_of_each_token_and_the_logprob_sums_the_tokens():
+    reference = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    compressed = torch.log(torch.tensor([[0.5, 0.5], [0.6, 0.4]]))
+    second = 0.9 * torch.log(torch.tensor(0.9 / 0.6)) + 0.1 * torch.log(torch.tensor(0.1 / 0.4))
+    assert answer_kl(reference, compressed) == pytest.approx(float(second) / 2, abs=1e-6)
+    assert answer_kl(reference, reference) == 0.0
+    assert answer_logprob(compressed, [1, 0]) == pytest.approx(float(torch.log(torch.tensor(0.5 * 0.6))), abs=1e-6)
+
+
+def test_fidelity_is_paired_per_ratio_as_log_kl_and_expected_answer_logprob():
+    """By hand: the subject's log(KL + 1e-4) and log-probabilities minus the other's, prompt by prompt."""
+    kls = {"distilled": [0.01, 0.1, 0.0], "compactor": [0.1, 0.1, 0.0099]}
+    logprobs = {"distilled": [-1.0, -2.0, -3.0], "compactor": [-1.5, -2.0, -2.0]}
+    records = [
+        dict(prompt=p, method=m, ratio=0.5, correct=1, answer_kl=kls[m][p], answer_logprob=logprobs[m][p])
+        for m in kls
+        for p in range(3)
+    ]
+    (row,) = paired_by_ratio(records, "distilled", FIDELITY_MEASURES["log_answer_kl"])
+    expected = [math.log(0.0101 / 0.1001), 0.0, math.log(0.0001 / 0.01)]
+    assert row["distilled_minus_method"] == pytest.approx(sum(expected) / 3, abs=1e-4)
+    assert (row["distilled_ahead"], row["method_ahead"], row["prompts"]) == (0, 2, 3)  # ahead: larger, i.e. worse KL
+    (row,) = paired_by_ratio(records, "distilled", FIDELITY_MEASURES["answer_logprob"])
+    assert row["distilled_minus_method"] == pytest.approx((0.5 + 0.0 - 1.0) / 3, abs=1e-4)
 
 
 # -- tuning and the runtime's tuned defaults -----------------------------------------------------------

@@ -17,9 +17,15 @@ AGREEMENT_TOKENS = 32
 
 def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(full || compressed) in nats between the next-token distributions given by two logit vectors."""
-    reference = torch.log_softmax(reference_logits.double().reshape(-1), dim=-1)
-    compressed = torch.log_softmax(logits.double().reshape(-1), dim=-1)
-    return float((reference.exp() * (reference - compressed)).sum().clamp(min=0.0))
+    return answer_kl(reference_logits.reshape(1, -1), logits.reshape(1, -1))
+
+
+def answer_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(full || compressed) in nats at each token of an answer both were teacher-forced on (logits [n, vocab]),
+    averaged over its tokens: the first token's KL and what follows, with n times the samples."""
+    reference = torch.log_softmax(reference_logits.double(), dim=-1)
+    compressed = torch.log_softmax(logits.double(), dim=-1)
+    return float((reference.exp() * (reference - compressed)).sum(dim=-1).clamp(min=0.0).mean())
 
 
 def greedy_agreement(reference: Sequence[int], tokens: Sequence[int], count: int = AGREEMENT_TOKENS) -> float:

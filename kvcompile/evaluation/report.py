@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvcompile.evaluation.contestants import FULL
@@ -16,6 +17,14 @@ from kvcompile.evaluation.metrics import accuracy_auc, bootstrap_interval, group
 from kvcompile.evaluation.store import write_text_atomically
 
 GROUP_COLUMNS = ("method", "ratio", "task", "length")
+KL_FLOOR = 1e-4  # nats: below it two distributions are the same for any answer; keeps log KL finite
+# The continuous fidelity measures, paired per prompt at each ratio (issue #49: they decide where answer counts cannot):
+# the log of the KL from the full cache averaged over its answer's tokens (lower is more faithful), and the expected
+# answer's log-probability (higher is better). Records written before they existed lack them.
+FIDELITY_MEASURES = {
+    "log_answer_kl": lambda r: math.log(r["answer_kl"] + KL_FLOOR),
+    "answer_logprob": lambda r: r["answer_logprob"],
+}
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -42,11 +51,24 @@ def with_peak_ratios(records: list[dict]) -> list[dict]:
     ]
 
 
+def _has_fidelity(records: list[dict]) -> bool:
+    return all("answer_kl" in r for r in records)
+
+
 def _summary(records: list[dict]) -> dict:
+    fidelity = (
+        dict(
+            answer_kl=round(statistics.mean(r["answer_kl"] for r in records), 4),
+            answer_logprob=round(statistics.mean(r["answer_logprob"] for r in records), 3),
+        )
+        if _has_fidelity(records)
+        else {}
+    )
     return dict(
         prompts=len(records),
         accuracy=round(statistics.mean(r["correct"] for r in records), 4),
         kl=round(statistics.mean(r["kl"] for r in records), 4),
+        **fidelity,
         agreement=round(statistics.mean(r["agreement"] for r in records), 4),
         prefill_vs_full=round(_median(r["prefill_vs_full"] for r in records), 3),
         peak_mib=_median(r["peak_mib"] for r in records),
@@ -104,14 +126,19 @@ def paired_auc_table(records: list[dict], subject: str) -> list[dict]:
 def paired_accuracy_table(records: list[dict], subject: str) -> list[dict]:
     """The same at each ratio: `subject`'s accuracy minus each other method's at equal ratio, paired over prompts
     (a claim at one ratio, where the AUC sums over them)."""
-    answers: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
+    return paired_by_ratio(records, subject, lambda r: r["correct"])
+
+
+def paired_by_ratio(records: list[dict], subject: str, value: Callable[[dict], float]) -> list[dict]:
+    """`subject`'s `value` minus each other method's at equal ratio, paired over the prompts both answered."""
+    values: dict[tuple[str, float], dict[int, float]] = defaultdict(dict)
     for r in records:
         if r["method"] != FULL:
-            answers[(r["method"], r["ratio"])][r["prompt"]] = r["correct"]
+            values[(r["method"], r["ratio"])][r["prompt"]] = value(r)
     return [
-        {"method": method, "ratio": ratio, **_paired(answers[(subject, ratio)], correct, subject)}
-        for (method, ratio), correct in sorted(answers.items(), key=lambda item: item[0][1])
-        if method != subject and (subject, ratio) in answers
+        {"method": method, "ratio": ratio, **_paired(values[(subject, ratio)], by_prompt, subject)}
+        for (method, ratio), by_prompt in sorted(values.items(), key=lambda item: item[0][1])
+        if method != subject and (subject, ratio) in values
     ]
 
 
@@ -166,7 +193,23 @@ def _paired_section(records: list[dict], subject: str | None) -> list[str]:
         "The difference of the answers per prompt at equal ratio, averaged, with the same interval.",
         "",
         to_markdown(paired_accuracy_table(records, subject)),
+        *(_fidelity_section(records, subject) if _has_fidelity(records) else []),
     ]
+
+
+def _fidelity_section(records: list[dict], subject: str) -> list[str]:
+    lines = [
+        f"## {subject}'s fidelity against each method's at each ratio, paired over prompts",
+        "",
+        f"log_answer_kl: log(KL + {KL_FLOOR:g}) of the answer distributions from the full cache's, averaged over the "
+        "tokens of the full cache's answer (both teacher-forced on it); a negative difference: the subject is the "
+        "more faithful. answer_logprob: log-probability (nats) of the expected answer after the question; a "
+        "positive difference: the subject gives it more. These decide where answer counts cannot.",
+        "",
+    ]
+    for name, value in FIDELITY_MEASURES.items():
+        lines += [f"### {name}", "", to_markdown(paired_by_ratio(records, subject, value))]
+    return lines
 
 
 def write_report(records: list[dict], folder: Path, header: str, subject: str | None = None) -> tuple[list[Path], str]:

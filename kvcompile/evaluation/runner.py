@@ -20,11 +20,12 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 import kvruntime
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.measure import PeakMemory
+from kvcompile.evaluation.metrics import AGREEMENT_TOKENS
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvruntime import generate_after_context
+from kvruntime import generate_after_context, logits_after_context
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.batch_rows import left_pad
-from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes
+from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes, restored_after
 
 
 @dataclasses.dataclass
@@ -35,6 +36,38 @@ class Answer:
     prefill_seconds: float  # prefill + compression of the context
     peak_mib: float | None
     cache_bytes: int  # KV bytes held after compression
+    # Teacher forced on the full cache's answer (`reference_tokens`): the logits [n, vocab] predicting each of its
+    # tokens, for the KL from the full cache at every answer token, not only the first.
+    reference_logits: torch.Tensor
+    gold_logprob: float  # log-probability of the expected answer (`gold_answer`) after the question
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """The answers every contestant is teacher-forced on, for one prompt: the full cache's (None: the contestant is
+    the full cache, which is scored on its own greedy answer) and the expected one."""
+
+    reference: list[int] | None
+    gold: list[int]
+
+
+def gold_answer(tokenizer: PreTrainedTokenizerBase, prompt: TaskPrompt, question_ids: torch.Tensor) -> list[int]:
+    """The expected values as the answer's text (joined by commas, after a space where the question ends in a
+    word, as an answer cue does): whose log-probability is a continuous measure of being right."""
+    question = tokenizer.decode(question_ids[0])
+    text = ("" if question[-1:].isspace() else " ") + ", ".join(prompt.expected)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def scored_tokens(tokens: list[int], stops: set[int]) -> list[int]:
+    """The part of a greedy answer the fidelity scores read: up to its first stop token, at most
+    AGREEMENT_TOKENS."""
+    return until_stop(tokens, stops)[:AGREEMENT_TOKENS]
+
+
+def stop_tokens(model: nn.Module) -> set[int]:
+    stops = model.generation_config.eos_token_id
+    return {stops} if isinstance(stops, int) else set(stops or ())
 
 
 def split_prompt(
@@ -59,6 +92,7 @@ class Prefill:
     peak_mib: float | None
     cache_bytes: int  # KV bytes held after compression
     generate: Callable[..., object]  # (question_ids, **generate kwargs) -> generate's output
+    logits: Callable[..., torch.Tensor]  # (ids [B, n], attention_mask=None) -> logits [B, n, vocab], teacher forced
 
 
 def compressing(
@@ -98,7 +132,7 @@ def prefilled(
                 started = time.perf_counter()
                 context = session.prefill(context_ids)
                 seconds = time.perf_counter() - started
-            yield Prefill(seconds, peak.mib, context.report.bytes_after, context.generate)
+            yield Prefill(seconds, peak.mib, context.report.bytes_after, context.generate, context.logits)
         return
     cache = DynamicCache(config=model.config)
     with PeakMemory() as peak:
@@ -113,12 +147,22 @@ def prefilled(
         seconds = time.perf_counter() - started
     masks = press_keep_masks(model, cache, context_ids.shape[1])
 
+    @contextlib.contextmanager
+    def answering() -> Iterator[None]:
+        # Presses may leave layers of different lengths (per-layer attention) or hide entries (keep masks); what
+        # a question or an answer adds to the cache is gone after it, so that the context answers again.
+        with per_layer_attention(model), keep_mask_hooks(model, masks), restored_after(cache):
+            yield
+
     def generate(question_ids: torch.Tensor, **kwargs) -> object:
-        # Presses may leave layers of different lengths (per-layer attention) or hide entries (keep masks).
-        with per_layer_attention(model), keep_mask_hooks(model, masks):
+        with answering():
             return generate_after_context(model, cache, context_ids.shape[1], question_ids, **kwargs)
 
-    yield Prefill(seconds, peak.mib, held_bytes(cache, masks), generate)
+    def logits(ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        with answering():
+            return logits_after_context(model, cache, context_ids.shape[1], ids, attention_mask)
+
+    yield Prefill(seconds, peak.mib, held_bytes(cache, masks), generate, logits)
 
 
 def press_keep_masks(model: nn.Module, cache: DynamicCache, context_length: int) -> dict[int, torch.Tensor]:
@@ -183,11 +227,15 @@ def answer(
     question_ids: torch.Tensor,
     new_tokens: int,
     artifacts: list[Path],
+    scoring: Scoring,
 ) -> Answer:
-    """The contestant's greedy answer to the question over its compressed context, with the prefill's measures."""
+    """The contestant's greedy answer to the question over its compressed context, with the prefill's measures and
+    the answers of `scoring` teacher-forced over the same context."""
     with prefilled(model, contestant, ratio, context_ids, artifacts) as context:
         output = context.generate(question_ids, **greedy(new_tokens, tokenizer))
-    tokens = output.sequences[0, question_ids.shape[1] :].tolist()
+        tokens = output.sequences[0, question_ids.shape[1] :].tolist()
+        reference = scoring.reference or scored_tokens(tokens, stop_tokens(model))
+        forced = [forced_logits(context.logits, [question_ids[0]], [answer]) for answer in (reference, scoring.gold)]
     return Answer(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         tokens=tokens,
@@ -195,7 +243,28 @@ def answer(
         prefill_seconds=context.seconds,
         peak_mib=context.peak_mib,
         cache_bytes=context.cache_bytes,
+        reference_logits=forced[0][0],
+        gold_logprob=answer_logprob(forced[1][0], scoring.gold),
     )
+
+
+def forced_logits(
+    logits: Callable[..., torch.Tensor], questions: list[torch.Tensor], answers: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per row, the logits [n, vocab] that predict each of its answer's n tokens after its question (teacher
+    forcing, all rows in one forward: question and answer but its last token, left-padded)."""
+    device = questions[0].device
+    rows = [torch.cat([question, torch.tensor(answer[:-1], dtype=question.dtype, device=device)])
+            for question, answer in zip(questions, answers)]  # fmt: skip
+    ids, mask = left_pad(rows, 0)
+    out = logits(ids, attention_mask=mask if len(rows) > 1 else None)
+    return [out[row, out.shape[1] - len(answer) :].float().cpu() for row, answer in enumerate(answers)]
+
+
+def answer_logprob(logits: torch.Tensor, tokens: list[int]) -> float:
+    """The log-probability (nats) of `tokens` under the teacher-forced `logits` [n, vocab] that predict them."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    return float(logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
 
 
 def answer_batch(
@@ -207,20 +276,23 @@ def answer_batch(
     questions: list[torch.Tensor],
     new_tokens: int,
     artifacts: list[Path],
+    scorings: list[Scoring],
 ) -> list[Answer]:
     """`answer` for several prompts at once (a kvcompile method): the contexts [1, n] compressed as one batch (each
     row as it would be alone) and the questions [1, q] answered together. A row's prefill time and bytes held are
-    its own (the engine prefills row by row); its peak memory is not measured (the batch's is shared)."""
+    its own (the engine prefills row by row); its peak memory is not measured (the batch's is shared). The
+    `scorings` name each row's full-cache answer."""
     context_ids, context_mask = left_pad([ids[0] for ids in contexts], tokenizer.eos_token_id)
     question_ids, question_mask = left_pad([ids[0] for ids in questions], tokenizer.eos_token_id)
+    rows = [ids[0] for ids in questions]
     with compressing(model, contestant, ratio, artifacts) as session:
         context = session.prefill(context_ids, attention_mask=context_mask)
         output = context.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
-    stops = model.generation_config.eos_token_id
-    stops = {stops} if isinstance(stops, int) else set(stops or ())
+        references = forced_logits(context.logits, rows, [scoring.reference for scoring in scorings])
+        golds = forced_logits(context.logits, rows, [scoring.gold for scoring in scorings])
     answers = []
     for row, report in enumerate(context.report.rows):
-        tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stops)
+        tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stop_tokens(model))
         answers.append(
             Answer(
                 text=tokenizer.decode(tokens, skip_special_tokens=True),
@@ -229,6 +301,8 @@ def answer_batch(
                 prefill_seconds=report.prefill_seconds + report.compress_seconds,
                 peak_mib=None,
                 cache_bytes=report.bytes_after,
+                reference_logits=references[row],
+                gold_logprob=answer_logprob(golds[row], scorings[row].gold),
             )
         )
     return answers

@@ -14,8 +14,17 @@ from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import Contestant
-from kvcompile.evaluation.metrics import greedy_agreement, next_token_kl
-from kvcompile.evaluation.runner import Answer, answer, answer_batch, split_prompt
+from kvcompile.evaluation.metrics import answer_kl, greedy_agreement, next_token_kl
+from kvcompile.evaluation.runner import (
+    Answer,
+    Scoring,
+    answer,
+    answer_batch,
+    gold_answer,
+    scored_tokens,
+    split_prompt,
+    stop_tokens,
+)
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.tasks.grid import suite_cells
@@ -45,15 +54,20 @@ def evaluate(
     bar = tqdm(total=len(prompts) * (1 + len(jobs)), initial=done, desc="kvcompile eval", unit="run")
     for first in range(0, len(todo), batch_size):
         group = todo[first : first + batch_size]
-        answered = batched_answers(model, tokenizer, group, prompts, left, artifacts, settings)
+        # The full cache first: its answer is what every method is scored against (run again for methods added to
+        # a resumed run: their scores need its logits, which are not stored).
+        references = {
+            index: reference_answer(model, tokenizer, index, prompts[index], full, settings) for index in group
+        }
+        bar.update(len(group))
+        scorings = {index: references[index][1] for index in group}
+        answered = batched_answers(model, tokenizer, group, prompts, left, artifacts, settings, scorings)
         for index in group:
-            prompt = prompts[index]
-            # The reference is run again for added methods: their scores need its logits, which are not stored.
-            reference, record = reference_answer(model, tokenizer, index, prompt, full, settings)
-            bar.update()
+            (reference, scoring, record) = references[index]
             results = run_prompt(
-                model, tokenizer, index, prompt, left[index], artifacts, settings, reference, bar, answered[index]
-            )
+                model, tokenizer, index, prompts[index], left[index], artifacts, settings, (reference, scoring), bar,
+                answered[index],
+            )  # fmt: skip
             fresh = [] if store.done(index, full.label, 0.0) else [record]
             store.add([*fresh, *(r for _, r in results)])
     bar.close()
@@ -68,6 +82,7 @@ def batched_answers(
     left: dict[int, list[tuple[Contestant, float]]],
     artifacts: dict[str, list[Path]],
     settings: SuiteSettings,
+    scorings: dict[int, Scoring],
 ) -> dict[int, dict[tuple[str, float], Answer]]:
     """The answers of the kvcompile methods' runs that the group's prompts share, each run a batch of those prompts:
     prompt -> (method label, ratio) -> answer. Runs of a single prompt are left to `run_prompt`."""
@@ -87,6 +102,7 @@ def batched_answers(
             [question.to(model.device) for _, question in split],
             settings.new_tokens,
             artifacts.get(contestant.label, []),
+            [scorings[index] for index in indices],
         )
         for index, result in zip(indices, answers):
             answered[index][contestant.label, ratio] = result
@@ -109,10 +125,15 @@ def reference_answer(
     prompt: TaskPrompt,
     full: Contestant,
     settings: SuiteSettings,
-) -> tuple[Answer, dict]:
-    """The full cache's answer (the reference of every score of the prompt) and its record."""
-    records = run_prompt(model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, None)
-    return records[0][0], records[0][1]
+) -> tuple[Answer, Scoring, dict]:
+    """The full cache's answer (the reference of every score of the prompt), what every method is teacher-forced on
+    (its greedy answer, the expected one), and its record."""
+    _, question_ids = split_prompt(tokenizer, prompt, settings.question_aware)
+    gold = gold_answer(tokenizer, prompt, question_ids)
+    ((answer_, record),) = run_prompt(
+        model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, (None, Scoring(None, gold))
+    )
+    return answer_, Scoring(scored_tokens(answer_.tokens, stop_tokens(model)), gold), record
 
 
 def run_prompt(
@@ -123,15 +144,17 @@ def run_prompt(
     jobs: list[tuple[Contestant, float]],
     artifacts: dict[str, list[Path]],
     settings: SuiteSettings,
-    reference: Answer | None,
+    reference: tuple[Answer | None, Scoring],
     bar: tqdm | None = None,
     answered: Mapping[tuple[str, float], Answer] = {},
 ) -> list[tuple[Answer, dict]]:
-    """Each job's answer and record, scored against the `reference` answer (None: the job is the reference); jobs
-    `answered` already (in a batch, by (method label, ratio)) are recorded, not run again."""
+    """Each job's answer and record, scored against the `reference` answer and teacher-forced on its scoring's
+    answers (no answer: the job is the reference); jobs `answered` already (in a batch, by (method label, ratio))
+    are recorded, not run again."""
     context_ids, question_ids = (
         ids.to(model.device) for ids in split_prompt(tokenizer, prompt, settings.question_aware)
     )
+    full, scoring = reference
     results = []
     for contestant, ratio in jobs:
         result = answered.get((contestant.label, ratio)) or answer(
@@ -143,8 +166,9 @@ def run_prompt(
             question_ids,
             settings.new_tokens,
             artifacts.get(contestant.label, []),
+            scoring,
         )
-        base = reference or result
+        base = full or result
         results.append(
             (
                 result,
@@ -158,6 +182,8 @@ def run_prompt(
                     ratio=ratio,
                     correct=int(prompt.score(result.text)),
                     kl=round(next_token_kl(base.first_logits, result.first_logits), 5),
+                    answer_kl=round(answer_kl(base.reference_logits, result.reference_logits), 6),
+                    answer_logprob=round(result.gold_logprob, 4),
                     agreement=round(greedy_agreement(base.tokens, result.tokens), 4),
                     prefill_seconds=round(result.prefill_seconds, 4),
                     prefill_vs_full=round(result.prefill_seconds / base.prefill_seconds, 4),

@@ -18,7 +18,10 @@ from .lazy_exports import lazy_exports
 # public name -> the module that defines it
 _EXPORTS = {
     # Applying compression.
-    **dict.fromkeys(("CompressedContext", "CompressionSession", "compress", "generate_after_context"), "engine"),
+    **dict.fromkeys(
+        ("CompressedContext", "CompressionSession", "compress", "generate_after_context", "logits_after_context"),
+        "engine",
+    ),
     **dict.fromkeys(("BatchReport", "CompressionReport"), "report"),
     "DEFAULT_MODEL": "default_model",
     "load_model": "model_loading",

@@ -3,8 +3,10 @@ entries, count bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -105,3 +107,15 @@ def replace_output(output: object, hidden_states: torch.Tensor, cache: Cache) ->
     output.last_hidden_state = hidden_states
     setattr(output, "cache" if getattr(output, "cache", None) is not None else "past_key_values", cache)
     return output
+
+
+@contextlib.contextmanager
+def restored_after(cache: Cache) -> Iterator[None]:
+    """What enters `cache` inside the block (a question, an answer) is gone after it, zero-copy: transformers' cache
+    update makes new tensors, and the originals are put back."""
+    saved = [(layer.keys, layer.values) for layer in cache.layers]
+    try:
+        yield
+    finally:
+        for layer, (keys, values) in zip(cache.layers, saved):
+            layer.keys, layer.values = keys, values

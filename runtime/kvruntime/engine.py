@@ -46,6 +46,7 @@ from .cache_ops import (
     keep_entries,
     output_cache,
     replace_output,
+    restored_after,
     uncompressed_bytes,
 )
 from .errors import KVRuntimeError, UnsupportedModelError
@@ -533,24 +534,8 @@ class CompressedContext:
     ) -> object:
         """`model.generate` on the question `question_ids` [B, q] after the compressed context (a batch's questions
         left-padded, with their `attention_mask`); returns what generate returns (sequences start with the
-        question). The compressed context is restored afterwards (zero-copy: transformers' cache update makes new
-        tensors, the originals are kept)."""
-        if not self.session.active:
-            raise KVRuntimeError(
-                "answer questions inside the `with kvruntime.compress(...)` block that made the context"
-            )
-        if question_ids.shape[0] != len(self.context_lengths):
-            raise KVRuntimeError(
-                f"{question_ids.shape[0]} question(s) for a context of {len(self.context_lengths)} row(s): give one per row"
-            )
-        saved = [(layer.keys, layer.values) for layer in self.cache.layers]
-        masks = self.session._keep_masks.get(self.cache, {})
-        if attention_mask is not None and not bool(attention_mask.all()):
-            # The question's padding enters the cache after the context: hidden from attention like the context's.
-            heads = self.cache.layers[0].keys.shape[1]
-            slots = [layer.keys.shape[2] for layer in self.cache.layers]
-            self.session._keep_masks[self.cache] = with_appended(masks, slots, heads, attention_mask)
-        try:
+        question). The compressed context is restored afterwards."""
+        with self._answering(question_ids, attention_mask):
             return generate_after_context(
                 self.session.model,
                 self.cache,
@@ -559,9 +544,35 @@ class CompressedContext:
                 attention_mask=attention_mask,
                 **generate_kwargs,
             )
+
+    def logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's logits [B, n, vocab] at every position of `ids` [B, n] after the compressed context, in one
+        forward (teacher forcing: the logits at position i are those of the token after ids[:, : i + 1]); a batch's
+        rows left-padded, with their `attention_mask`. The compressed context is restored afterwards."""
+        with self._answering(ids, attention_mask):
+            return logits_after_context(self.session.model, self.cache, self.context_lengths, ids, attention_mask)
+
+    @contextlib.contextmanager
+    def _answering(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> Iterator[None]:
+        """`ids` [B, n] may enter the cache inside the block; the context (and its keep masks) is restored after it."""
+        if not self.session.active:
+            raise KVRuntimeError(
+                "answer questions inside the `with kvruntime.compress(...)` block that made the context"
+            )
+        if ids.shape[0] != len(self.context_lengths):
+            raise KVRuntimeError(
+                f"{ids.shape[0]} row(s) of tokens for a context of {len(self.context_lengths)} row(s): give one per row"
+            )
+        masks = self.session._keep_masks.get(self.cache, {})
+        if attention_mask is not None and not bool(attention_mask.all()):
+            # The question's padding enters the cache after the context: hidden from attention like the context's.
+            heads = self.cache.layers[0].keys.shape[1]
+            slots = [layer.keys.shape[2] for layer in self.cache.layers]
+            self.session._keep_masks[self.cache] = with_appended(masks, slots, heads, attention_mask)
+        try:
+            with restored_after(self.cache):
+                yield
         finally:
-            for layer, (keys, values) in zip(self.cache.layers, saved):
-                layer.keys, layer.values = keys, values
             self.session._keep_masks[self.cache] = masks
 
 
@@ -585,20 +596,48 @@ def generate_after_context(
     batch's questions are left-padded, `attention_mask` [B, q] marking their tokens (the padding is not masked here:
     `CompressedContext.generate` hides it). A cache whose layers hold different lengths needs `per_layer_attention`
     around this call."""
-    batch, question_length = question_ids.shape
-    device = question_ids.device
+    return model.generate(
+        input_ids=question_ids,
+        **_after_context(model, cache, context_length, question_ids, attention_mask),
+        **generate_kwargs,
+    )
+
+
+def logits_after_context(
+    model: nn.Module,
+    cache: Cache,
+    context_length: int | Sequence[int],
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits [B, n, vocab] at every position of `ids` [B, n] after contexts held in `cache`, in one forward,
+    as `generate_after_context` places them (the tokens enter the cache: callers that reuse it restore it)."""
+    with torch.no_grad():
+        arguments = _after_context(model, cache, context_length, ids, attention_mask)
+        return model(input_ids=ids, use_cache=True, logits_to_keep=0, **arguments).logits
+
+
+def _after_context(
+    model: nn.Module,
+    cache: Cache,
+    context_length: int | Sequence[int],
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> dict:
+    """The arguments that put `ids` [B, q] after their contexts: the cache, each token's original position after
+    its full context, and an attention mask over the context and the (left-padded) ids."""
+    batch, length = ids.shape
+    device = ids.device
     lengths = [context_length] * batch if isinstance(context_length, int) else list(context_length)
     if attention_mask is None:
-        attention_mask = torch.ones(batch, question_length, dtype=torch.long, device=device)
+        attention_mask = torch.ones(batch, length, dtype=torch.long, device=device)
     offsets = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # a padded question's tokens count from 0 too
     positions = torch.tensor(lengths, device=device)[:, None] + offsets
     context_mask = torch.ones(batch, max(lengths), dtype=attention_mask.dtype, device=device)
-    return model.generate(
-        input_ids=question_ids,
+    return dict(
         attention_mask=torch.cat([context_mask, attention_mask], dim=1),
         **cache_argument(model, cache),
         **explicit_positions(model, positions),
-        **generate_kwargs,
     )
 
 

@@ -47,7 +47,8 @@ def tune(
     references = {}
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(settings.ratios)), desc="kvcompile tune", unit="run")
     for index, prompt in enumerate(prompts):
-        references[index], record = reference_answer(model, tokenizer, index, prompt, full, settings)
+        reference, scoring, record = reference_answer(model, tokenizer, index, prompt, full, settings)
+        references[index] = (reference, scoring)
         if not store.done(index, full.label, 0.0):
             store.add([record])
         bar.update()
