@@ -291,6 +291,7 @@ class CompileCommand:
     options: Mapping[str, str]
     flags: frozenset[str]  # the option strings that take no value
     paths: frozenset[str]
+    outputs: frozenset[str]  # the parameters that say where and how it writes: never taken from a recorded command
 
 
 def check_kinds(bundle: Bundle, kinds: Sequence[str]) -> None:
@@ -362,8 +363,6 @@ def rerun_arguments(
 ) -> list[str]:
     """The arguments (after `kvcompile`) that rerun a recorded command, each input resolved to where it may be
     read from (`reproduce`); NotReproducible says why not."""
-    from kvcompile.cli import OUTPUT_OPTIONS
-
     try:
         words = shlex.split(command)
     except ValueError as exc:
@@ -380,7 +379,7 @@ def rerun_arguments(
         name = known.options.get(option)
         if name is None:
             raise NotReproducible(f"its recorded command has a word {words[1]} does not take ({option})")
-        if name in OUTPUT_OPTIONS:
+        if name in known.outputs:
             raise NotReproducible(f"its recorded command names where to write ({option})")
         if option in known.flags:
             index += 1

@@ -959,7 +959,7 @@ def compile_commands() -> dict[str, object]:
         params = group.commands[name].params
         options = {option: p.name for p in params for option in (*p.opts, *p.secondary_opts)}
         flags = {option for p in params if p.is_flag for option in (*p.opts, *p.secondary_opts)}
-        commands[name] = CompileCommand(options, frozenset(flags), paths)
+        commands[name] = CompileCommand(options, frozenset(flags), paths, frozenset(OUTPUT_OPTIONS))
     return commands
 
 
