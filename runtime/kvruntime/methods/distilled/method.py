@@ -43,20 +43,24 @@ from .scorer import DistilledScorer
 from .spec import SPEC
 
 
+def _default(option: str) -> object:
+    return SPEC.all_options[option].default  # the registration declares each option's default once
+
+
 @dataclasses.dataclass
 class Distilled(Method):
-    window: int = 32
-    sinks: int = 1  # the first tokens, always kept
+    window: int = _default("window")
+    sinks: int = _default("sinks")  # the first tokens, always kept
     scorer: DistilledScorer | None = None
-    allocation: str = "compiled"
-    floor: float = 0.25  # share of the average tokens per layer that every layer keeps (dynamic allocation)
+    allocation: str = _default("allocation")
+    floor: float = _default("floor")  # share of the average tokens per layer every layer keeps (dynamic allocation)
     # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
-    scores: str = "predicted"  # or "oracle": the teacher, replayed on the prompt by a second pass
+    scores: str = _default("scores")  # or "oracle": the teacher, replayed on the prompt by a second pass
     # Weight of the keys' leverage mixed into the student's scores (`leverage.py`): the student ranks the copies of a
     # repeated text alike, the keys' geometry ranks them apart (the pass key in repeated filler; issue #33).
-    leverage: float = 2.0
+    leverage: float = _default("leverage")
 
     @property
     def name(self) -> str:  # type: ignore[override]

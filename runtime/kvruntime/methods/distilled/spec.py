@@ -21,7 +21,7 @@ SPEC = MethodSpec(
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
             float,
-            2.0,
+            0.0,
             "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores",
             minimum=0.0,
         ),
