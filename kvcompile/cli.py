@@ -152,8 +152,8 @@ def check_encodable(what: str, text: str) -> None:
         raise KVRuntimeError(f"{what} holds a lone surrogate (not Unicode text): give UTF-8 text") from None
 
 
-# No tokenizer we know has a token of more bytes (the default model's longest is 128; byte-level BPE merges stay
-# short): a prompt of more bytes than this times the model's positions cannot fit, whatever it says.
+# Over three times the default model's longest token (81 bytes: a newline and 80 spaces); byte-level BPE merges stay
+# short. A prompt of more bytes than this times the model's positions cannot fit, whatever it says.
 MAX_TOKEN_BYTES = 256
 
 
