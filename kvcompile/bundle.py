@@ -346,10 +346,10 @@ def reproduce(
     if runs and not confirm():
         return None
     installed = library_versions()
+    main = "from kvcompile.cli import main; main()"
     with tempfile.TemporaryDirectory(dir=work, prefix="kvcompile-reproduce-") as scratch:
         for command, entries in runs.items():
             out = Path(scratch) / entries[0]["file"]
-            main = "from kvcompile.cli import main; main()"
             argv = [sys.executable, "-P", "-c", main, *arguments[command], "--out", str(out)]
             ran = subprocess.run(argv, cwd=scratch)
             for entry in entries:
@@ -475,9 +475,10 @@ def check_bundle_output(out: Path, sources: Sequence[Path]) -> None:
                 f"--out {out} holds files that `kvcompile bundle` did not write there (or that changed since): "
                 "it replaces only its own bundles; give a new or empty folder"
             )
+    real = out.resolve()
     for source in sources:
         inside = source.resolve()
-        if resolved.resolve() == inside or resolved.resolve() in inside.parents or inside in resolved.parents:
+        if real == inside or real in inside.parents or inside in real.parents:
             raise KVRuntimeError(f"--out {out} overlaps the source {source}: write the bundle to another folder")
 
 

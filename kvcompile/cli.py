@@ -245,11 +245,12 @@ def generate(
             raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
         check_prompt_format(prompt_format)
         check_model_spec(model)
+        positions = position_limit(model)  # from the model's config, read once
         if max_new_tokens < 1:
             raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
-        check_positions(max_new_tokens, position_limit(model), f"--max-new-tokens {max_new_tokens}")
+        check_positions(max_new_tokens, positions, f"--max-new-tokens {max_new_tokens}")
         for name, text in prompts:
-            check_prompt_bytes(name, text, position_limit(model))
+            check_prompt_bytes(name, text, positions)
         if prefill_chunk_size is not None and prefill_chunk_size < 1:
             raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
         if question is not None and not all(text.strip() for text in question):
@@ -265,7 +266,7 @@ def generate(
             options["nearest_budget"] = True
         paths = artifact_files(artifact or [])  # a bundle (folder or hub id) gives its artifacts
         if budget is not None:
-            check_positions(budget, position_limit(model), f"--budget {budget} tokens per layer")
+            check_positions(budget, positions, f"--budget {budget} tokens per layer")
         tuned: list[Path] = []
         served = None  # (method, its artifacts, its options): what is checked before torch loads
         if method is None:

@@ -12,7 +12,7 @@ def test_kvruntime_imports_without_the_compile_stage():
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'kvcompile', 'd3rlpy', 'datasets', 'kvpress'})\n"
         "print(','.join(bad))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
 
 
@@ -29,5 +29,5 @@ def test_the_command_line_parses_and_refuses_without_importing_torch():
         "assert refused.exit_code == 2, refused.output\n"
         "print(','.join(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""

@@ -102,7 +102,7 @@ def test_a_run_ended_by_sigterm_releases_its_lock_and_says_aborted(tmp_path):
         "s.safetensors",
     ]
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvcompile.cli", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-P", "-m", "kvcompile.cli", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
     while not list(locks.glob("*.lock")):  # the run holds its output's lock once it has checked its input

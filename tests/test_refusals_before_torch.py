@@ -36,7 +36,12 @@ main()
 def run_blocked(args: list[str], folder: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVCOMPILE_CACHE": str(folder / "cache")}
     return subprocess.run(
-        [sys.executable, "-c", BLOCKED_MAIN, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-P", "-c", BLOCKED_MAIN, *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

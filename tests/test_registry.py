@@ -66,7 +66,7 @@ def run_cli(*args: str) -> str:
     """`kvcompile ARGS` in a fresh interpreter (a fresh registry), its output unwrapped."""
     code = "import sys; from kvcompile.cli import main; sys.argv = ['kvcompile', *sys.argv[1:]]; main()"
     result = subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-P", "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=120,

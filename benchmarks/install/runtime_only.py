@@ -46,7 +46,7 @@ def import_seconds(runs: int = 3) -> float:
     times = []
     for _ in range(runs):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True)
+        subprocess.run([sys.executable, "-P", "-c", code], check=True)
         times.append(time.perf_counter() - started)
     return min(times)
 

@@ -53,10 +53,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("refusal_latency.md"))
     options = parser.parse_args()
-    cli = [sys.executable, "-m", "kvcompile.cli"]
+    cli = [sys.executable, "-P", "-m", "kvcompile.cli"]
     rows = []
     references = {
-        'python -c "import torch"': lambda d: [sys.executable, "-c", "import torch"],
+        'python -c "import torch"': lambda d: [sys.executable, "-P", "-c", "import torch"],
         "kvcompile --help": lambda d: [*cli, "--help"],
     }
     for name, make in references.items():

@@ -290,9 +290,9 @@ def answer_batch(
         output = context.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
         references = forced_logits(context.logits, rows, [scoring.reference for scoring in scorings])
         golds = forced_logits(context.logits, rows, [scoring.gold for scoring in scorings])
-    answers = []
+    stops, answers = stop_tokens(model), []
     for row, report in enumerate(context.report.rows):
-        tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stop_tokens(model))
+        tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stops)
         answers.append(
             Answer(
                 text=tokenizer.decode(tokens, skip_special_tokens=True),
