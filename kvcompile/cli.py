@@ -749,6 +749,7 @@ def eval_(
             "measured per prompt). The full cache and kvpress's presses answer one by one."
         ),
     ] = 1,
+    device: DeviceOption = "cpu",
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
     with clear_errors() as resources:
@@ -759,6 +760,7 @@ def eval_(
         from kvruntime.model_spec import check_model_spec, position_limit
 
         check_model_spec(model)
+        recipe.check_device_name(device)
         settings = _suite_settings(
             _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
         )
@@ -780,7 +782,7 @@ def eval_(
         from kvcompile.evaluation.report import write_report
         from kvcompile.evaluation.suite_run import evaluate
 
-        loaded, tokenizer = recipe.load_model(model)
+        loaded, tokenizer = recipe.load_model(model, recipe.resolve_device(device))
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size)
         header = "\n".join(

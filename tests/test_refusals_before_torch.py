@@ -357,6 +357,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "nope.safetensors: no such artifact file",
     ),
     "unknown device": (lambda d: ["stats", "--device", "tpu"], "--device 'tpu': use cpu, cuda, cuda:N or mps"),
+    "eval on an unknown device": (
+        lambda d: ["eval", "--device", "gpu"],
+        "--device 'gpu': use cpu, cuda, cuda:N or mps",
+    ),
     "unknown dtype": (lambda d: ["stats", "--dtype", "int8"], "--dtype 'int8': use one of"),
     "bad shard": (lambda d: ["stats", "--shard", "3/2"], "--shard '3/2': i must lie in [0, n)"),
     "merge: --out one of the partials": (

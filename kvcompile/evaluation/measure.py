@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -25,16 +26,22 @@ def _libc() -> ctypes.CDLL | None:
 
 
 class PeakMemory:
-    """Peak resident memory of a block above the resident memory before it, in MiB (Linux with glibc; `mib` is
-    None elsewhere). The peak is a resident-set measure: pages the allocator keeps from earlier steps hide part of
-    a step's use, so small differences are noise."""
+    """Peak memory of a block above the memory in use before it, in MiB: on a CUDA `device` what torch's allocator
+    handed out there; else resident memory (Linux with glibc; `mib` is None elsewhere), a resident-set measure where
+    pages the allocator keeps from earlier steps hide part of a step's use, so small differences are noise."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.mib: float | None = None
         self._clear_refs = Path("/proc/self/clear_refs")
         self._libc = _libc()
+        self._cuda = device if device is not None and device.type == "cuda" else None
 
     def __enter__(self) -> PeakMemory:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+            self._before = torch.cuda.memory_allocated(self._cuda)
+            return self
         self._enabled = self._clear_refs.exists() and self._libc is not None
         if self._enabled:
             self._libc.malloc_trim(0)  # return freed heap pages first, or reused pages would not show as new
@@ -42,8 +49,17 @@ class PeakMemory:
             self._before = _status_kib("VmRSS")
         return self
 
+    def seconds_since(self, started: float) -> float:
+        """Seconds from `started` (time.perf_counter) to now, once the GPU work queued so far has finished."""
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+        return time.perf_counter() - started
+
     def __exit__(self, *exc: object) -> None:
-        if self._enabled:
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+            self.mib = (torch.cuda.max_memory_allocated(self._cuda) - self._before) / 2**20
+        elif self._enabled:
             self.mib = (_status_kib("VmHWM") - self._before) / 1024
 
 

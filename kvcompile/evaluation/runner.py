@@ -128,14 +128,14 @@ def prefilled(
     """Prefill and compress the context (timed, peak memory measured); answer inside the block."""
     if contestant.kind == "kvcompile":
         with compressing(model, contestant, ratio, artifacts) as session:
-            with PeakMemory() as peak:
+            with PeakMemory(context_ids.device) as peak:
                 started = time.perf_counter()
                 context = session.prefill(context_ids)
-                seconds = time.perf_counter() - started
+                seconds = peak.seconds_since(started)
             yield Prefill(seconds, peak.mib, context.report.bytes_after, context.generate, context.logits)
         return
     cache = DynamicCache(config=model.config)
-    with PeakMemory() as peak:
+    with PeakMemory(context_ids.device) as peak:
         started = time.perf_counter()
         with (
             torch.no_grad(),
@@ -144,7 +144,7 @@ def prefilled(
             else contextlib.nullcontext(),
         ):
             model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-        seconds = time.perf_counter() - started
+        seconds = peak.seconds_since(started)
     masks = press_keep_masks(model, cache, context_ids.shape[1])
 
     @contextlib.contextmanager

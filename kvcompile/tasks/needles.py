@@ -58,7 +58,7 @@ class NeedleProbe:
     needle: int  # index into CALIBRATION_NEEDLES
 
 
-def _haystack(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, rng: random.Random) -> str:
+def haystack_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of contiguous text from one document, starting at a random paragraph."""
     # Indices, from the lengths noted at loading: documents on disk are not all read again for every probe.
     candidates = [index for index, length in enumerate(corpus.lengths) if length > tokens * 6]
@@ -86,15 +86,20 @@ def needle_probe(
     question = QUESTION_TEMPLATE.format(question=needle.question)
     overhead = len(tokenizer(" " + needle.sentence + question).input_ids)
     rng = random.Random(f"{seed}:{length}:{depth}:{needle_index}")
-    haystack = _haystack(corpus, tokenizer, max(16, length - overhead), rng)
+    haystack = haystack_text(corpus, tokenizer, max(16, length - overhead), rng)
+    context = insert_at_depth(haystack, needle.sentence, depth)
+    prompt = render_prompt(tokenizer, context + question, chat)
+    start = prompt.index(needle.sentence) + needle.sentence.index(needle.answer)
+    return NeedleProbe(prompt, needle.answer, (start, start + len(needle.answer)), length, depth, needle_index)
+
+
+def insert_at_depth(haystack: str, sentence: str, depth: float) -> str:
+    """`sentence` inserted at the last sentence boundary of `haystack` before relative `depth` (or at its start)."""
     cut = int(depth * len(haystack))
     boundaries = [m.end() for m in re.finditer(r"[.!?][\"')\]]?\s", haystack[:cut])]
     cut = boundaries[-1] if boundaries else 0
     prefix = haystack[:cut] + ("" if cut == 0 or haystack[cut - 1].isspace() else " ")
-    context = prefix + needle.sentence + " " + haystack[cut:]
-    prompt = render_prompt(tokenizer, context + question, chat)
-    start = prompt.index(needle.sentence) + needle.sentence.index(needle.answer)
-    return NeedleProbe(prompt, needle.answer, (start, start + len(needle.answer)), length, depth, needle_index)
+    return prefix + sentence + " " + haystack[cut:]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool) -> str:

@@ -1,11 +1,15 @@
-"""The pass-key task of RULER: a five-digit key hidden at a given depth in repeated filler, asked for at the end."""
+"""The pass-key task of RULER: a five-digit key hidden at a given depth in repeated filler (or in book text that
+`haystack` gives), asked for at the end."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
+
+from kvcompile.tasks.needles import insert_at_depth
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -27,13 +31,23 @@ class PasskeyPrompt:
         return self.context + self.question
 
 
-def passkey_prompt(tokenizer: PreTrainedTokenizerBase, tokens: int, depth: float, seed: int = 0) -> PasskeyPrompt:
-    """A prompt of about `tokens` tokens with the key at relative `depth` (0 = start, 1 = end) of the filler."""
+def passkey_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    tokens: int,
+    depth: float,
+    seed: int = 0,
+    haystack: Callable[[int], str] | None = None,
+) -> PasskeyPrompt:
+    """A prompt of about `tokens` tokens with the key at relative `depth` (0 = start, 1 = end) of the filler, or
+    of `haystack(n)`, about n tokens of text, at its last sentence boundary before `depth`."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth {depth} is outside [0, 1]")
     key = str(random.Random(seed).randint(10000, 99999))
     needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = len(tokenizer(INTRO + needle + QUESTION).input_ids)
+    if haystack is not None:
+        context = INTRO + insert_at_depth(haystack(max(16, tokens - fixed)), needle.strip(), depth)
+        return PasskeyPrompt(context=context, question=QUESTION, answer=key, depth=depth)
     repeats = max(1, (tokens - fixed) // len(tokenizer(FILLER).input_ids))
     before = round(depth * repeats)
     context = INTRO + FILLER * before + needle + FILLER * (repeats - before)

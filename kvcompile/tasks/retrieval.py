@@ -1,7 +1,8 @@
 """Held-out long-context retrieval prompts for measuring compressed generation (never used for calibration):
-the pass key in repeated filler (`passkey`, RULER's) or in Moby-Dick (`passkey_prose`), one needle in Moby-Dick,
-several key-value needles of which one is asked (RULER's multi-key NIAH), and one key with several values, all
-asked (RULER's multi-value NIAH).
+the pass key (RULER's), one needle, several key-value needles of which one is asked (RULER's multi-key NIAH), and
+one key with several values, all asked (RULER's multi-value NIAH). Each of the first three comes on both haystacks,
+the same keys at the same depths: Moby-Dick (`passkey_prose`, `needle`, `multikey`) and RULER's repeated filler
+(`passkey`, `needle_filler`, `multikey_filler`).
 Each prompt is scored by exact match: every expected value must appear in the generated text."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import random
 from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import Corpus
-from kvcompile.tasks.needles import QUESTION_TEMPLATE, Needle, needle_probe, render_prompt
-from kvcompile.tasks.passkey import passkey_prompt
+from kvcompile.tasks.needles import QUESTION_TEMPLATE, Needle, haystack_text, needle_probe, render_prompt
+from kvcompile.tasks.passkey import FILLER, passkey_prompt
 
 EVALUATION_NEEDLES = (
     Needle(
@@ -33,7 +34,9 @@ EVALUATION_NEEDLES = (
     ),
 )
 MULTIKEY_KEYS = ("amber", "willow", "falcon", "quartz", "harbor", "meadow", "cobalt", "lantern")
-TASKS = ("passkey", "passkey_prose", "needle", "multikey")
+TASKS = ("passkey", "passkey_prose", "needle", "needle_filler", "multikey", "multikey_filler")
+# RULER's noise haystack as a one-document corpus, long enough for any prompt the positions allow.
+FILLER_CORPUS = Corpus("filler", (FILLER * 20_000,))
 # Depths of the other needles, relative to the asked (or first) one, wrapping around the context.
 OTHER_NEEDLE_OFFSETS = (0.3, 0.55, 0.8)
 
@@ -62,7 +65,10 @@ def retrieval_prompt(
     chat: bool = True,
 ) -> TaskPrompt:
     """One prompt of a retrieval task; `chat` renders the question turn through the model's chat template (the
-    pass key is always raw text ending in its answer cue)."""
+    pass key is always raw text ending in its answer cue). A `_filler` task is its book task on the filler."""
+    name = task
+    if task.endswith("_filler"):
+        corpus, task = FILLER_CORPUS, task.removesuffix("_filler")
 
     def magic_numbers(keys: list[str], values: list[str], asked: str, expected: list[str]) -> TaskPrompt:
         """Key-value needles in book text: the first at `depth`, the others at spread depths; asks "What is/are
@@ -75,20 +81,19 @@ def retrieval_prompt(
         context = base.prompt[: base.prompt.index(QUESTION_TEMPLATE.split("{")[0])]
         others = [((depth + offset) % 1.0, sentence) for offset, sentence in zip(OTHER_NEEDLE_OFFSETS, sentences[1:])]
         prompt = render_prompt(tokenizer, insert_sentences(context, others) + question, chat)
-        return TaskPrompt(task, prompt, tuple(expected), length, depth, question_start(prompt))
+        return TaskPrompt(name, prompt, tuple(expected), length, depth, question_start(prompt))
 
     if task == "passkey":
         prompt = passkey_prompt(tokenizer, length, depth, seed)
-        return TaskPrompt(task, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
+        return TaskPrompt(name, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
     if task == "passkey_prose":
-        key = str(random.Random(f"passkey_prose:{seed}").randint(10000, 99999))
-        needle = Needle(f"The pass key is {key}. Remember it. {key} is the pass key.", "What is the pass key?", key)
-        probe = needle_probe(corpus, tokenizer, length, depth, 0, seed, chat=chat, needles=(needle,))
-        return TaskPrompt(task, probe.prompt, (key,), length, depth, question_start(probe.prompt))
+        rng = random.Random(f"passkey_prose:{seed}:{length}:{depth}")
+        prompt = passkey_prompt(tokenizer, length, depth, seed, lambda n: haystack_text(corpus, tokenizer, n, rng))
+        return TaskPrompt(name, prompt.text, (prompt.answer,), length, depth, len(prompt.context))
     if task == "needle":
         index = seed % len(EVALUATION_NEEDLES)
         probe = needle_probe(corpus, tokenizer, length, depth, index, seed, chat=chat, needles=EVALUATION_NEEDLES)
-        return TaskPrompt(task, probe.prompt, (probe.answer,), length, depth, question_start(probe.prompt))
+        return TaskPrompt(name, probe.prompt, (probe.answer,), length, depth, question_start(probe.prompt))
     if task == "multikey":
         rng = random.Random(f"multikey:{seed}:{length}:{depth}")
         keys = rng.sample(MULTIKEY_KEYS, 4)

@@ -6,6 +6,7 @@ the needles, keys and questions are the evaluation ones. Sample i of a task with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from kvcompile.prompt_format import uses_chat
 from kvcompile.tasks.aggregation import common_words_prompt, variable_tracking_prompt
 from kvcompile.tasks.grid import check_tasks, sample_depth, suite_cells
 from kvcompile.tasks.qa import book_qa_prompt
+from kvcompile.tasks.retrieval import TASKS as RETRIEVAL_TASKS
 from kvcompile.tasks.retrieval import TaskPrompt, retrieval_prompt
 
 if TYPE_CHECKING:
@@ -24,11 +26,7 @@ if TYPE_CHECKING:
 Generator = Callable[["Corpus", "PreTrainedTokenizerBase", int, float, int, bool], TaskPrompt]
 
 SUITE: dict[str, Generator] = {
-    "passkey": lambda c, t, n, d, s, chat: retrieval_prompt("passkey", c, t, n, d, s, chat),
-    "passkey_prose": lambda c, t, n, d, s, chat: retrieval_prompt("passkey_prose", c, t, n, d, s, chat),
-    "needle": lambda c, t, n, d, s, chat: retrieval_prompt("needle", c, t, n, d, s, chat),
-    "multikey": lambda c, t, n, d, s, chat: retrieval_prompt("multikey", c, t, n, d, s, chat),
-    "multivalue": lambda c, t, n, d, s, chat: retrieval_prompt("multivalue", c, t, n, d, s, chat),
+    **{task: functools.partial(retrieval_prompt, task) for task in (*RETRIEVAL_TASKS, "multivalue")},
     "variable_tracking": lambda c, t, n, d, s, chat: variable_tracking_prompt(t, n, d, s, chat),
     "common_words": lambda c, t, n, d, s, chat: common_words_prompt(c, t, n, s, chat),
     "qa": book_qa_prompt,
