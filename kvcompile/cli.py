@@ -782,7 +782,7 @@ def eval_(
         from kvcompile.evaluation.report import write_report
         from kvcompile.evaluation.suite_run import evaluate
 
-        loaded, tokenizer = recipe.load_model(model, recipe.resolve_device(device))
+        loaded, tokenizer = recipe.load_model(model, device=recipe.resolve_device(device))
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size)
         header = "\n".join(

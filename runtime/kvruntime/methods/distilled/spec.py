@@ -11,7 +11,7 @@ ALLOCATION = Option(
 SPEC = MethodSpec(
     name="distilled",
     summary="kvcompile's own: a compiled one-pass scorer of what a second pass over the context would find",
-    window=32,
+    window=16,
     needs="distilled_scorer",
     options={
         "allocation": ALLOCATION,
