@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile import __version__
-from kvcompile.recipe import PARTIAL_KIND, picture_path, read_run_record, run_record_path
+from kvcompile.recipe import OUTPUT_OPTIONS, PARTIAL_KIND, picture_path, read_run_record, run_record_path
 from kvruntime import KVRuntimeError
 from kvruntime.artifact_header import ARTIFACT_SUFFIX, read_header
 from kvruntime.bundle import (
@@ -291,7 +291,6 @@ class CompileCommand:
     options: Mapping[str, str]
     flags: frozenset[str]  # the option strings that take no value
     paths: frozenset[str]
-    outputs: frozenset[str]  # the parameters that say where and how it writes: never taken from a recorded command
 
 
 def check_kinds(bundle: Bundle, kinds: Sequence[str]) -> None:
@@ -379,7 +378,7 @@ def rerun_arguments(
         name = known.options.get(option)
         if name is None:
             raise NotReproducible(f"its recorded command has a word {words[1]} does not take ({option})")
-        if name in known.outputs:
+        if name in OUTPUT_OPTIONS:
             raise NotReproducible(f"its recorded command names where to write ({option})")
         if option in known.flags:
             index += 1

@@ -439,8 +439,6 @@ ArtifactsOption = Annotated[
 ]
 
 
-# Where and how a compile writes, not what it computes: left out of the command an artifact records.
-OUTPUT_OPTIONS = ("out", "resume", "shard", "checkpoint_every")
 # The commands that write an artifact (what `reproduce` may run), each with its parameters that read a file or folder.
 COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
 
@@ -480,7 +478,7 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
             job = {name: params.pop(name) for name in shared}
             with clear_errors() as resources:
                 recipe_, settings = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
-                rerun = command_line(ctx, leave_out=OUTPUT_OPTIONS)
+                rerun = command_line(ctx, leave_out=recipe.OUTPUT_OPTIONS)
                 compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, command=rerun, **job)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
@@ -962,7 +960,7 @@ def compile_commands() -> dict[str, object]:
         params = group.commands[name].params
         options = {option: p.name for p in params for option in (*p.opts, *p.secondary_opts)}
         flags = {option for p in params if p.is_flag for option in (*p.opts, *p.secondary_opts)}
-        commands[name] = CompileCommand(options, frozenset(flags), paths, frozenset(OUTPUT_OPTIONS))
+        commands[name] = CompileCommand(options, frozenset(flags), paths)
     return commands
 
 

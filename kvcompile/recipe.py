@@ -39,6 +39,9 @@ PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvco
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE_KINDS = ("cpu", "cuda", "mps")
+# A compile command's options that say where and how it writes, not what it computes: left out of the command an
+# artifact records, and never taken from a recorded command (`kvcompile reproduce`).
+OUTPUT_OPTIONS = ("out", "resume", "shard", "checkpoint_every")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
