@@ -747,6 +747,16 @@ def eval_(
             "measured per prompt). The full cache and kvpress's presses answer one by one."
         ),
     ] = 1,
+    shared_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--shared-prefill/--own-prefills",
+            help="Prefill each context once with the full cache and cut every method's cache from that forward (the "
+            "same records, several times faster: each method's prefill time is the shared forward plus its own "
+            "scoring and cut, and peak memory is not measured); streamed prompts and presses with passes of their "
+            "own still prefill alone. --own-prefills gives every method its own prefill, timed and measured.",
+        ),
+    ] = True,
     device: DeviceOption = "cpu",
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
@@ -782,7 +792,7 @@ def eval_(
 
         loaded, tokenizer = recipe.load_model(model, device=recipe.resolve_device(device))
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
-        records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size)
+        records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size, shared_prefill)
         header = "\n".join(
             [
                 f"# kvcompile eval: {model}",

@@ -78,7 +78,8 @@ def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, d
     args = ["eval", "--methods", "distilled", "--tasks", "passkey", "--lengths", "1k", "--samples", "2"]
     args += ["--ratios", "0.5", "--new-tokens", "16"]
     for out, batch in (("one", "1"), ("two", "2")):
-        result = runner.invoke(app, [*args, "--batch-size", batch, "--out", str(tmp_path / out)])
+        own = [*args, "--batch-size", batch, "--own-prefills", "--out", str(tmp_path / out)]  # peaks measured
+        result = runner.invoke(app, own)
         assert result.exit_code == 0, result.output
 
     def records(out: str) -> dict:
@@ -95,6 +96,32 @@ def test_eval_in_batches_records_the_answers_of_one_prompt_at_a_time(tmp_path, d
         assert other["answer_kl"] == pytest.approx(record["answer_kl"], abs=1e-3)
         assert other["answer_logprob"] == pytest.approx(record["answer_logprob"], abs=1e-2)
         assert (other["peak_mib"] is None) == (key[1] != "full")
+
+
+def test_eval_on_one_shared_prefill_records_what_own_prefills_record(tmp_path, default_model, monkeypatch):
+    """The default `--shared-prefill` against `--own-prefills` on the default model: a per-layer cut, a second pass
+    and a cut after the prefill give every record field but the prefill's timing and memory the same value."""
+    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
+    args = ["eval", "--methods", "distilled,kvcompose:mode=dynamic,compilerkv", "--tasks", "passkey,needle"]
+    args += ["--lengths", "1k", "--samples", "1", "--ratios", "0.5,0.9", "--new-tokens", "8"]
+    for out, way in (("own", "--own-prefills"), ("shared", "--shared-prefill")):
+        result = runner.invoke(app, [*args, way, "--out", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+
+    def records(out: str) -> dict:
+        lines = (tmp_path / out / "runs.jsonl").read_text().splitlines()
+        return {(r["prompt"], r["method"], r["ratio"]): r for r in map(json.loads, lines)}
+
+    own, shared = records("own"), records("shared")
+    assert own.keys() == shared.keys() and len(own) == 2 * (1 + 3 * 2)
+    timing = {"prefill_seconds", "prefill_vs_full", "peak_mib", "prefill"}
+    for key, record in own.items():
+        assert {k: v for k, v in shared[key].items() if k not in timing} == {
+            k: v for k, v in record.items() if k not in timing
+        }, key
+        assert record["prefill"] == "own" and record["peak_mib"] is not None
+        assert shared[key]["prefill"] == "shared" and shared[key]["peak_mib"] is None
+    assert "--shared-prefill" in (tmp_path / "shared" / "results.md").read_text()
 
 
 def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_model, monkeypatch):

@@ -5,6 +5,8 @@ what it kept."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import save_char_tokenizer
@@ -23,6 +25,8 @@ kvpress = pytest.importorskip("kvpress")
 LENGTH, RATIO = 160, 0.5
 # Presses that hide entries instead of removing them (the runner turns their masks into keep masks).
 MASKING = {"kvzip"}
+# Presses with hooks or passes of their own, which cannot run on a recorded prefill (`runner.replays`).
+PREFILL_ALONE = {"kvzip", "kvcompose"}
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +150,24 @@ def test_a_scorer_reading_position_features_is_not_exported(model, tmp_path):
     with pytest.raises(kvruntime.KVRuntimeError, match="--student hidden"):
         write_kvzap_checkpoint(scorer, tmp_path / "kvzap")
     assert not (tmp_path / "kvzap").exists()
+
+
+@pytest.mark.parametrize("press", sorted(PRESSES))
+def test_every_compared_press_on_a_shared_prefill_answers_as_on_its_own(model, context, press, checkpoints):
+    """`kvcompile eval --shared-prefill`: a press whose work is all in kvpress's forward hook runs it on the recorded
+    prefill and holds, answers and scores exactly what its own prefill gives; KVzip, which adds passes of its own,
+    prefills alone."""
+    question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(11))
+    contestant = Contestant(f"kvpress-{press}", "kvpress", press)
+    scoring = runner.Scoring([7, 3, 9], [11, 12])
+    tokenizer = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+    arguments = (model, tokenizer, contestant, RATIO, context, question, 4, checkpoints.get(press, []), scoring)
+    shared = runner.shared_prefill(model, context)
+    torch.manual_seed(0)  # Compactor sketches its leverage scores with random projections
+    own = runner.answer(*arguments)
+    torch.manual_seed(0)
+    replayed = runner.answer(*arguments, shared)
+    assert replayed.tokens == own.tokens and replayed.cache_bytes == own.cache_bytes
+    assert torch.equal(replayed.first_logits, own.first_logits)
+    assert torch.equal(replayed.reference_logits, own.reference_logits)
+    assert (replayed.peak_mib is None) == (press not in PREFILL_ALONE)  # measured where it prefilled alone

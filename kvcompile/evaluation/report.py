@@ -228,8 +228,9 @@ def write_report(records: list[dict], folder: Path, header: str, subject: str | 
             "accuracy: exact match of every expected value; kl: KL divergence (nats) of the first answer token's "
             "distribution from the full cache's; agreement: share of the full cache's first 32 greedy tokens "
             "reproduced before the first difference; prefill_vs_full: median ratio of prefill + compression time to "
-            "the full cache's prefill of the same prompt; peak_mib: median peak resident memory of that step above "
-            "the memory before it; peak_vs_full: median ratio of that peak to the full cache's on the same prompt; cache_kept: KV bytes held over the full cache's; auc: mean accuracy over ratios "
+            "the full cache's prefill of the same prompt (a run cut from the prompt's shared prefill, the default, "
+            "times the shared forward plus its own scoring and cut); peak_mib: median peak resident memory of that "
+            "step above the memory before it (measured with --own-prefills); peak_vs_full: median ratio of that peak to the full cache's on the same prompt; cache_kept: KV bytes held over the full cache's; auc: mean accuracy over ratios "
             "0 to the largest (trapezoid through the full cache's accuracy at 0).",
             "",
             to_markdown(summary),

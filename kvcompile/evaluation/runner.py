@@ -26,6 +26,7 @@ from kvruntime import generate_after_context, logits_after_context
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.batch_rows import left_pad
 from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes, restored_after
+from kvruntime.recording import PrefillRecording, recorded_prefill
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class Answer:
     # tokens, for the KL from the full cache at every answer token, not only the first.
     reference_logits: torch.Tensor
     gold_logprob: float  # log-probability of the expected answer (`gold_answer`) after the question
+    prefill_shared: bool = False  # its context was cut from the prompt's shared prefill (`SharedPrefill`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Prefill:
     cache_bytes: int  # KV bytes held after compression
     generate: Callable[..., object]  # (question_ids, **generate kwargs) -> generate's output
     logits: Callable[..., torch.Tensor]  # (ids [B, n], attention_mask=None) -> logits [B, n, vocab], teacher forced
+    shared: bool = False  # cut from a shared prefill (`seconds` adds its forward; peak memory not measured)
 
 
 def compressing(
@@ -121,30 +124,63 @@ def greedy(new_tokens: int, tokenizer: PreTrainedTokenizerBase) -> dict:
     )
 
 
+@dataclasses.dataclass
+class SharedPrefill:
+    """A prompt's context prefilled once with the full cache and recorded: the full cache answers from it, and every
+    contestant that can cuts its copy from it (`PrefillRecording.replay`) instead of a prefill of its own."""
+
+    recording: PrefillRecording
+    seconds: float
+
+
+def shared_prefill(model: nn.Module, context_ids: torch.Tensor) -> SharedPrefill:
+    with PeakMemory(context_ids.device) as timer:
+        started = time.perf_counter()
+        recording = recorded_prefill(model, context_ids)
+        return SharedPrefill(recording, timer.seconds_since(started))
+
+
 @contextlib.contextmanager
 def prefilled(
-    model: nn.Module, contestant: Contestant, ratio: float, context_ids: torch.Tensor, artifacts: list[Path]
+    model: nn.Module,
+    contestant: Contestant,
+    ratio: float,
+    context_ids: torch.Tensor,
+    artifacts: list[Path],
+    shared: SharedPrefill | None = None,
 ) -> Iterator[Prefill]:
-    """Prefill and compress the context (timed, peak memory measured); answer inside the block."""
+    """Prefill and compress the context (timed, peak memory measured); answer inside the block. From a `shared`
+    prefill where the contestant can be replayed on it: timed as the shared forward plus the contestant's hooks,
+    peak memory not measured."""
     if contestant.kind == "kvcompile":
         with compressing(model, contestant, ratio, artifacts) as session:
+            replayed = shared is not None and (
+                contestant.prefill_chunk_size is None or context_ids.shape[1] <= contestant.prefill_chunk_size
+            )
             with PeakMemory(context_ids.device) as peak:
                 started = time.perf_counter()
-                context = session.prefill(context_ids)
-                seconds = peak.seconds_since(started)
-            yield Prefill(seconds, peak.mib, context.report.bytes_after, context.generate, context.logits)
+                context = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)
+                seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
+            yield Prefill(
+                seconds,
+                None if replayed else peak.mib,
+                context.report.bytes_after,
+                context.generate,
+                context.logits,
+                replayed,
+            )
         return
-    cache = DynamicCache(config=model.config)
+    press = contestant.press(ratio, model, artifacts) if contestant.kind == "kvpress" else None
+    replayed = shared is not None and (press is None or replays(press))
     with PeakMemory(context_ids.device) as peak:
         started = time.perf_counter()
-        with (
-            torch.no_grad(),
-            contestant.press(ratio, model, artifacts)(model)
-            if contestant.kind == "kvpress"
-            else contextlib.nullcontext(),
-        ):
-            model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-        seconds = peak.seconds_since(started)
+        if replayed:
+            cache = replayed_press(model, press, shared.recording)
+        else:
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
+                model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+        seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
     masks = press_keep_masks(model, cache, context_ids.shape[1])
 
     @contextlib.contextmanager
@@ -162,7 +198,27 @@ def prefilled(
         with answering():
             return logits_after_context(model, cache, context_ids.shape[1], ids, attention_mask)
 
-    yield Prefill(seconds, peak.mib, held_bytes(cache, masks), generate, logits)
+    yield Prefill(seconds, None if replayed else peak.mib, held_bytes(cache, masks), generate, logits, replayed)
+
+
+def replays(press: object) -> bool:
+    """Whether a kvpress press does all its work in the forward hook kvpress's base press registers (then it can
+    run on a recorded prefill); presses that add passes (KVzip) or hooks of their own cannot."""
+    from kvpress.presses.base_press import BasePress
+
+    kind = type(press)
+    return kind.__call__ is BasePress.__call__ and kind.forward_hook is BasePress.forward_hook
+
+
+def replayed_press(model: nn.Module, press: object | None, recording: PrefillRecording) -> DynamicCache:
+    """The cache a press (None: no compression) leaves after the recorded prefill, its hook run on each layer's
+    recorded call."""
+    if press is None:
+        return recording.cache
+    press.post_init_from_model(model)
+    with torch.no_grad():
+        cache, _ = recording.replay(model, press.forward_hook)
+    return cache
 
 
 def press_keep_masks(model: nn.Module, cache: DynamicCache, context_length: int) -> dict[int, torch.Tensor]:
@@ -228,10 +284,11 @@ def answer(
     new_tokens: int,
     artifacts: list[Path],
     scoring: Scoring,
+    shared: SharedPrefill | None = None,
 ) -> Answer:
     """The contestant's greedy answer to the question over its compressed context, with the prefill's measures and
-    the answers of `scoring` teacher-forced over the same context."""
-    with prefilled(model, contestant, ratio, context_ids, artifacts) as context:
+    the answers of `scoring` teacher-forced over the same context (its context cut from `shared` where it can)."""
+    with prefilled(model, contestant, ratio, context_ids, artifacts, shared) as context:
         output = context.generate(question_ids, **greedy(new_tokens, tokenizer))
         tokens = output.sequences[0, question_ids.shape[1] :].tolist()
         reference = scoring.reference or scored_tokens(tokens, stop_tokens(model))
@@ -245,6 +302,7 @@ def answer(
         cache_bytes=context.cache_bytes,
         reference_logits=forced[0][0],
         gold_logprob=answer_logprob(forced[1][0], scoring.gold),
+        prefill_shared=context.shared,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -18,10 +19,12 @@ from kvcompile.evaluation.metrics import answer_kl, greedy_agreement, next_token
 from kvcompile.evaluation.runner import (
     Answer,
     Scoring,
+    SharedPrefill,
     answer,
     answer_batch,
     gold_answer,
     scored_tokens,
+    shared_prefill,
     split_prompt,
     stop_tokens,
 )
@@ -41,6 +44,7 @@ def evaluate(
     settings: SuiteSettings,
     store: RunStore,
     batch_size: int = 1,
+    shared_prefills: bool = True,
 ) -> list[dict]:
     prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer)
     full = contestants[0]
@@ -56,8 +60,16 @@ def evaluate(
         group = todo[first : first + batch_size]
         # The full cache first: its answer is what every method is scored against (run again for methods added to
         # a resumed run: their scores need its logits, which are not stored).
+        shared = {
+            index: shared_prefill(
+                model, split_prompt(tokenizer, prompts[index], settings.question_aware)[0].to(model.device)
+            )
+            for index in group
+            if shared_prefills
+        }
         references = {
-            index: reference_answer(model, tokenizer, index, prompts[index], full, settings) for index in group
+            index: reference_answer(model, tokenizer, index, prompts[index], full, settings, shared.get(index))
+            for index in group
         }
         bar.update(len(group))
         scorings = {index: references[index][1] for index in group}
@@ -66,7 +78,7 @@ def evaluate(
             (reference, scoring, record) = references[index]
             results = run_prompt(
                 model, tokenizer, index, prompts[index], left[index], artifacts, settings, (reference, scoring), bar,
-                answered[index],
+                answered[index], shared.get(index),
             )  # fmt: skip
             fresh = [] if store.done(index, full.label, 0.0) else [record]
             store.add([*fresh, *(r for _, r in results)])
@@ -125,13 +137,14 @@ def reference_answer(
     prompt: TaskPrompt,
     full: Contestant,
     settings: SuiteSettings,
+    shared: SharedPrefill | None = None,
 ) -> tuple[Answer, Scoring, dict]:
     """The full cache's answer (the reference of every score of the prompt), what every method is teacher-forced on
-    (its greedy answer, the expected one), and its record."""
+    (its greedy answer, the expected one), and its record (its context from `shared`, when given)."""
     _, question_ids = split_prompt(tokenizer, prompt, settings.question_aware)
     gold = gold_answer(tokenizer, prompt, question_ids)
     ((answer_, record),) = run_prompt(
-        model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, (None, Scoring(None, gold))
+        model, tokenizer, index, prompt, [(full, 0.0)], {}, settings, (None, Scoring(None, gold)), shared=shared
     )
     return answer_, Scoring(scored_tokens(answer_.tokens, stop_tokens(model)), gold), record
 
@@ -147,16 +160,20 @@ def run_prompt(
     reference: tuple[Answer | None, Scoring],
     bar: tqdm | None = None,
     answered: Mapping[tuple[str, float], Answer] = {},
+    shared: SharedPrefill | None = None,
 ) -> list[tuple[Answer, dict]]:
     """Each job's answer and record, scored against the `reference` answer and teacher-forced on its scoring's
     answers (no answer: the job is the reference); jobs `answered` already (in a batch, by (method label, ratio))
-    are recorded, not run again."""
+    are recorded, not run again; the others cut their context from the `shared` prefill where they can."""
     context_ids, question_ids = (
         ids.to(model.device) for ids in split_prompt(tokenizer, prompt, settings.question_aware)
     )
     full, scoring = reference
     results = []
     for contestant, ratio in jobs:
+        # A press that draws at random (Compactor sketches with random projections) draws the same for a prompt
+        # whichever runs came before: own or shared prefills, a resumed run, methods added to it.
+        torch.manual_seed(settings.seed * 1_000_003 + index)
         result = answered.get((contestant.label, ratio)) or answer(
             model,
             tokenizer,
@@ -167,6 +184,7 @@ def run_prompt(
             settings.new_tokens,
             artifacts.get(contestant.label, []),
             scoring,
+            shared,
         )
         base = full or result
         results.append(
@@ -188,6 +206,7 @@ def run_prompt(
                     prefill_seconds=round(result.prefill_seconds, 4),
                     prefill_vs_full=round(result.prefill_seconds / base.prefill_seconds, 4),
                     peak_mib=None if result.peak_mib is None else round(result.peak_mib, 1),
+                    prefill="shared" if result.prefill_shared else "own",
                     cache_kept=round(result.cache_bytes / base.cache_bytes, 4),
                     answer=" ".join(result.text.split())[:120],
                 ),

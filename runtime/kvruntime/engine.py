@@ -52,6 +52,7 @@ from .cache_ops import (
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
+from .recording import PrefillRecording
 from .report import BatchReport, CompressionReport
 from .request import DEFAULT_METHOD, KeepPlan, Request
 from .second_pass import task_attention_maxima
@@ -197,6 +198,23 @@ class CompressionSession:
         )
         return CompressedContext(self, cache, lengths, self._latest)
 
+    def compress_recording(self, recording: PrefillRecording) -> CompressedContext:
+        """The context of a recorded plain prefill, compressed as `prefill` compresses it, without a forward of its
+        own: the hooks run on the recorded calls (`PrefillRecording.replay`). Its report's prefill time is the
+        hooks' alone: the forward is the recording's. Not for a prompt this session streams in chunks."""
+        if not self.active:
+            raise KVRuntimeError("compress inside the `with kvruntime.compress(...)` block: the block has ended")
+        if self.prefill_chunk_size is not None and recording.length > self.prefill_chunk_size:
+            raise KVRuntimeError(
+                f"a prompt streamed in chunks of {self.prefill_chunk_size} tokens is not a recorded prefill of one piece"
+            )
+        self._latest = None
+        self._prefill = self._new_prefill(recording.input_ids)
+        with torch.no_grad():
+            cache, output = recording.replay(self.model, self._after_attention)
+        self._after_model(self.model.base_model, (), {}, output)
+        return CompressedContext(self, cache, [recording.length], self._latest)
+
     # -- hooks ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def attached(self) -> Iterator[CompressionSession]:
@@ -241,16 +259,22 @@ class CompressionSession:
         check_positions(
             length, getattr(self.model.config, "max_position_embeddings", None), f"a prompt of {length} tokens"
         )
-        ids = tokens if tokens.dtype in (torch.long, torch.int) else None
-        plan = self.request.plan(length, self.method.window)
-        state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
-        if self.method.budgets_known_in_advance:
-            state.budgets = self.method.layer_budgets(len(self._attention), plan)
+        state = self._new_prefill(tokens)
         self._prefill = state
         chunk = self.prefill_chunk_size
         if chunk is None or length <= chunk or cache is None:
             return args, kwargs
         return args, self._feed_earlier_chunks(module, kwargs, tokens_key, chunk_bounds(length, chunk), state)
+
+    def _new_prefill(self, tokens: torch.Tensor) -> _Prefill:
+        """The state of a prefill of `tokens` [1, N] (ids, or embeddings [1, N, hidden]) starting now."""
+        length = tokens.shape[1]
+        ids = tokens if tokens.dtype in (torch.long, torch.int) else None
+        plan = self.request.plan(length, self.method.window)
+        state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
+        if self.method.budgets_known_in_advance:
+            state.budgets = self.method.layer_budgets(len(self._attention), plan)
+        return state
 
     def _prefill_rows(self, module: nn.Module, kwargs: dict, tokens_key: str, cache: Cache | None) -> dict:
         """A batch, or a padded prompt: each row's own tokens go through the model alone, at batch size 1, and are

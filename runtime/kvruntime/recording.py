@@ -1,0 +1,82 @@
+"""A plain prefill recorded so that compressions of the same prompt need no forward of their own.
+
+In a prefill of one piece, a layer whose cache is cut right after its attention hands the next layer the same hidden
+states as the full cache does (the cut changes what later tokens will see, not this pass), so every layer's call
+is the same with or without compression. Recording those calls and the full cache once, a compression hook (the
+engine's, a kvpress press's) can be run on them afterwards, layer by layer, over a cache rebuilt as the prefill
+held it at that layer, and cuts what it would have cut in the forward. A prompt streamed in chunks is not a
+prefill of one piece: its later chunks see what the earlier ones kept."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from .cache_ops import attention_modules, cache_argument, hooked_cache
+
+# Called as an attention module's forward hook: (module, args, kwargs, output).
+AttentionHook = Callable[[nn.Module, tuple, dict, tuple], object]
+
+
+@dataclasses.dataclass
+class RecordedCall:
+    """What an attention module was called with (its cache left out) and the attention weights it returned."""
+
+    args: tuple
+    kwargs: dict
+    attentions: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class PrefillRecording:
+    """One prompt's plain prefill: its ids [1, N], every attention layer's call, the full cache and the model's
+    final hidden states."""
+
+    input_ids: torch.Tensor
+    calls: list[RecordedCall]
+    cache: DynamicCache
+    last_hidden_state: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def replay(self, model: nn.Module, hook: AttentionHook) -> tuple[DynamicCache, BaseModelOutputWithPast]:
+        """Call `hook` after each attention layer as the prefill would have, over a new cache that holds, when
+        layer i's hook runs, what the prefill's did: the earlier layers as their hooks left them, layer i's full
+        entries, nothing beyond. Returns that cache and the base model's output over it."""
+        cache = DynamicCache(config=model.config)
+        for module, call, layer in zip(attention_modules(model), self.calls, self.cache.layers):
+            cache.update(layer.keys, layer.values, module.layer_idx)
+            kwargs = {**call.kwargs, **cache_argument(model, cache)}
+            hook(module, call.args, kwargs, (None, call.attentions))
+        return cache, BaseModelOutputWithPast(last_hidden_state=self.last_hidden_state, past_key_values=cache)
+
+
+def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecording:
+    """Prefill `input_ids` [1, N] with the full cache (the forward `prefill` runs, without compression), recording
+    it."""
+
+    def record(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
+        cache = hooked_cache(kwargs)
+        kept = {key: value for key, value in kwargs.items() if value is not cache}
+        calls.append(RecordedCall(args, kept, output[1] if isinstance(output, tuple) and len(output) > 1 else None))
+
+    def record_output(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        outputs.append(output.last_hidden_state)
+
+    calls: list[RecordedCall] = []
+    outputs: list[torch.Tensor] = []
+    cache = DynamicCache(config=model.config)
+    with contextlib.ExitStack() as hooks, torch.no_grad():
+        for module in attention_modules(model):
+            hooks.callback(module.register_forward_hook(record, with_kwargs=True).remove)
+        hooks.callback(model.base_model.register_forward_hook(record_output, with_kwargs=True).remove)
+        model(input_ids=input_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
+    return PrefillRecording(input_ids, calls, cache, outputs[0])

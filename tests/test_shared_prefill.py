@@ -1,0 +1,97 @@
+"""One prefill shared by every contestant of a prompt (`kvcompile eval --shared-prefill`, the default): a method's
+hooks run on a recorded plain prefill (`kvruntime.recording`) cut what its own prefill cuts, entry for entry, on tiny
+Llama, Qwen2 and Qwen3 models, for every method and path the runtime serves but streaming (refused: its later chunks
+see what the earlier ones kept); the evaluation's answers from a shared prefill are those of its own prefills."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import compiled_artifacts, tiny_model
+from test_batches import CASES, artifacts_for, compress
+from test_compilerkv_runtime import save_tables
+
+from kvcompile.evaluation import runner
+from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.runner import Scoring, shared_prefill
+from kvruntime import KVRuntimeError
+from kvruntime.recording import recorded_prefill
+
+LENGTH = 180
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def setup(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    paths = compiled_artifacts(model, folder, (0.5, 0.75), 256) + [save_tables(model, folder)]
+    context = torch.randint(3, 96, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    return model, paths, context
+
+
+def report_facts(report) -> dict:
+    """A compression report without its timings."""
+    return {k: v for k, v in vars(report).items() if not k.endswith("_seconds")}
+
+
+@pytest.mark.parametrize("method, request_, options, chunk", CASES, ids=lambda c: str(c))
+def test_a_method_on_a_recorded_prefill_cuts_what_its_own_prefill_cuts(setup, method, request_, options, chunk):
+    model, paths, context = setup
+    with compress(model, method, request_, options, chunk, paths) as session:
+        own = session.prefill(context)
+        own_positions = session.kept_positions
+        own_masks = own.keep_masks
+    recording = recorded_prefill(model, context)
+    with compress(model, method, request_, options, chunk, paths) as session:
+        if chunk is not None:
+            with pytest.raises(KVRuntimeError, match="streamed in chunks"):
+                session.compress_recording(recording)
+            return
+        shared = session.compress_recording(recording)
+        assert report_facts(shared.report) == report_facts(own.report)
+        for ours, theirs in zip(session.kept_positions, own_positions, strict=True):
+            assert torch.equal(ours, theirs)
+        for ours, theirs in zip(shared.cache.layers, own.cache.layers, strict=True):
+            assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert shared.keep_masks.keys() == own_masks.keys()
+        assert all(torch.equal(shared.keep_masks[i], own_masks[i]) for i in own_masks)
+    # The recording is the full cache still: another method cuts from it as from a fresh prefill.
+    assert all(layer.keys.shape[2] == LENGTH for layer in recording.cache.layers)
+
+
+def tokenizer() -> SimpleNamespace:
+    return SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+
+@pytest.mark.parametrize(
+    "contestant, ratio",
+    [
+        (Contestant("full", "full"), 0.0),
+        (Contestant("kvcompress", "kvcompile", "kvcompress"), 0.5),
+        (Contestant("distilled", "kvcompile", "distilled"), 0.75),
+        (Contestant("kvcompose", "kvcompile", "kvcompose", {"mode": "dynamic"}), 0.5),
+        (Contestant("streamed", "kvcompile", "snapkv", prefill_chunk_size=64), 0.5),
+    ],
+    ids=lambda c: getattr(c, "label", str(c)),
+)
+def test_the_eval_answers_from_a_shared_prefill_as_from_its_own(setup, contestant, ratio):
+    """The full cache, a per-layer cut, a second pass and a streamed method (which prefills alone, shared or not):
+    the same answer, logits and bytes held; the shared run's time adds the shared forward to its own hooks'."""
+    model, paths, context = setup
+    question = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
+    scoring = Scoring([7, 3, 9], [11, 12])
+    artifacts = artifacts_for(contestant.method, paths) if contestant.kind == "kvcompile" else []
+    arguments = (model, tokenizer(), contestant, ratio, context, question, 6, artifacts, scoring)
+    own = runner.answer(*arguments)
+    shared = shared_prefill(model, context)
+    replayed = runner.answer(*arguments, shared)
+    assert replayed.tokens == own.tokens and replayed.cache_bytes == own.cache_bytes
+    assert torch.equal(replayed.first_logits, own.first_logits)
+    assert torch.equal(replayed.reference_logits, own.reference_logits)
+    assert replayed.gold_logprob == own.gold_logprob
+    if contestant.prefill_chunk_size is None:
+        assert replayed.peak_mib is None and replayed.prefill_seconds > shared.seconds
+    else:
+        assert replayed.peak_mib is not None  # its own prefill, measured
