@@ -277,7 +277,8 @@ def generate(
             recommended = header_params(tuned[0]).get("recommended") if tuned else None
             if isinstance(recommended, dict) and isinstance(recommended.get("method"), str):
                 beside_tuned = beside(tuned[0], recommended.get("artifacts") or [], "its recommendation")
-                served = recommended["method"], beside_tuned, recommended.get("options") or {}
+                # --nearest-budget goes to the tuned method: checked against it here, as `compress` applies it.
+                served = recommended["method"], beside_tuned, {**(recommended.get("options") or {}), **options}
         if not tuned and ratio is None and budget is None:
             ratio = 0.5
         if method is not None:

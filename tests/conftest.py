@@ -1,18 +1,27 @@
 """Fixtures: tiny randomly initialised Llama, Qwen2 (and Qwen3, by name) models built in code (no download), and the
-real default model for the few integration tests."""
+real default model for the few integration tests, from the tests' own cache."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import kvruntime
 import kvruntime.model_loading
 from kvruntime.cache_ops import hooked_cache
 from kvruntime.methods.distilled import feature_count
+
+# The tests' own cache of the dequantised default model and of locks (the tests and the processes they start), not
+# the user's: a test never shares or damages what `make demo` uses. A cache named by the caller (CI's) is kept.
+os.environ.setdefault("KVCOMPILE_CACHE", str(Path.home() / ".cache" / "kvcompile-tests"))
+# CI replays the same examples on every run (a failure there is one a rerun reproduces); a local run searches anew.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 TINY = dict(
     vocab_size=96,
@@ -37,6 +46,16 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
         raise ValueError(kind)
     model.config.architectures = [type(model).__name__]
     return model.eval()
+
+
+def import_kvpress() -> object:
+    """kvpress, for the tests of its presses: skipped where it is not installed (the main venv), except where
+    `KVCOMPILE_REQUIRE_KVPRESS` is set (`make test-bench`): there a missing kvpress fails, not skips."""
+    if os.environ.get("KVCOMPILE_REQUIRE_KVPRESS"):
+        import kvpress
+
+        return kvpress
+    return pytest.importorskip("kvpress")
 
 
 def save_char_tokenizer(folder) -> None:

@@ -46,6 +46,8 @@ CASES = [
     ("compilerkv", dict(budget=70), {}, None),
     ("snapkv", dict(budget=40), {}, 32),
     ("distilled", dict(ratio=0.75), {"allocation": "uniform"}, 48),
+    ("distilled", dict(ratio=0.75), {}, 48),  # the default: compiled shares, streamed
+    ("kvcompose", dict(ratio=0.5), {}, 48),  # compiled statistics, streamed
 ]
 
 

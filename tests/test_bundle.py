@@ -130,6 +130,21 @@ def test_a_bundle_applies_as_its_files_by_folder_and_by_hub_id(compiled, bundle,
     assert "kvcompile bundle (1 artifact files, each matching its manifest)" in info and "kvcompose_stats" in info
 
 
+def test_a_mistyped_folder_is_refused_as_a_folder_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """`dir/bundle` has the shape of a hub repo id; beside a folder `dir` it is a path with a typo: refused as
+    such, without a hub lookup. An id whose first part is no folder here is still looked up."""
+    from kvruntime.bundle import locate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    looked_up = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id: looked_up.append(repo_id) or tmp_path)
+    with pytest.raises(kvruntime.ArtifactError, match="dir/bundel: no such file or folder"):
+        locate("dir/bundel")
+    assert looked_up == []
+    assert locate("org/bundle") == tmp_path and looked_up == ["org/bundle"]
+
+
 @pytest.mark.parametrize(
     "damage", ["bytes changed", "file missing", "file not listed", "kind changed", "model changed"]
 )

@@ -253,6 +253,41 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
         Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5)
 
 
+def uniform_shares(rows: int, layers: int) -> torch.Tensor:
+    return torch.full((rows, layers), 1 / layers, dtype=torch.float64)
+
+
+def negative_first_share(layers: int) -> torch.Tensor:
+    shares = uniform_shares(2, layers)
+    shares[0, :2] += torch.tensor([-2.0, 2.0]) / layers  # the first -1/L, still summing to 1
+    return shares
+
+
+@pytest.mark.parametrize(
+    "ratios, shares, message",
+    [
+        ((0.5, 0.9), lambda n: uniform_shares(1, n), r"shape \[1, {n}\], expected \[2 ratios, {n} layers\]"),
+        ((0.5,), lambda n: uniform_shares(1, n + 1), r"shape \[1, {m}\], expected \[1 ratios, {n} layers\]"),
+        ((), lambda n: uniform_shares(0, n), r"expected \[0 ratios, {n} layers\]"),
+        ((0.9, 0.5), lambda n: uniform_shares(2, n), r"share ratios \[0.9, 0.5\] are not increasing"),
+        ((0.5, 0.5), lambda n: uniform_shares(2, n), "are not increasing"),
+        ((0.5, 0.9), negative_first_share, "must be non-negative and sum to 1"),
+        ((0.5, 0.9), lambda n: uniform_shares(2, n) * 0.9, "must be non-negative and sum to 1"),
+    ],
+    ids=["a row short", "a layer too many", "no ratios", "decreasing", "a ratio twice", "negative", "sum 0.9"],
+)
+def test_malformed_compiled_layer_shares_are_refused_when_the_scorer_is_read(tmp_path, ratios, shares, message):
+    """The shares the compiled allocation apportions by: one row per ratio, one column per layer, the ratios
+    increasing, each row a distribution; a scorer file holding other shares is refused when the method is built."""
+    artifact = scorer_that_prefers(tiny_model("llama"), 0)
+    layers = artifact.tensors["weights"].shape[0]
+    artifact.tensors["layer_shares"] = shares(layers)
+    artifact.tensors["share_ratios"] = torch.tensor(ratios, dtype=torch.float64)
+    path = save_artifact(artifact, tmp_path / "distilled_scorer.safetensors")
+    with pytest.raises(kvruntime.ArtifactError, match=message.format(n=layers, m=layers + 1)):
+        kvruntime.get_method("distilled", [kvruntime.read_artifact(path)])
+
+
 def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
     with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"window": 8}) as session:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import place_in_hub_cache
+from conftest import import_kvpress, place_in_hub_cache
 from test_selection_references import eight_head_model
 from transformers import DynamicCache
 
@@ -18,7 +18,7 @@ import kvruntime
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import feature_count
 
-kvpress = pytest.importorskip("kvpress")
+kvpress = import_kvpress()
 from kvruntime.integrations.kvpress import DistilledPress, SRHPress  # noqa: E402  (needs kvpress)
 
 LENGTH, RATIO = 160, 0.5

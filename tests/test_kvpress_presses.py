@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import save_char_tokenizer
+from conftest import import_kvpress, save_char_tokenizer
 from test_selection_references import eight_head_model
 
 import kvruntime
@@ -20,7 +20,7 @@ from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
 from kvruntime.cache_ops import attention_modules, cache_bytes
 from kvruntime.methods.distilled import feature_count, predicted_scores, token_features
 
-kvpress = pytest.importorskip("kvpress")
+kvpress = import_kvpress()
 
 LENGTH, RATIO = 160, 0.5
 # Presses that hide entries instead of removing them (the runner turns their masks into keep masks).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,17 @@ def test_no_module_of_the_project_imports_itself_back():
 
     for module in sorted(edges):
         visit(module)
+
+
+def test_every_test_has_a_time_limit(request: pytest.FixtureRequest):
+    """pytest-timeout is on for the whole suite (pyproject's `timeout`), so a hang fails one test, not CI's run."""
+    assert request.config.pluginmanager.hasplugin("timeout")
+    assert float(request.config.getini("timeout")) == 600
+
+
+def test_ci_replays_the_same_hypothesis_examples(monkeypatch):
+    """Under CI (`CI` set, as .ci/run's callers do) the property tests are derandomized: the same examples each run."""
+    from hypothesis import settings
+
+    assert settings.get_profile("ci").derandomize and settings.get_profile("ci").database is None
+    assert settings.default.derandomize == bool(os.environ.get("CI"))

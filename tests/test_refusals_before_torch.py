@@ -137,6 +137,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
         "not 300: pass it (--budget)",
     ),
+    "nearest budget for a tuned method that is not compilerkv": (
+        lambda d: [*GENERATE, "--nearest-budget"],
+        "options ['nearest_budget']",  # the shipped tuned defaults recommend srh
+    ),
     "budget compilerkv did not compile": (
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
         "compiled for budget 256 tokens per layer, not 300",

@@ -62,15 +62,17 @@ def test_the_command_line_and_eval_name_the_registered_methods():
     assert set(COMPARED_NAMES) <= set(METHOD_NAMES)
 
 
-def run_cli(*args: str) -> str:
-    """`kvcompile ARGS` in a fresh interpreter (a fresh registry), its output unwrapped."""
+def run_cli(*args: str, runtime: Path | None = None) -> str:
+    """`kvcompile ARGS` in a fresh interpreter (a fresh registry; the kvruntime package in the folder `runtime`
+    when given), its output unwrapped."""
     code = "import sys; from kvcompile.cli import main; sys.argv = ['kvcompile', *sys.argv[1:]]; main()"
+    paths = {"PYTHONPATH": str(runtime)} if runtime is not None else {}
     result = subprocess.run(
         [sys.executable, "-P", "-c", code, *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "COLUMNS": "400"},
+        env={**os.environ, "COLUMNS": "400", **paths},
     )
     assert result.returncode == 0, result.stderr
     return " ".join(result.stdout.split())
@@ -133,32 +135,34 @@ print("recent_tail" in METHOD_NAMES, method_facts("recent_tail+budgets").streams
 """
 
 
-def test_a_method_added_in_its_own_folder_is_known_everywhere_and_gone_when_removed(tmp_path):
-    folder = METHODS_FOLDER / "recent_tail"
-    assert not folder.exists()
-    try:
-        folder.mkdir()
-        (folder / "__init__.py").write_text('"""An example method."""\n')
-        (folder / "spec.py").write_text(textwrap.dedent(EXAMPLE_SPEC).lstrip())
-        (folder / "method.py").write_text(textwrap.dedent(EXAMPLE_METHOD).lstrip())
-        script = tmp_path / "use.py"
-        script.write_text(EXAMPLE_USE)
-        result = subprocess.run(
-            [sys.executable, str(script)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
-        )
-        assert result.returncode == 0, result.stderr
-        lines = result.stdout.splitlines()
-        assert lines[0] == f"recent_tail {{}} {list(range(20, 40))}"  # the newest half
-        assert lines[1] == f"recent_tail {{'reverse': True}} {[*range(16), *range(36, 40)]}"  # the oldest, window kept
-        assert lines[2] == "True True"
-        assert "recent_tail" in run_cli("--help")
-        assert "recent_tail" in run_cli("generate", "--help")
-        assert "recent_tail" in run_cli("eval", "--help")  # eval's default methods
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+def test_a_method_added_in_its_own_folder_is_known_everywhere(tmp_path):
+    """A method folder added to a copy of the runtime (never to the source tree: a killed run would leave it there)
+    is known to the runtime and the command line that import that copy, and to nothing else."""
+    shutil.copytree(
+        ROOT / "runtime" / "kvruntime", tmp_path / "kvruntime", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    folder = tmp_path / "kvruntime" / "methods" / "recent_tail"
+    folder.mkdir()
+    (folder / "__init__.py").write_text('"""An example method."""\n')
+    (folder / "spec.py").write_text(textwrap.dedent(EXAMPLE_SPEC).lstrip())
+    (folder / "method.py").write_text(textwrap.dedent(EXAMPLE_METHOD).lstrip())
+    script = tmp_path / "use.py"  # run from tmp_path: its kvruntime is the copy
+    script.write_text(EXAMPLE_USE)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"recent_tail {{}} {list(range(20, 40))}"  # the newest half
+    assert lines[1] == f"recent_tail {{'reverse': True}} {[*range(16), *range(36, 40)]}"  # the oldest, window kept
+    assert lines[2] == "True True"
+    assert "recent_tail" in run_cli("--help", runtime=tmp_path)
+    assert "recent_tail" in run_cli("generate", "--help", runtime=tmp_path)
+    assert "recent_tail" in run_cli("eval", "--help", runtime=tmp_path)  # eval's default methods
     assert "recent_tail" not in run_cli("generate", "--help")
     assert "recent_tail" not in kvruntime.METHOD_NAMES
+    assert not (METHODS_FOLDER / "recent_tail").exists()

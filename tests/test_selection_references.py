@@ -326,6 +326,46 @@ def test_distilled_compiled_keeps_each_heads_best_in_the_compiled_layer_shares(m
             assert_best(got[layer][head], scores[head], counts[layer], window)
 
 
+@pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "three chunks"])
+def test_the_default_distilled_keeps_each_heads_best_in_every_layer_whole_and_streamed(model, ids, chunk, tmp_path):
+    """The shipped default (no options: compiled shares, a 16-token window, the first token kept, no leverage),
+    whole and streamed in three chunks, against a by-hand replay from each layer's attention inputs as the prefill
+    fed them (a later chunk's inputs come from attention over what the earlier chunks kept): after each chunk, each
+    KV head holds its layer's budget of the best entries among those it held (with the scores they came with) and the
+    chunk's, scored on the features of their own chunk's states; the first token always, the last 16 once the
+    prompt has ended."""
+    window, counts = 16, (36, 54, 90)  # ratio 0.5: 60 tokens per layer on average, shares 0.2 / 0.3 / 0.5
+    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(15))
+    weights[:, -4:] *= 20
+    weights[:, -1] *= 10
+    shares = {"layer_shares": torch.tensor([[0.2, 0.3, 0.5]]), "share_ratios": torch.tensor([0.5])}
+    scorer = saved(tmp_path, model, "distilled_scorer", weights=weights, **shares)
+    inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(3)}
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs[module.layer_idx].append(kwargs["hidden_states"][0].double())
+
+    handles = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    try:
+        got = runtime_kept(model, ids, "distilled", "padded", ratio=0.5, artifacts=[scorer], prefill_chunk_size=chunk)
+    finally:
+        for handle in handles:
+            handle.remove()
+    bounds = [(0, LENGTH)] if chunk is None else [(start, start + chunk) for start in range(0, LENGTH, chunk)]
+    for layer in range(3):
+        assert len(inputs[layer]) == len(bounds)
+        states = torch.cat(inputs[layer])  # each token's state from its own chunk's forward
+        scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
+        for head in range(2):
+            held: dict[int, float] = {}
+            for start, end in bounds:
+                for t in range(start, end):
+                    protected = t == 0 or (end == LENGTH and t >= LENGTH - window)
+                    held[t] = math.inf if protected else float(scores[head, t])
+                held = dict(sorted(held.items(), key=lambda item: -item[1])[: counts[layer]])
+            assert set(got[layer][head]) == set(held), (layer, head)
+
+
 def kvcompose_window_scores(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     """KVCompose's token scores with the last 32 queries as the task [Hkv, N] per layer (eq. 14-16): each query
     head's largest attention from them, averaged over the KV group, plus the average over the KV heads."""

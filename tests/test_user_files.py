@@ -8,6 +8,7 @@ prompts past the model's positions, and the lock files."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import threading
@@ -210,10 +211,19 @@ def test_a_waiting_lock_taken_on_a_removed_lock_file_is_taken_again(tmp_path, mo
             except KVRuntimeError:
                 order.append("third refused")
 
+    asked = threading.Event()  # the waiter reached its blocking flock (a wait that saw it, not a sleep)
+    real_flock = fcntl.flock
+
+    def flock(handle: object, operation: int) -> None:
+        if operation == fcntl.LOCK_EX and threading.current_thread() is thread:
+            asked.set()
+        real_flock(handle, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
     thread = threading.Thread(target=waiter)
     thread.start()
-    thread.join(timeout=0.5)
-    assert order == []  # still waiting
+    assert asked.wait(timeout=10)
+    assert order == [] and thread.is_alive()  # the lock is held: the waiter waits
     first.__exit__(None, None, None)
     thread.join(timeout=10)
     assert order == ["waiter holds", "third refused"]

@@ -154,9 +154,7 @@ def prefilled(
     peak memory not measured."""
     if contestant.kind == "kvcompile":
         with compressing(model, contestant, ratio, artifacts) as session:
-            replayed = shared is not None and (
-                contestant.prefill_chunk_size is None or context_ids.shape[1] <= contestant.prefill_chunk_size
-            )
+            replayed = shared is not None and not session.streams(context_ids.shape[1])
             with PeakMemory(context_ids.device) as peak:
                 started = time.perf_counter()
                 context = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)

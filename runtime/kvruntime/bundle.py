@@ -75,6 +75,8 @@ def locate(source: str | os.PathLike) -> Path:
     path = Path(source)
     if path.exists() or not is_hub_id(str(source)):
         return path
+    if path.parent.is_dir():  # `dir/bundle` beside a folder `dir`: a mistyped path, not a hub id to look up
+        raise ArtifactError(f"{source}: no such file or folder (its folder {path.parent} is here)")
     from huggingface_hub import snapshot_download
 
     try:

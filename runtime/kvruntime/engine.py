@@ -198,13 +198,17 @@ class CompressionSession:
         )
         return CompressedContext(self, cache, lengths, self._latest)
 
+    def streams(self, length: int) -> bool:
+        """Whether a prompt of `length` tokens goes in chunks (`prefill_chunk_size`)."""
+        return self.prefill_chunk_size is not None and length > self.prefill_chunk_size
+
     def compress_recording(self, recording: PrefillRecording) -> CompressedContext:
         """The context of a recorded plain prefill, compressed as `prefill` compresses it, without a forward of its
         own: the hooks run on the recorded calls (`PrefillRecording.replay`). Its report's prefill time is the
         hooks' alone: the forward is the recording's. Not for a prompt this session streams in chunks."""
         if not self.active:
             raise KVRuntimeError("compress inside the `with kvruntime.compress(...)` block: the block has ended")
-        if self.prefill_chunk_size is not None and recording.length > self.prefill_chunk_size:
+        if self.streams(recording.length):
             raise KVRuntimeError(
                 f"a prompt streamed in chunks of {self.prefill_chunk_size} tokens is not a recorded prefill of one piece"
             )
@@ -261,10 +265,10 @@ class CompressionSession:
         )
         state = self._new_prefill(tokens)
         self._prefill = state
-        chunk = self.prefill_chunk_size
-        if chunk is None or length <= chunk or cache is None:
+        if not self.streams(length) or cache is None:
             return args, kwargs
-        return args, self._feed_earlier_chunks(module, kwargs, tokens_key, chunk_bounds(length, chunk), state)
+        bounds = chunk_bounds(length, self.prefill_chunk_size)
+        return args, self._feed_earlier_chunks(module, kwargs, tokens_key, bounds, state)
 
     def _new_prefill(self, tokens: torch.Tensor) -> _Prefill:
         """The state of a prefill of `tokens` [1, N] (ids, or embeddings [1, N, hidden]) starting now."""
@@ -710,7 +714,7 @@ def compress(
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
     if method is None and tuned:
         defaults = TunedDefaults.from_artifact(tuned[0])
-        method, options = defaults.method, options or defaults.options
+        method, options = defaults.method, {**defaults.options, **options}
         if ratio is None and budget is None:
             ratio = defaults.ratio
         present = {a.path.resolve() for a in loaded if a.path is not None}
