@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-fast test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -47,6 +47,15 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q --durations=20
+
+# The loop while changing code (about 75 s on 2 cores): the math, every selection against its reference, the engine,
+# streaming, serving checks, refusals, artifacts, bundles' security and the evaluation's pure parts, on tiny models.
+# What it leaves out (the default model, compile recipes end to end, batches, distributed runs) `make test` runs.
+FAST_TESTS ?= $(addprefix tests/test_,compilerkv_math compresskv_math kvcompose_math selection_references \
+	scores_selection window_attention layout artifact run_store refusals_before_torch engine shared_prefill \
+	evaluation serving streaming_prefill distilled bad_input security ratio_honesty)
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not integration" $(addsuffix .py,$(FAST_TESTS))
 
 # The tests that need the peer library kvpress (skipped in the main venv), in the bench venv: every compared press
 # through the evaluation's path, and the evaluation with kvpress installed. There a missing kvpress fails them.
