@@ -29,13 +29,15 @@ from kvcompile.recipes.distilled.distill import (
 )
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
-from kvruntime.allocation import error_aware_budgets
+from kvruntime.allocation import apportion, error_aware_budgets, refloored_shares
 from kvruntime.methods import Distilled
 from kvruntime.methods.distilled import (
     DistilledScorer,
     feature_count,
     key_leverage,
     likeness_to_earlier,
+    predicted_scores,
+    predicted_token_scores,
     token_features,
     with_leverage,
 )
@@ -123,6 +125,13 @@ def test_token_features_are_the_input_its_position_the_first_token_and_its_liken
     torch.testing.assert_close(features[0, :, 5], torch.arange(5, dtype=torch.float32).log1p())
     assert features[0, :, 6].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     torch.testing.assert_close(features[0, :, 7], likeness_to_earlier(hidden)[0])
+
+
+def test_the_runtime_scores_a_chunk_as_the_compiled_features_times_the_weights_would():
+    hidden, weights = torch.randn(2, 9, 6), torch.randn(feature_count(6), 3)
+    for start, carry in ((0, None), (40, torch.randn(2, 6))):
+        expected = predicted_scores(token_features(hidden, start, carry), weights)
+        torch.testing.assert_close(predicted_token_scores(hidden, weights, start, carry), expected)
 
 
 def test_likeness_to_earlier_is_the_cosine_to_the_mean_of_the_earlier_tokens_but_the_first():
@@ -251,6 +260,29 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
     assert min(slots[0.5]) >= keep // 2 > min(slots[0.0])
     with pytest.raises(kvruntime.KVRuntimeError, match="floor"):
         Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5)
+
+
+def test_a_floor_given_to_the_compiled_allocation_refloors_the_teachers_shares(tiny, tokens, tmp_path):
+    """The teacher's allocation gave every layer the compiled floor first and pooled the rest: with another floor,
+    each layer gets the new floor plus its pooled part scaled to what that floor leaves."""
+    layers = tiny.config.num_hidden_layers
+    pool = torch.arange(1.0, layers + 1, dtype=torch.float64) ** 2
+    pool /= pool.sum()
+    artifact = scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0)
+    artifact.tensors["layer_shares"] = (0.25 / layers + 0.75 * pool).expand(4, -1).clone()
+    path = save_artifact(artifact, tmp_path / "s.safetensors")
+    length, window = tokens.shape[1], 8
+    keep = kept_per_head(length, window, ratio=0.5)
+    for floor in (0.25, 0.6, 1.0):
+        expected = apportion(floor / layers + (1 - floor) * pool, keep * layers, low=window, high=length).tolist()
+        options = {"floor": floor, "window": window}
+        with kvruntime.compress(tiny, "distilled", ratio=0.5, artifacts=[path], options=options) as s:
+            s.prefill(tokens)
+        assert s.report.slots_per_layer == expected
+    assert len(set(expected)) <= 2  # floor 1: the same count in every layer
+    torch.testing.assert_close(
+        refloored_shares(torch.tensor([0.1, 0.9]), 0.5, 0.0), torch.tensor([0.0, 1.0], dtype=torch.float64)
+    )
 
 
 def uniform_shares(rows: int, layers: int) -> torch.Tensor:

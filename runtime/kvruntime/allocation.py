@@ -29,6 +29,17 @@ def shares_at_ratio(ratios: Sequence[float], table: torch.Tensor, ratio: float) 
     return shares, f"interpolated between compiled ratios {ratios[lower]:g} and {ratios[upper]:g}"
 
 
+def refloored_shares(shares: torch.Tensor, compiled_floor: float, floor: float) -> torch.Tensor:
+    """Layer shares [L] compiled by an allocation that gave every layer `compiled_floor` times the average first
+    and pooled the rest, as if it had given `floor` instead: the pooled part of each share scaled to what the new
+    floor leaves (a share below the compiled floor pools nothing)."""
+    layers = shares.numel()
+    pooled = (shares.double() - compiled_floor / layers).clamp_min(0)
+    if float(pooled.sum()) == 0:
+        return torch.full_like(shares, 1 / layers, dtype=torch.float64)
+    return floor / layers + (1 - floor) * pooled / pooled.sum()
+
+
 def error_aware_budgets(
     layer_error: Sequence[float], budget: int, minimum: int = 32, maximum_factor: int = 3, length: int | None = None
 ) -> list[int]:

@@ -208,6 +208,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "alphas": list(ALPHAS),
             "features": described[student],
             "target": "log of the oracle's score (clamped at 1e-6)",
+            "share_floor": SPEC.options["floor"].default,  # the runtime re-floors the shares from it
             "layer_shares": f"the teacher's dynamic allocation of the calibration prompts (window {SPEC.window}, "
             f"sinks {SPEC.options['sinks'].default}, floor {SPEC.options['floor'].default}), averaged per ratio",
         },

@@ -13,9 +13,11 @@ __getattr__, __dir__ = lazy_exports(
         "DistilledScorer": "scorer",
         **dict.fromkeys(
             (
+                "extra_features",
                 "feature_count",
                 "likeness_to_earlier",
                 "predicted_scores",
+                "predicted_token_scores",
                 "running_state_sum",
                 "student_features",
                 "token_features",

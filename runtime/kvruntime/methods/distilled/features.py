@@ -32,12 +32,13 @@ def likeness_to_earlier(
     A prompt streamed in chunks: `start` is the position of the chunk's first token and `earlier_sum` the
     `running_state_sum` of the chunks before it."""
     states = hidden_states.float()
-    counted = _counted_states(states, start)
-    # The sum of the counted tokens before each token (a zero in front: the first token's sum is empty).
-    before = torch.cat([counted.new_zeros(counted.shape[0], 1, counted.shape[2]), counted[:, :-1]], dim=1).cumsum(1)
+    # The sum of the tokens before each one, in place on one buffer: it runs inside every layer's prefill.
+    before = states.cumsum(1).sub_(states)
+    if start == 0:
+        before.sub_(states[:, :1])  # the prompt's first token is left out (position 0 itself is masked below)
     if earlier_sum is not None:
-        before = before + earlier_sum[:, None]
-    cosine = (states * before).sum(dim=-1) / (states.norm(dim=-1) * before.norm(dim=-1)).clamp(min=1e-6)
+        before.add_(earlier_sum[:, None])
+    cosine = torch.linalg.vecdot(states, before) / (states.norm(dim=-1) * before.norm(dim=-1)).clamp(min=1e-6)
     positions = torch.arange(start, start + states.shape[1], device=states.device)
     return torch.where(positions >= 2, cosine, torch.zeros_like(cosine))
 
@@ -47,15 +48,20 @@ def running_state_sum(
 ) -> torch.Tensor:
     """[B, hidden]: the sum `likeness_to_earlier` compares the next chunk's tokens with (every token so far but the
     prompt's first), from a chunk starting at `start` and the sum before it."""
-    chunk_sum = _counted_states(hidden_states.float(), start).sum(dim=1)
+    states = hidden_states.float()
+    chunk_sum = states.sum(dim=1) if start > 0 else states[:, 1:].sum(dim=1)
     return chunk_sum if earlier_sum is None else earlier_sum + chunk_sum
 
 
-def _counted_states(states: torch.Tensor, start: int) -> torch.Tensor:
-    """The states with the prompt's first token (position 0, when in this chunk) zeroed: it is left out."""
-    if start > 0:
-        return states
-    return torch.cat([torch.zeros_like(states[:, :1]), states[:, 1:]], dim=1)
+def extra_features(
+    hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, N, hidden] -> [B, N, EXTRA_FEATURES] in float32: the features after the attention input, in their order."""
+    batch, length, _ = hidden_states.shape
+    positions = torch.arange(start, start + length, device=hidden_states.device, dtype=torch.float32)
+    fixed = torch.stack([torch.ones_like(positions), positions.log1p(), (positions == 0).float()], dim=-1)
+    likeness = likeness_to_earlier(hidden_states, start, earlier_sum)[..., None]
+    return torch.cat([fixed.expand(batch, length, EXTRA_FEATURES - 1), likeness], dim=-1)
 
 
 def token_features(
@@ -63,19 +69,20 @@ def token_features(
 ) -> torch.Tensor:
     """[B, N, hidden] -> [B, N, feature_count(hidden)] in float32 (the fit's sums cast them to float64). A chunk of
     a streamed prompt: `start` and `earlier_sum` as in `likeness_to_earlier`."""
-    batch, length, _ = hidden_states.shape
-    positions = torch.arange(start, start + length, device=hidden_states.device, dtype=torch.float32)
-    extra = torch.stack([torch.ones_like(positions), positions.log1p(), (positions == 0).float()], dim=-1)
-    return torch.cat(
-        [
-            hidden_states.float(),
-            extra.expand(batch, length, EXTRA_FEATURES - 1),
-            likeness_to_earlier(hidden_states, start, earlier_sum)[..., None],
-        ],
-        dim=-1,
-    )
+    return torch.cat([hidden_states.float(), extra_features(hidden_states, start, earlier_sum)], dim=-1)
 
 
 def predicted_scores(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One layer's scores per KV head [B, Hkv, N] from its token features [B, N, F] and weights [F, Hkv]."""
     return (features.to(weights.dtype) @ weights).transpose(1, 2)
+
+
+def predicted_token_scores(
+    hidden_states: torch.Tensor, weights: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`predicted_scores(token_features(...), weights)` without building the features: the attention input's part
+    of the product and the extra features' part, summed (no copy of the hidden states inside the prefill)."""
+    hidden = hidden_states.shape[-1]
+    from_hidden = torch.nn.functional.linear(hidden_states.to(weights.dtype), weights[:hidden].T.contiguous())
+    from_extra = extra_features(hidden_states, start, earlier_sum).to(weights.dtype) @ weights[hidden:]
+    return (from_hidden + from_extra).transpose(1, 2)

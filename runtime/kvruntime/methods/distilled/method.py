@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from ...allocation import apportion, error_aware_budgets, shares_at_ratio
+from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
 from ...errors import KVRuntimeError
 from ...request import KeepPlan, check_method_options
 from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
-from .features import predicted_scores, running_state_sum, token_features
+from .features import feature_count, predicted_token_scores, running_state_sum
 from .leverage import with_leverage
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
@@ -53,7 +53,9 @@ class Distilled(Method):
     sinks: int = _default("sinks")  # the first tokens, always kept
     scorer: DistilledScorer | None = None
     allocation: str = _default("allocation")
-    floor: float = _default("floor")  # share of the average tokens per layer every layer keeps (dynamic allocation)
+    # Share of the average tokens per layer every layer keeps: dynamic allocation's floor, and compiled shares
+    # re-floored as if the teacher's allocation had given it (`refloored_shares`).
+    floor: float = _default("floor")
     # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
@@ -110,7 +112,10 @@ class Distilled(Method):
                 "this distilled_scorer holds no compiled layer shares (allocation=compiled, the default): recompile "
                 "it with `kvcompile distill`, or use allocation=dynamic"
             )
-        return shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
+        shares, how = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
+        if self.floor == self.scorer.share_floor:
+            return shares, how
+        return refloored_shares(shares, self.scorer.share_floor, self.floor), f"{how}, floor {self.floor:g}"
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
@@ -141,13 +146,12 @@ class Distilled(Method):
         starting at position `start`, `carry` as in `stream_scores`), the first `sinks` tokens protected; the
         window is not (the caller knows where the prompt ends)."""
         weights = self.scorer.weights[layer].to(hidden_states.device)
-        features = token_features(hidden_states, start, carry)
-        if weights.shape[0] != features.shape[-1]:
+        if weights.shape[0] != feature_count(hidden_states.shape[-1]):
             raise KVRuntimeError(
                 f"the distilled_scorer reads {weights.shape[0]} features per token, this runtime makes "
-                f"{features.shape[-1]}: recompile it with `kvcompile distill`"
+                f"{feature_count(hidden_states.shape[-1])}: recompile it with `kvcompile distill`"
             )
-        scores = predicted_scores(features, weights)
+        scores = predicted_token_scores(hidden_states, weights, start, carry)
         return protect_sinks(scores, self.sinks) if start == 0 else scores
 
     def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:

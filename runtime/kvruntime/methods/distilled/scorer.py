@@ -25,9 +25,12 @@ class DistilledScorer(ArtifactReader):
     task_prefix: tuple[int, ...] = ()  # the token ids that second pass fed before the copy of the context
     share_ratios: tuple[float, ...] = ()  # the ratios of `layer_shares`, increasing
     layer_shares: torch.Tensor | None = None  # [ratios, layers]: each layer's share of the kept cache
+    share_floor: float = 0.25  # the floor the teacher's allocation gave every layer (every scorer before it: 0.25)
 
     def __post_init__(self) -> None:
         self.check_schema({"weights": self.weights})
+        if not 0.0 <= self.share_floor < 1.0:
+            raise ArtifactError(f"distilled scorer: share_floor {self.share_floor!r} is not in [0, 1)")
         if self.layer_shares is None:
             return
         layers = self.weights.shape[0]
@@ -51,4 +54,5 @@ class DistilledScorer(ArtifactReader):
             task_prefix=tuple(int(i) for i in params.get("task_prefix", ())),
             share_ratios=compiled_ratios(tensors["share_ratios"].tolist()) if "share_ratios" in tensors else (),
             layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
+            share_floor=float(params.get("share_floor", 0.25)),
         )

@@ -16,7 +16,11 @@ SPEC = MethodSpec(
     options={
         "allocation": ALLOCATION,
         "floor": Option(
-            float, 0.25, "share of the average count every layer keeps (dynamic allocation)", minimum=0.0, maximum=1.0
+            float,
+            0.25,
+            "share of the average count every layer keeps (dynamic; compiled: the shares re-floored)",
+            minimum=0.0,
+            maximum=1.0,
         ),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
