@@ -374,3 +374,71 @@ def test_a_bundled_tuned_default_applies_only_files_its_manifest_lists(compiled,
     with kvruntime.compress(model, artifacts=[tmp_path / "b2"]) as session:  # listed: applied
         session.prefill(torch.randint(3, 96, (1, 64), generator=torch.Generator().manual_seed(0)))
     assert session.report.method == "kvcompose"
+
+
+# Issue #50: every verdict of reproduce, --only, and what the card says of the base model and the results.
+
+
+def test_reproduce_says_when_a_rerun_command_failed(compiled, bundle):
+    recorded = read_bundle(bundle).entries[0]["provenance"]["command"]
+    assert "--prompts 2" in recorded
+    failing = _recorded(bundle, recorded.replace("--prompts 2", "--prompts 0"))  # refused by the rerun: exit code 2
+    result = runner.invoke(cli.app, ["reproduce", str(failing), "--model", str(compiled[0]), "--yes"])
+    assert result.exit_code == 1, result.output
+    assert "kvcompose_stats.safetensors: differs: the command failed (exit code 2)" in result.output
+
+
+def test_reproduce_only_reruns_the_kinds_asked_and_says_which_carry_no_full_command(compiled, tmp_path):
+    """A bundle of two kinds, one compiled before kvcompile recorded its full command: --only picks the artifacts
+    reproduce looks at; the one without a command is not reproducible, and nothing is run for it."""
+    model_folder, stats = compiled
+    heads = tmp_path / "sources" / "srh_heads.safetensors"
+    fingerprint = read_artifact(stats).model
+    shutil.copytree(stats.parent, heads.parent)
+    old = kvruntime.Artifact("srh_heads", {"srh_score": torch.rand(fingerprint.num_layers, fingerprint.num_query_heads)},
+                             fingerprint, {"command": "kvcompile heads"}, {})  # fmt: skip
+    save_artifact(old, heads)
+    invoke(["bundle", str(heads.parent), "--out", str(tmp_path / "two")])
+    only_heads = invoke(["reproduce", str(tmp_path / "two"), "--only", "srh_heads", "--yes"])
+    assert "srh_heads.safetensors: not reproducible: compiled before kvcompile recorded its full command" in only_heads
+    assert "kvcompose_stats" not in only_heads and "--out <scratch>" not in only_heads
+    only_stats = invoke(["reproduce", str(tmp_path / "two"), "--only", "kvcompose_stats", "--model", str(model_folder),
+                         "--yes"])  # fmt: skip
+    assert "kvcompose_stats.safetensors: reproduced" in only_stats and "srh_heads" not in only_stats
+
+
+def test_the_card_names_the_base_model_given_or_guessed_and_carries_the_results_given(
+    compiled, bundle, tmp_path, monkeypatch
+):
+    from kvcompile.bundle import DEFAULT_MODEL_HUB_ID, guess_base_model
+
+    card = (bundle / "README.md").read_text()  # compiled from a local folder: no hub id to name, no results
+    assert "base_model:" not in card and read_bundle(bundle).manifest["base_model"] is None
+    assert "None carried: this bundle holds no tuned_defaults artifact and was given no results." in card
+    results = tmp_path / "results.md"
+    results.write_text("| ratio | answers |\n| --- | --- |\n| 0.5 | 31 of 72 |\n")
+    out = tmp_path / "named"
+    invoke(["bundle", str(compiled[1]), "--out", str(out), "--base-model", "org/tiny-llama", "--results", str(results)])
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-llama\n") and read_bundle(out).manifest["base_model"] == (
+        "org/tiny-llama"
+    )
+    assert "## Measured results" in card and "| 0.5 | 31 of 72 |" in card and "None carried" not in card
+
+    def compiled_by(command: str) -> object:
+        return kvruntime.Artifact("srh_heads", {}, None, {"command": command}, {})
+
+    assert guess_base_model([compiled_by("kvcompile heads --lengths 320")]) == DEFAULT_MODEL_HUB_ID
+    assert guess_base_model([compiled_by("kvcompile heads --model org/model-id")]) == "org/model-id"
+    assert guess_base_model([compiled_by(f"kvcompile heads --model {compiled[0]}")]) is None
+    monkeypatch.chdir(compiled[0].parent.parent)  # a local folder named as `folder/model` has a hub id's shape
+    assert guess_base_model([compiled_by(f"kvcompile heads --model {compiled[0].parent.name}/model")]) is None
+
+
+def test_a_hub_id_that_is_not_in_the_local_cache_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    refused(
+        ["info", "someone/absent-bundle"],
+        "someone/absent-bundle: no such file or folder, and no hub repo of that id in the local Hugging Face cache",
+    )

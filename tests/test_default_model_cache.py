@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import re
 import subprocess
 import sys
 import time
@@ -244,10 +243,9 @@ def test_two_first_runs_at_once_on_an_empty_cache_answer_and_leave_one_good_cach
     marker = dm.read_marker(folders[0])
     assert marker["versions"] == dm.converter_versions()
 
-    # Poison it as a transformers 5.2 venv did (eos <|im_start|>): the next run rebuilds it and still answers.
+    # Poisoned as a transformers 5.2 venv did (eos <|im_start|>), the real cache fails its check by name (the rebuild
+    # that follows a failed check: test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_line).
     config = json.loads((folders[0] / "tokenizer_config.json").read_text())
     (folders[0] / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
-    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "25613" in again.stdout
-    assert re.search(r"failed its check \(eos is '<\|im_start\|>'", again.stderr)
-    assert dm.read_marker(folders[0])["build"] != marker["build"]
+    problems = dm.tokenizer_problems(AutoTokenizer.from_pretrained(str(folders[0])), marker["tokenizer"])
+    assert any(problem.startswith("eos is '<|im_start|>'") for problem in problems), problems
