@@ -306,10 +306,22 @@ def compile_artifact(
     artifact = recipe.run(job, settings, inputs)
     if command is not None:
         artifact.provenance["command"] = command
+        if share.writes_results:  # the companions the run wrote (CompilerKV's experience) came from it too
+            for companion in recipe.companions(target):
+                record_command(companion, command)
     write_result(recipe, artifact, target, started, share, echo, {"device": str(device), "dtype": dtype})
     if share.writes_results:
         recipe.written(job, artifact)
     return artifact
+
+
+def record_command(path: Path, command: str) -> None:
+    """Record `command` in the provenance of the artifact at `path`, written by that command's run."""
+    from kvruntime import read_artifact, save_artifact
+
+    artifact = read_artifact(path)
+    artifact.provenance["command"] = command
+    save_artifact(artifact, path)
 
 
 def write_result(

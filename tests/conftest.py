@@ -21,6 +21,11 @@ from kvruntime.methods.distilled import feature_count
 # The tests' own cache of the dequantised default model and of locks (the tests and the processes they start), not
 # the user's: a test never shares or damages what `make demo` uses. A cache named by the caller (CI's) is kept.
 os.environ.setdefault("KVCOMPILE_CACHE", str(Path.home() / ".cache" / "kvcompile-tests"))
+# `make test` runs two pytest-xdist workers (CI has two cores): each worker and the processes it starts use one thread,
+# as two workers of two threads each on two cores would wait on each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 # CI replays the same examples on every run (a failure there is one a rerun reproduces); a local run searches anew.
 settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile("ci" if os.environ.get("CI") else "default")

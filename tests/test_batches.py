@@ -73,18 +73,27 @@ def artifacts_for(method: str, paths) -> list:
     return [kinds[kind] for kind in required_artifact_kinds(method)]
 
 
-def assert_same_answer(alone, batched, row: int) -> None:
+def assert_same_answer(alone, batched, row: int) -> int:
     """Greedy tokens equal and every step's logits within float tolerance; the kernels of a masked batch and of a
-    plain prompt add in different orders, so where the two runs part, the prompt alone must have had a near tie."""
+    plain prompt add in different orders, so where the two runs part, the prompt alone must have had a near tie (the
+    steps after it follow other tokens and are not compared). Returns the steps compared."""
     for step, (expected, got) in enumerate(zip(alone.logits, batched.logits)):
         got = got[row : row + 1]
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
         if expected.argmax() != got.argmax():
             top = expected[0].topk(2).values
             assert float(top[0] - top[1]) < 1e-3, (row, step)
-            return
+            return step + 1
     prompt_length = alone.sequences.shape[1] - len(alone.logits)
     assert torch.equal(batched.sequences[row, -len(alone.logits) :], alone.sequences[0, prompt_length:])
+    return len(alone.logits)
+
+
+def assert_same_answers(alone: list, batched) -> None:
+    """`assert_same_answer` for every row; near ties may end a row's comparison early, but not most of them (a
+    batch whose rows all parted at their first tokens would have checked nothing)."""
+    compared = sum(assert_same_answer(answer, batched, row) for row, answer in enumerate(alone))
+    assert compared > sum(len(answer.logits) for answer in alone) // 2, compared
 
 
 def compress(model, method, request, options, chunk, paths):
@@ -107,7 +116,7 @@ def test_a_batch_gives_each_row_what_the_prompt_gives_alone(setup, method, reque
         batched = model.generate(ids, attention_mask=mask, **GREEDY)
     report = context.report
     assert [row.entries_per_layer for row in report.rows] == [a[2].entries_per_layer for a in alone]
-    for row, (cache, keep_masks, _, answer) in enumerate(alone):
+    for row, (cache, keep_masks, _, _) in enumerate(alone):
         for index, (layer, batch_layer) in enumerate(zip(cache.layers, context.cache.layers)):
             held = layer.keys.shape[2]
             # The row's own entries, exactly as alone, then hidden padding up to the layer's longest row.
@@ -117,7 +126,7 @@ def test_a_batch_gives_each_row_what_the_prompt_gives_alone(setup, method, reque
             own = keep_masks.get(index, torch.ones_like(layer.keys[..., 0], dtype=torch.bool))
             assert torch.equal(visible[row, :, :held], own[0])
             assert not visible[row, :, held:].any()
-        assert_same_answer(answer, batched, row)
+    assert_same_answers([a[3] for a in alone], batched)
 
 
 def test_questions_of_different_lengths_after_a_batch_of_contexts(setup):
@@ -136,8 +145,7 @@ def test_questions_of_different_lengths_after_a_batch_of_contexts(setup):
         again = context.generate(question_ids, attention_mask=question_mask, **GREEDY)
     assert torch.equal(batched.sequences, again.sequences)  # the context and its masks were restored
     assert all(torch.equal(a, layer.keys) for a, layer in zip(held, context.cache.layers))
-    for row, answer in enumerate(alone):
-        assert_same_answer(answer, batched, row)
+    assert_same_answers(alone, batched)
 
 
 def test_the_batch_report_counts_each_row_and_the_padding(setup):
@@ -164,8 +172,7 @@ def test_an_unpadded_batch_of_equal_prompts_repeats_the_single_answer():
     with kvruntime.compress(model, "kvcompress", ratio=0.5):
         alone = model.generate(prompt, **GREEDY)
         batched = model.generate(prompt.expand(4, -1), **GREEDY)
-    for row in range(4):
-        assert_same_answer(alone, batched, row)
+    assert_same_answers([alone] * 4, batched)
 
 
 @pytest.mark.parametrize(
@@ -272,8 +279,7 @@ def test_the_default_model_answers_a_batch_row_by_row_as_each_prompt_alone(defau
     report = session.batch_report
     assert [row.context_length for row in report.rows] == [600, 400, 500]
     assert all(abs(row.entries_removed_fraction - 0.75) < 0.01 for row in report.rows), method
-    for row, answer in enumerate(alone):
-        assert_same_answer(answer, batched, row)
+    assert_same_answers(alone, batched)
 
 
 def test_eval_answers_a_batch_as_it_answers_each_prompt_alone(setup):

@@ -25,6 +25,9 @@ from kvruntime.fingerprint import ModelFingerprint
 runner = CliRunner()
 STATS = ["stats", "--prompts", "2", "--prompt-tokens", "64", "--ratios", "0.5,0.75"]
 HUB_ID = "someone/tiny-llama-kvcompile"
+# CompilerKV's tables at their smallest on the tiny model: one budget, two prompts, one round, one risk cell
+TABLES = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context", "160", "--continuation", "12"]
+TABLES += ["--rounds", "1", "--entropy-bins", "1", "--perplexity-bins", "1"]
 
 
 def invoke(args: list[str]) -> str:
@@ -442,3 +445,22 @@ def test_a_hub_id_that_is_not_in_the_local_cache_is_refused_in_one_line(tmp_path
         ["info", "someone/absent-bundle"],
         "someone/absent-bundle: no such file or folder, and no hub repo of that id in the local Hugging Face cache",
     )
+
+
+def test_reproduce_reruns_a_command_that_writes_a_companion_once_and_compares_both_files(compiled, tmp_path):
+    """`kvcompile tables` writes its experience beside the tables: both carry the command, the bundle holds both, and
+    reproduce reruns the command once and judges each file."""
+    model_folder = compiled[0]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(chr(97 + (j * j * 13) % 26) for j in range(6000)))
+    tables = tmp_path / "sources" / "compilerkv_tables.safetensors"
+    invoke(["tables", *TABLES, "--model", str(model_folder), "--corpus", str(corpus), "--out", str(tables)])
+    experience = tables.with_name("compilerkv_tables.experience.safetensors")
+    commands = {read_artifact(path).provenance.get("command") for path in (tables, experience)}
+    assert len(commands) == 1 and None not in commands
+    invoke(["bundle", str(tables), str(experience), "--out", str(tmp_path / "bundle")])
+    output = invoke(["reproduce", str(tmp_path / "bundle"), "--model", str(model_folder), "--corpus", str(corpus),
+                     "--yes"])  # fmt: skip
+    assert output.count("--out <scratch>") == 1  # one command shown and run for the two files
+    assert "compilerkv_tables.safetensors: reproduced" in output
+    assert "compilerkv_tables.experience.safetensors: reproduced" in output

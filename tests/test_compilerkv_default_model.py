@@ -94,6 +94,11 @@ def test_relearning_from_the_shipped_experience_reproduces_the_shipped_tables(tm
     result = runner.invoke(app, ["tables", "--from-experience", str(EXPERIENCE), "--out", str(out)])
     assert result.exit_code == 0, result.output
     relearned, shipped = kvruntime.read_artifact(out).tensors, kvruntime.read_artifact(TABLES).tensors
+    # the shipped pair came from one command, recorded in both (a bundle of them reproduces them with one run)
+    assert (
+        kvruntime.read_artifact(EXPERIENCE).provenance["command"]
+        == kvruntime.read_artifact(TABLES).provenance["command"]
+    )
     for name in ("entropy_edges", "perplexity_edges", "head_support", "gate_support"):
         assert torch.equal(shipped[name], relearned[name]), name
     for name in ("head_reliability", "risk_thresholds"):

@@ -1,5 +1,6 @@
-"""The CompressKV compile commands on the real default model, with small grids: deterministic, resumable, and
-their artifacts usable by the runtime."""
+"""Smoke tests of the CompressKV compile commands on the real default model, with small grids: the artifacts' shapes,
+determinism, resumption and refusals. They check no value against a reference: the math they run (SRH and classic
+head scores, ROUGE recall, error-aware budgets) is checked against hand computations in test_compresskv_math.py."""
 
 import pytest
 import torch
