@@ -17,7 +17,7 @@ from conftest import place_in_hub_cache, save_char_tokenizer, tiny_model
 from typer.testing import CliRunner
 
 import kvruntime
-from kvcompile import cli
+from kvcompile import cli, cli_artifacts
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.bundle import read_bundle, resolve_artifact_path
 from kvruntime.fingerprint import ModelFingerprint
@@ -270,7 +270,7 @@ def test_a_recorded_input_resolves_to_the_bundles_file_or_kvcompiles_shipped_dat
 
 
 def test_reproduce_shows_its_commands_and_runs_none_when_not_confirmed(compiled, bundle, monkeypatch):
-    monkeypatch.setattr(cli, "can_ask", lambda: True)  # a terminal: the runner's input answers
+    monkeypatch.setattr(cli_artifacts, "can_ask", lambda: True)  # a terminal: the runner's input answers
     result = runner.invoke(cli.app, ["reproduce", str(bundle), "--model", str(compiled[0])], input="n\n")
     assert result.exit_code == 0, result.output
     assert "kvcompose_stats.safetensors: kvcompile stats --ratios 0.5,0.75" in result.output

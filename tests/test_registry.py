@@ -5,6 +5,7 @@ only: a small example method is added, used by name everywhere, and removed."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
@@ -44,6 +45,41 @@ def test_declared_options_are_the_methods_own_fields_with_their_defaults(name):
         assert option in fields, (name, option)
         assert fields[option].default == declared.default, (name, option)
     assert fields["window"].default == spec.window
+
+
+# Where a method's name may appear as a string outside its own folders (runtime/kvruntime/methods/<name>/ and
+# kvcompile/recipes/<name or alias>/): the registry (the default method), and the peer library's namespace (kvpress's presses
+# named after the methods whose artifacts build them).
+NAMES_ALLOWED_IN = {"runtime/kvruntime/registry.py", "runtime/kvruntime/integrations/kvpress.py"}
+NAMES_ALLOWED_IN |= {"kvcompile/evaluation/contestants.py"}
+
+
+def method_names_in(path: Path) -> set[str]:
+    """The registered method names (bare or `+budgets`) that are a whole string constant of a module's code."""
+    names = set(METHODS) | {f"{name}+budgets" for name in METHODS} | set(METHOD_NAMES)
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    }
+
+
+def test_no_code_outside_a_methods_folders_branches_on_its_name():
+    """Adding or changing a method touches its folders only: no other module names it (`spec.name == "..."`)."""
+    found = []
+    for path in [*(ROOT / "runtime" / "kvruntime").rglob("*.py"), *(ROOT / "kvcompile").rglob("*.py")]:
+        relative = path.relative_to(ROOT).as_posix()
+        if relative in NAMES_ALLOWED_IN or "/build/" in relative:
+            continue
+        for name in method_names_in(path):
+            base = METHODS.get(name.split("+")[0]) or METHODS[kvruntime.registry.ALIASES[name].split("+")[0]]
+            folders = (base.name, *base.aliases)  # srh's recipes are CompressKV's (compresskv: srh+budgets)
+            homes = tuple(
+                f"{root}/{f}/" for f in folders for root in ("runtime/kvruntime/methods", "kvcompile/recipes")
+            )
+            if not relative.startswith(homes):
+                found.append(f"{relative}: {name!r}")
+    assert found == []
 
 
 def test_the_readmes_method_table_is_the_registrys():

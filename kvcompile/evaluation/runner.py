@@ -27,6 +27,7 @@ from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.batch_rows import left_pad
 from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes, restored_after
 from kvruntime.recording import PrefillRecording, recorded_prefill
+from kvruntime.serving import method_facts
 
 
 @dataclasses.dataclass
@@ -101,12 +102,12 @@ class Prefill:
 def compressing(
     model: nn.Module, contestant: Contestant, ratio: float, artifacts: list[Path]
 ) -> contextlib.AbstractContextManager:
-    """`kvruntime.compress` as a kvcompile contestant asks for it (masked memory for unstructured counts)."""
+    """`kvruntime.compress` as a kvcompile contestant asks for it (in the memory mode its options need, if any)."""
     return kvruntime.compress(
         model,
         contestant.method,
         ratio=ratio,
-        memory="masked" if contestant.options.get("unstructured") else "padded",
+        memory=method_facts(contestant.method, contestant.options).memory or "padded",
         artifacts=artifacts,
         options=contestant.options,
         prefill_chunk_size=contestant.prefill_chunk_size,

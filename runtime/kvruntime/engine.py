@@ -53,8 +53,9 @@ from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
 from .recording import PrefillRecording
+from .registry import DEFAULT_METHOD
 from .report import BatchReport, CompressionReport
-from .request import DEFAULT_METHOD, KeepPlan, Request
+from .request import KeepPlan, Request
 from .second_pass import task_attention_maxima
 from .selection import top_indices, top_mask
 from .serving import check_memory

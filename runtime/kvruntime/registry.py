@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .errors import KVRuntimeError
 
 LAYER_BUDGETS = "budgets"  # the name suffix: error-aware layer budgets
+DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
 
 
@@ -64,6 +66,9 @@ class MethodSpec:
     options_with_budgets: bool = True  # whether its options still apply with `+budgets`
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other names: alias -> full name
     compared: tuple[str, ...] | None = None  # what `eval` and `tune` compare by default (None: the name)
+    # its folder's operating_points.py checks a request against the operating points compiled into its artifact
+    # (budgets, ratios), from the artifact's header alone (`operating_point_check`); False: it serves any request
+    operating_points: bool = False
 
     @property
     def all_options(self) -> dict[str, Option]:
@@ -107,6 +112,17 @@ def method_spec(name: str) -> tuple[MethodSpec, bool]:
             f"{', '.join(BUDGETABLE_NAMES)})"
         )
     return spec, bool(plus)
+
+
+def operating_point_check(
+    spec: MethodSpec, artifact: str | os.PathLike, options: Mapping[str, object]
+) -> Callable[[object], None] | None:
+    """The check of a request (`request.Request`) against the operating points compiled into the method's
+    `artifact`, read once (its `operating_points.py`); None for a method that serves any request."""
+    if not spec.operating_points:
+        return None
+    module = importlib.import_module(f"{__package__}.methods.{spec.name}.operating_points")
+    return module.operating_points(artifact, options)
 
 
 def canonical_name(name: str) -> str:

@@ -13,7 +13,6 @@ from .errors import KVRuntimeError, short_repr
 from .registry import LAYER_BUDGETS_KIND, Option, method_spec
 
 MEMORY_MODES = ("padded", "masked")
-DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 
 
 def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:

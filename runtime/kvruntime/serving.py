@@ -1,7 +1,8 @@
 """What a method can serve, decided without torch from its name, its options and its artifacts' headers: the
-refusals the command line makes before it imports anything heavy. The methods apply the same rules (compiled
-operating points, chunk size, memory mode) through these functions; their fixed facts (window, whether the prefill
-can stream, the memory mode they need) are their registrations' (`registry`), and a test holds every method to them."""
+refusals the command line makes before it imports anything heavy. The methods apply the same rules (chunk size,
+memory mode) through these functions, and their compiled operating points through their own folder's
+`operating_points.py` (`registry.operating_point_check`); their fixed facts (window, whether the prefill can stream,
+the memory mode they need) are their registrations' (`registry`), and a test holds every method to them."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import dataclasses
 import os
 from collections.abc import Collection, Mapping, Sequence
 
-from .artifact_header import read_header, small_tensor_values
+from .artifact_header import read_header
 from .artifact_kinds import ARTIFACT_KINDS
 from .errors import KVRuntimeError
-from .registry import canonical_name, method_spec
+from .registry import canonical_name, method_spec, operating_point_check
 from .request import Request, check_method_options, required_artifact_kinds
-
-UTILITIES = ("global", "head")  # compilerkv: the spec's stabilized utility, or the head-aware one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,43 +60,9 @@ def check_memory(name: str, required: str | None, memory: str) -> None:
         )
 
 
-def _budgets_text(budgets: Sequence[int]) -> str:
-    return f"budgets {', '.join(map(str, budgets))}" if len(budgets) > 1 else f"budget {budgets[0]}"
-
-
-def compiled_budget_index(budgets: Sequence[int], budget: int, nearest: bool = False) -> int:
-    """The index of a compiled budget; a budget not compiled is refused unless `nearest` is set."""
-    if budget in budgets:
-        return list(budgets).index(budget)
-    if not nearest:
-        raise KVRuntimeError(
-            f"compilerkv tables were compiled for {_budgets_text(budgets)} tokens per layer, "
-            f"not {budget}: pass {'one of them' if len(budgets) > 1 else 'it'} (--budget), or allow the nearest "
-            "compiled budget (nearest_budget=True, --nearest-budget)"
-        )
-    return min(range(len(budgets)), key=lambda i: (abs(budgets[i] - budget), budgets[i]))
-
-
-def check_compilerkv_request(budgets: Sequence[int], nearest: bool, request: Request) -> None:
-    """The tables are compiled per budget: a budget must be one of them unless the nearest compiled one is allowed.
-    A ratio (a budget that depends on the prompt's length) runs the tables of the nearest compiled budget, as every
-    method serves a ratio: the entries held are the ratio's, only the tables are the nearest budget's."""
-    if request.budget is not None:
-        compiled_budget_index(budgets, request.budget, nearest)
-
-
 def compiled_ratios(values: Sequence[float]) -> tuple[float, ...]:
     """kvcompose's compiled ratios as stored (float32) read back to the ratios asked for."""
     return tuple(round(float(r), 6) for r in values)
-
-
-def check_compiled_ratio(ratios: Sequence[float], ratio: float) -> None:
-    low, high = ratios[0], ratios[-1]
-    if not low - 1e-9 <= ratio <= high + 1e-9:
-        raise KVRuntimeError(
-            f"ratio {ratio:g} is outside the compiled ratios of the kvcompose stats ({low:g} to {high:g}; between "
-            "them shares are interpolated): compile it with `kvcompile stats --ratios ...`, or use mode='dynamic'"
-        )
 
 
 def check_has_artifact(name: str, kind: str, kinds: Collection[str]) -> None:
@@ -127,15 +92,12 @@ def check_serves(
         check_has_artifact(name, kind, by_kind)
     facts = method_facts(name, options)
     spec = method_spec(name)[0]
-    # The compiled operating points, read once for every request.
+    # The operating points compiled into its artifact, read once for every request.
     artifact = by_kind.get(spec.needs) if spec.needs_artifact(options) else None
-    budgets = [int(b) for b in small_tensor_values(artifact, "budgets")] if spec.name == "compilerkv" else None
-    ratios = compiled_ratios(small_tensor_values(artifact, "ratios")) if spec.name == "kvcompose" and artifact else None
+    check_operating_point = operating_point_check(spec, artifact, options) if artifact else None
     for request in requests:
-        if budgets is not None:
-            check_compilerkv_request(budgets, bool(options.get("nearest_budget", False)), request)
-        if ratios is not None and request.ratio:
-            check_compiled_ratio(ratios, request.ratio)
+        if check_operating_point is not None:
+            check_operating_point(request)
         check_memory(facts.name, facts.memory, request.memory)
     if memory is not None:
         check_memory(facts.name, facts.memory, memory)

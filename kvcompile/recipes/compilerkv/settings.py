@@ -8,8 +8,8 @@ import dataclasses
 from pathlib import Path
 
 from kvruntime import KVRuntimeError
+from kvruntime.methods.compilerkv.operating_points import UTILITIES
 from kvruntime.registry import METHODS
-from kvruntime.serving import UTILITIES
 
 WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
 
@@ -71,7 +71,9 @@ class TablesSettings:
     perplexity_bins: int = 4
     penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
     elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
-    utility: str = "head"  # the stabilized utility the tables weight (kvruntime.serving.UTILITIES)
+    utility: str = (
+        "head"  # the stabilized utility the tables weight (kvruntime.methods.compilerkv.operating_points.UTILITIES)
+    )
     loss: str = "nll"  # the rollouts' loss (LOSSES)
     continuation_from: str = "corpus"  # whose continuation the loss is taken on (CONTINUATIONS)
     design: ExperienceDesign = ExperienceDesign()

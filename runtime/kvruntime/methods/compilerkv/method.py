@@ -26,8 +26,8 @@ import torch
 
 from ...errors import KVRuntimeError
 from ...request import KeepPlan, Request, check_method_options
-from ...serving import check_compilerkv_request
 from ..base import LayerPrefill, Method, Prefill, Selection
+from .operating_points import check_compilerkv_request
 from .risk_gate import kept_counts, risk_bin
 from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
 from .spec import SPEC

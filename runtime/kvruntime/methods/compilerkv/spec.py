@@ -4,6 +4,7 @@ from ...registry import MethodSpec, Option
 
 THRESHOLD_RANGE = (0.8, 1.0)  # T_gate's range: the compiled tables' and the fixed_threshold option's
 
+
 SPEC = MethodSpec(
     name="compilerkv",
     summary="CompilerKV: compiled head-reliability weights and a risk-adaptive threshold gate, by compiled budget",
@@ -22,4 +23,5 @@ SPEC = MethodSpec(
         ),
     },
     streams=lambda options: False,  # the gate compares every layer's scores
+    operating_points=True,
 )

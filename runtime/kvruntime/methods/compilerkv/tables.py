@@ -16,7 +16,7 @@ import torch
 
 from ...artifact import ArtifactReader
 from ...errors import ArtifactError
-from ...serving import UTILITIES, compiled_budget_index
+from .operating_points import UTILITIES, compiled_budget_index
 from .spec import THRESHOLD_RANGE
 
 HEAD_WEIGHT_RANGE = (0.8, 1.5)

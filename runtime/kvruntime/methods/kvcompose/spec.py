@@ -19,4 +19,5 @@ SPEC = MethodSpec(
     },
     streams=lambda options: _compiled(options) and not options.get("unstructured", False),
     memory=lambda options: "masked" if options.get("unstructured", False) else None,
+    operating_points=True,
 )

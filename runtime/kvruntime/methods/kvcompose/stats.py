@@ -16,7 +16,8 @@ import torch
 from ...allocation import shares_at_ratio
 from ...artifact import ArtifactReader
 from ...errors import ArtifactError
-from ...serving import check_compiled_ratio, compiled_ratios
+from ...serving import compiled_ratios
+from .operating_points import check_compiled_ratio
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,228 @@
+"""`kvcompile eval` and `kvcompile tune`: the evaluation suite's options into settings, then the suite (registered
+on the command line's `app` when `kvcompile.cli` loads this module)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcompile import recipe
+from kvcompile.commands import (
+    DeviceOption,
+    ModelOption,
+    PromptFormatOption,
+    SeedOption,
+    _numbers,
+    app,
+    clear_errors,
+    command_line,
+    compile_command,
+)
+from kvcompile.recipe import artifact_folder, claim_output, default_artifact
+from kvruntime import KVRuntimeError
+from kvruntime.registry import COMPARED_NAMES
+
+MethodsOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress "
+        f"(all presses; needs the bench extra). Default: full, {', '.join(COMPARED_NAMES)}, and kvpress if installed."
+    ),
+]
+TasksOption = Annotated[
+    str,
+    typer.Option(
+        help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated); "
+        "task:N gives a task N prompts per length instead of --samples (common_words:2)."
+    ),
+]
+LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
+QuestionAwareOption = Annotated[
+    bool,
+    typer.Option(
+        help="Compress with the question in the observation window (default: the context alone, then the question)."
+    ),
+]
+ArtifactsOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder of the compiled artifacts, or a bundle's folder or hub repo id (default artifacts/<model>/)."
+    ),
+]
+
+
+def _samples_text(settings: object) -> str:
+    """'4 per task and length' (with the tasks given their own count: '4 per task and length, common_words 2')."""
+    own = ", ".join(f"{task} {count}" for task, count in settings.task_samples.items())
+    return f"{settings.samples} per task and length" + (f", {own}" if own else "")
+
+
+def _suite_settings(
+    ratios: tuple[float, ...],
+    tasks: str,
+    lengths: str,
+    samples: int,
+    seed: int,
+    question_aware: bool,
+    new_tokens: int,
+    prompt_format: str,
+) -> object:
+    """The suite settings of eval and tune, from their options."""
+    from kvcompile.evaluation.settings import SuiteSettings
+    from kvcompile.tasks.grid import parse_lengths, parse_tasks
+
+    task_names, task_samples = parse_tasks(tasks)
+    return SuiteSettings(
+        ratios=ratios,
+        tasks=task_names,
+        task_samples=task_samples,
+        lengths=tuple(parse_lengths(lengths)),
+        samples=samples,
+        seed=seed,
+        question_aware=question_aware,
+        new_tokens=new_tokens,
+        prompt_format=prompt_format,
+    )
+
+
+def _report_header(model: str, command: str, machine: str, records: list[dict], settings: object) -> str:
+    """The head of the eval's results.md: what ran, where, on which prompts, and how they were answered."""
+    import datetime
+
+    asked = (
+        "question-aware"
+        if settings.question_aware
+        else "question-agnostic (the context is compressed before the question is seen)"
+    )
+    lines = [
+        f"# kvcompile eval: {model}",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {machine}  ",
+        f"Finished: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
+        f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
+        f"{', '.join(map(str, settings.lengths))}; {_samples_text(settings)}; seed {settings.seed}), {asked}, "
+        f"greedy, {settings.new_tokens} new tokens.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@app.command(name="eval")
+def eval_(
+    ctx: typer.Context,
+    model: ModelOption = "default",
+    methods: MethodsOption = None,
+    ratios: Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")] = "0.5,0.75,0.9",
+    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
+    lengths: LengthsOption = "2k",
+    samples: Annotated[
+        int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")
+    ] = 3,
+    seed: SeedOption = 0,
+    question_aware: QuestionAwareOption = False,
+    prompt_format: PromptFormatOption = "auto",
+    new_tokens: Annotated[
+        int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")
+    ] = 48,
+    artifacts: ArtifactsOption = None,
+    out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path(
+        "eval_results"
+    ),
+    resume: Annotated[
+        bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
+    ] = False,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            help="Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not "
+            "measured per prompt). The full cache and kvpress's presses answer one by one."
+        ),
+    ] = 1,
+    shared_prefill: Annotated[
+        bool,
+        typer.Option(
+            "--shared-prefill/--own-prefills",
+            help="Prefill each context once with the full cache and cut every method's cache from that forward (the "
+            "same records, several times faster: each method's prefill time is the shared forward plus its own "
+            "scoring and cut, and peak memory is not measured); streamed prompts and presses with passes of their "
+            "own still prefill alone. --own-prefills gives every method its own prefill, timed and measured.",
+        ),
+    ] = True,
+    device: DeviceOption = "cpu",
+) -> None:
+    """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
+    with clear_errors() as resources:
+        from kvcompile.evaluation.contestants import artifact_paths, check_contestants, default_methods, parse_methods
+        from kvcompile.evaluation.store import RunStore
+        from kvruntime.model_spec import check_model_spec, position_limit
+
+        check_model_spec(model)
+        recipe.check_device_name(device)
+        settings = _suite_settings(
+            _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
+        )
+        settings.check()
+        settings.check_positions(position_limit(model))
+        if batch_size < 1:
+            raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
+        ctx.params["methods"] = methods = methods or default_methods()
+        contestants = parse_methods(methods)
+        paths = artifact_paths(contestants, artifacts or artifact_folder(model))
+        check_contestants(contestants, paths, settings.ratios)
+        record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
+        if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
+            del record["task_samples"]
+        claim_output(resources, out, folder=True)
+        store = RunStore(out, record, resume, extendable=("methods",))
+
+        from kvcompile.evaluation.measure import machine
+        from kvcompile.evaluation.report import write_report
+        from kvcompile.evaluation.suite_run import evaluate
+
+        loaded, tokenizer = recipe.load_model(model, device=recipe.resolve_device(device))
+        settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
+        records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size, shared_prefill)
+        header = _report_header(model, command_line(ctx), machine(), records, settings)
+        subject = contestants[1].label if len(contestants) > 1 else None  # the first method after the full cache
+        written, summary = write_report(records, out, header, subject)
+        for path in written:
+            typer.echo(f"wrote {path}")
+        typer.echo(summary)
+
+
+@compile_command("tuned_defaults")
+def tune(
+    model: str,
+    out: Path | None,
+    tolerance: Annotated[
+        float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")
+    ] = 0.02,
+    methods: Annotated[
+        str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")
+    ] = ",".join(COMPARED_NAMES),
+    ratios: Annotated[
+        str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")
+    ] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",
+    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
+    lengths: LengthsOption = "2k",
+    samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the validation prompts (kvcompile eval uses 0 by default).")] = 1,
+    question_aware: QuestionAwareOption = False,
+    prompt_format: PromptFormatOption = "auto",
+    artifacts: ArtifactsOption = None,
+) -> tuple:
+    """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
+    full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
+    from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
+    from kvcompile.recipes.tuned_defaults.settings import TuneSettings
+
+    suite = _suite_settings(
+        tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
+    )
+    target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
+    records = target.with_name(target.stem + ".runs")
+    return TuneRecipe(methods, artifacts or target.parent, records, model), TuneSettings(suite, tolerance)

@@ -1,0 +1,455 @@
+"""The command line's application (`app`, `main`), its shared options and checks, `generate`, and the compile
+commands (options into settings, then the recipe: `kvcompile/recipe.py`). `kvcompile.cli` adds the other commands.
+
+Nothing heavy is imported before the options are checked: bad input is refused in one line before torch loads."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import shlex
+import signal
+import sys
+import typing
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvcompile import recipe
+from kvcompile.recipe import compile_artifact, default_artifact
+from kvruntime import KVRuntimeError
+from kvruntime.registry import methods_help
+
+app = typer.Typer(
+    help="Compile KV-cache compression artifacts for a model, and run compressed generation. "
+    f"Runtime methods: {methods_help()}.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ModelOption = Annotated[
+    str, typer.Option(help="'default' (SmolLM2-135M-Instruct), a local model directory, or a cached hub id.")
+]
+PromptFormatOption = Annotated[
+    str,
+    typer.Option(
+        help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
+    ),
+]
+
+
+@contextlib.contextmanager
+def clear_errors() -> Iterator[contextlib.ExitStack]:
+    """Bad input ends the command with one line naming the problem and a non-zero exit, no traceback; an
+    interrupted one with "aborted" (130). Yields the command's resources (output locks), released when it ends."""
+    try:
+        with contextlib.ExitStack() as resources:
+            yield resources
+    except KVRuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as exc:  # a file that vanished or could not be read or written mid-run
+        where = f" ({exc.filename})" if exc.filename else ""
+        typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`main`): the resources above are released by now
+        typer.echo("aborted", err=True)
+        raise typer.Exit(130) from None
+
+
+try:  # the click typer runs on: its own copy in newer typers, the click package in older ones
+    from typer._click import exceptions as _CLICK
+except ImportError:
+    from click import exceptions as _CLICK
+_NO_ARGS_IS_HELP = getattr(_CLICK, "NoArgsIsHelpError", ())  # click >= 8.2; older ones print the help themselves
+
+
+def _terminated(signum: int, frame: object) -> None:
+    # A run ended by `kill` or `timeout` unwinds as Ctrl-C does: its locks and staging files are released.
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    """The `kvcompile` command: a usage error (an option of the wrong type, a missing option, an unknown command)
+    is one line and exit code 2, like every other refusal; Ctrl-C and SIGTERM end it with "aborted" (130)."""
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        code = app(standalone_mode=False)
+    except _NO_ARGS_IS_HELP as exc:
+        typer.echo(exc.ctx.get_help())
+        code = 0
+    except _CLICK.UsageError as exc:
+        typer.echo(f"error: {exc.format_message()}", err=True)
+        code = 2
+    except (typer.Abort, KeyboardInterrupt):
+        typer.echo("aborted", err=True)
+        code = 130
+    sys.exit(code or 0)
+
+
+def _numbers(text: str, convert: type) -> tuple:
+    try:
+        return tuple(convert(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
+
+
+@app.command()
+def generate(
+    prompt_file: Annotated[
+        list[Path],
+        typer.Option(
+            help="Text file holding the prompt (the context in question mode). Repeat it for several prompts, or "
+            'give a .jsonl file of prompts (a JSON string or {"prompt": ...} per line).'
+        ),
+    ],
+    method: Annotated[
+        str | None,
+        typer.Option(
+            help=f"{methods_help()}. Default: the method and ratio of "
+            "artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if there is one, else kvcompress."
+        ),
+    ] = None,
+    ratio: Annotated[
+        float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")
+    ] = None,
+    budget: Annotated[int | None, typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
+    question: Annotated[
+        list[str] | None,
+        typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
+    ] = None,
+    memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
+    artifact: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked "
+            "against the model."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
+    nearest_budget: Annotated[
+        bool,
+        typer.Option(
+            help="compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does)."
+        ),
+    ] = False,
+    option: Annotated[
+        list[str] | None,
+        typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
+    ] = None,
+    model: ModelOption = "default",
+    prompt_format: PromptFormatOption = "auto",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
+    prefill_chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache "
+            "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
+        ),
+    ] = None,
+    batch_size: Annotated[
+        int,
+        typer.Option(
+            help="Prompts generated together (left-padded): each row is compressed as it would be alone, and the "
+            "batch decodes at once."
+        ),
+    ] = 1,
+) -> None:
+    """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
+    several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
+    template (`--prompt-format auto`, for instruct models) or raw text."""
+    with clear_errors():
+        from kvcompile.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
+        from kvruntime.request import parse_option_pairs
+
+        prompts = read_prompts(prompt_file)
+        positions = check_generation_inputs(
+            prompts, model, prompt_format, max_new_tokens, batch_size, question, prefill_chunk_size
+        )
+        options = parse_option_pairs(option or [])
+        asked = compression_asked(
+            model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size, positions
+        )
+        generate_compressed(
+            asked, prompts, question, model, prompt_format, max_new_tokens, batch_size, force, typer.echo
+        )
+
+
+CorpusOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), "
+        "'mixed' (austen-repeats with shipped code, documentation and math text), "
+        "a .txt/.txt.gz file or folder, a jsonl/parquet."
+    ),
+]
+ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
+ShardOption = Annotated[
+    str | None,
+    typer.Option(
+        help="i/n: do share i of n, counted from 0 (0/2 and 1/2), as a separate job and write partial statistics "
+        "for `kvcompile merge` (under torchrun every rank takes its share without this)."
+    ),
+]
+CheckpointOption = Annotated[
+    int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")
+]
+SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
+PromptsOption = Annotated[int, typer.Option(help="Calibration prompts.")]
+DeviceOption = Annotated[
+    str,
+    typer.Option(help="Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."),
+]
+DtypeOption = Annotated[str, typer.Option(help="The model's dtype: float32, bfloat16 or float16.")]
+PromptTokensOption = Annotated[int, typer.Option(help="Tokens per calibration prompt.")]
+
+
+def _artifact_out(kind: str) -> object:
+    """The --out option of a command that writes a `kind` artifact."""
+    return Annotated[Path | None, typer.Option(help=f"Output artifact (default artifacts/<model>/{kind}.safetensors).")]
+
+
+# The commands that write an artifact (what `reproduce` may run), each with its parameters that read a file or folder.
+COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
+
+
+def _reads_path(hint: object) -> bool:
+    """Whether an option annotated `hint` (`Annotated[Path | None, ...]`) takes a path."""
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    return base is Path or Path in typing.get_args(base)
+
+
+def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 4) -> Callable:
+    """Register a compile command. The decorated function takes the command's own options (and `model` or `out`
+    if it needs them) and returns (recipe, settings); the options every compile command shares (--model, --out,
+    --resume, --device, --dtype, and for recipes that split their work --shard and --checkpoint-every) are declared
+    here once, and the command runs `compile_artifact` with them, refusing bad input in one line."""
+    shared = {
+        "model": (ModelOption, "default"),
+        "out": (_artifact_out(kind), None),
+        "resume": (ResumeOption, False),
+        **(
+            {"shard": (ShardOption, None), "checkpoint_every": (CheckpointOption, checkpoint_every)}
+            if shardable
+            else {}
+        ),
+        "device": (DeviceOption, "cpu"),
+        "dtype": (DtypeOption, "float32"),
+    }
+
+    def register(build: Callable) -> Callable:
+        hints = typing.get_type_hints(build, include_extras=True)
+        wanted = inspect.signature(build).parameters
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        own = [inspect.Parameter(n, keyword, default=p.default, annotation=hints[n]) for n, p in wanted.items()]
+        own = [p for p in own if p.name not in shared]
+
+        def command(ctx: typer.Context, **params: object) -> None:
+            job = {name: params.pop(name) for name in shared}
+            with clear_errors() as resources:
+                recipe_, settings = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
+                rerun = command_line(ctx, leave_out=recipe.OUTPUT_OPTIONS)
+                compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, command=rerun, **job)
+
+        context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+        command.__signature__ = inspect.Signature(
+            [context, *own] + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
+        )
+        command.__name__, command.__doc__ = build.__name__, build.__doc__
+        app.command()(command)
+        COMPILE_COMMANDS[build.__name__] = frozenset(p.name for p in own if _reads_path(p.annotation))
+        return build
+
+    return register
+
+
+@compile_command("srh_heads", shardable=True, checkpoint_every=8)
+def heads(
+    corpus: CorpusOption = None,
+    lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
+    depths: Annotated[
+        str, typer.Option(help="Needle depths (0 = start, 1 = end).")
+    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
+    prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
+    seed: SeedOption = 0,
+) -> tuple:
+    """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
+    from kvcompile.recipes.compresskv.recipe import HeadsRecipe
+    from kvcompile.recipes.compresskv.settings import HeadsSettings
+
+    if prompt_format not in ("chat", "raw"):
+        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
+    return HeadsRecipe(corpus), HeadsSettings(
+        _numbers(lengths, int), _numbers(depths, float), seed, prompt_format == "chat"
+    )
+
+
+@compile_command("layer_budgets", shardable=True)
+def budgets(
+    model: str,
+    heads_artifact: Annotated[
+        Path | None,
+        typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors)."),
+    ] = None,
+    corpus: CorpusOption = None,
+    prompts: PromptsOption = 24,
+    prompt_tokens: PromptTokensOption = 1024,
+    new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
+    seed: SeedOption = 0,
+) -> tuple:
+    """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
+    from kvcompile.recipes.compresskv.recipe import BudgetsRecipe
+    from kvcompile.recipes.compresskv.settings import BudgetsSettings
+
+    heads = heads_artifact or default_artifact(model, "srh_heads")
+    return BudgetsRecipe(corpus, heads), BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
+
+
+@compile_command("compilerkv_tables")
+def tables(
+    budgets: Annotated[
+        str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")
+    ] = "256,512",
+    corpus: CorpusOption = None,
+    rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
+    candidates: Annotated[
+        int,
+        typer.Option(
+            help="Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
+        ),
+    ] = 64,
+    context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
+    continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
+    seed: SeedOption = 0,
+    elastic: Annotated[
+        bool,
+        typer.Option(
+            help="Learn for the paper's elastic gate (a layer keeps only tokens above its threshold) instead of the "
+            "ratio-honest runtime default (the layers share the budget)."
+        ),
+    ] = False,
+    utility: Annotated[
+        str,
+        typer.Option(
+            help="The stabilized utility the weights act on: global (the spec's: one attention mass for every head) "
+            "or head (each query head's own window attention averaged with it, so every head's weight matters; "
+            "the default: more signal per probe and a lower loss, benchmarks/compilerkv/compilerkv_reward_noise.md)."
+        ),
+    ] = "head",
+    design: Annotated[
+        str,
+        typer.Option(
+            help="The experience design: sampled (a few states per prompt, many actions: the paper's shape) or "
+            "every-state (every head and layer probed on every prompt with weights 1.0/1.5 and thresholds "
+            "0.8/0.9/1.0 from neutral tables: as many records per state as prompts)."
+        ),
+    ] = "sampled",
+    loss: Annotated[
+        str,
+        typer.Option(
+            help="The rollouts' loss: nll (the continuation's NLL, the paper's reward) or kl (its KL divergence "
+            "from the full cache's next-token distributions: the same expectation, about half the noise)."
+        ),
+    ] = "nll",
+    continuation_from: Annotated[
+        str,
+        typer.Option(help="Whose continuation is scored: corpus (the text's own) or greedy (the full-cache model's)."),
+    ] = "corpus",
+    entropy_bins: Annotated[
+        int, typer.Option(help="Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer).")
+    ] = 20,
+    perplexity_bins: Annotated[int, typer.Option(help="Window-perplexity bins of the risk gate.")] = 4,
+    from_experience: Annotated[
+        Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
+    ] = None,
+) -> tuple:
+    """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
+    from kvcompile.recipes.compilerkv.recipe import TablesRecipe
+    from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
+
+    if design not in DESIGNS:
+        raise KVRuntimeError(f"--design {design!r}: choose one of {', '.join(DESIGNS)}")
+    settings = TablesSettings(
+        budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
+        continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility, loss=loss,
+        continuation_from=continuation_from, entropy_bins=entropy_bins, perplexity_bins=perplexity_bins,
+        design=DESIGNS[design],
+    )  # fmt: skip
+    return TablesRecipe(corpus, from_experience), settings
+
+
+@compile_command("kvcompose_stats", shardable=True)
+def stats(
+    corpus: CorpusOption = None,
+    task_set: Annotated[
+        Path | None,
+        typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic)."),
+    ] = None,
+    ratios: Annotated[
+        str,
+        typer.Option(
+            help="Target compression ratios to compile the allocation for (others in between are interpolated)."
+        ),
+    ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
+    prompts: PromptsOption = 24,
+    prompt_tokens: PromptTokensOption = 2048,
+    seed: SeedOption = 0,
+) -> tuple:
+    """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
+    from kvcompile.recipes.kvcompose.recipe import StatsRecipe
+    from kvcompile.recipes.kvcompose.settings import StatsSettings
+
+    settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
+    return StatsRecipe(corpus, task_set), settings
+
+
+@compile_command("distilled_scorer", shardable=True)
+def distill(
+    corpus: CorpusOption = None,
+    oracle: Annotated[
+        str,
+        typer.Option(
+            help="The second pass distilled: reconstruction (the context again), repeat (behind an instruction) "
+            "or kvzip_plus (KVzap's output-weighted attention, behind the instruction)."
+        ),
+    ] = "reconstruction",
+    student: Annotated[
+        str,
+        typer.Option(
+            help="The features the student reads: all (attention input, position, first token, likeness) or hidden "
+            "(KVzap's: the attention input and a bias; exportable to kvpress's KVzapModel)."
+        ),
+    ] = "all",
+    prompts: Annotated[
+        int, typer.Option(help="Calibration prompts (every 4th held out to choose the ridge strength).")
+    ] = 32,
+    prompt_tokens: PromptTokensOption = 2048,
+    seed: SeedOption = 0,
+) -> tuple:
+    """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
+    from kvcompile.calibration.corpus import REPEATING_CORPUS
+    from kvcompile.recipes.distilled.recipe import DistillRecipe
+    from kvcompile.recipes.distilled.settings import DistillSettings
+
+    settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, student=student, seed=seed)
+    return DistillRecipe(corpus or REPEATING_CORPUS), settings
+
+
+def command_line(ctx: typer.Context, leave_out: Collection[str] = ()) -> str:
+    """The command with every setting spelled out (defaults included, the options named in `leave_out` left out):
+    what reruns it, recorded in the reports and artifacts it writes."""
+    parts = ["kvcompile", ctx.info_name]
+    for option in ctx.command.params:
+        value = ctx.params.get(option.name)
+        if option.name in leave_out or value is None:
+            continue
+        if isinstance(value, bool):
+            flags = option.opts if value else option.secondary_opts
+            parts += flags[:1]
+        else:
+            parts += [option.opts[0], str(value)]
+    return shlex.join(parts)

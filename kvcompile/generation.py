@@ -1,0 +1,304 @@
+"""`kvcompile generate`: its inputs checked and its compression request resolved without torch (prompts, method,
+options, artifacts, tuned defaults: one torch-free place), then the prompts encoded and answered by the runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvcompile import recipe
+from kvcompile.recipe import default_artifact
+from kvruntime import KVRuntimeError
+
+
+def read_text(path: Path, what: str = "prompt file") -> str:
+    """A UTF-8 text file's text; `what` names it in the one-line refusals."""
+    if path.is_dir():
+        raise KVRuntimeError(f"{what} {path} is a folder: give a text file")
+    if not path.exists():
+        raise KVRuntimeError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise KVRuntimeError(f"{what} {path} is not a regular file (a device or a pipe): give a text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KVRuntimeError(f"{what} {path} is not UTF-8 text") from None
+    if not text.strip():
+        raise KVRuntimeError(f"{what} {path} is empty")
+    return text
+
+
+def read_prompts(paths: list[Path]) -> list[tuple[str, str]]:
+    """(name, text) of every prompt: a text file is one prompt ("prompt file <path>"); a .jsonl file holds one per
+    line, as a JSON string or an object with a "prompt" string ("prompt <path>:<line>")."""
+    prompts = []
+    for path in paths:
+        text = read_text(path)
+        if path.suffix != ".jsonl":
+            prompts.append((f"prompt file {path}", text))
+            continue
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except (ValueError, RecursionError) as exc:  # a number past Python's digits, nesting past its stack
+                why = "is not JSON" if isinstance(exc, json.JSONDecodeError) else "is JSON past Python's limits"
+                raise KVRuntimeError(f"line {number} of {path} {why}: give one prompt per line") from None
+            prompt = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise KVRuntimeError(
+                    f'line {number} of {path} holds no prompt: write a JSON string or {{"prompt": "..."}}'
+                )
+            check_encodable(f"line {number} of {path}", prompt)
+            prompts.append((f"prompt {path}:{number}", prompt))
+    return prompts
+
+
+def check_encodable(what: str, text: str) -> None:
+    """Refuse text that is not Unicode a tokenizer can take: a lone surrogate (a JSON escape, or bytes of another
+    encoding on the command line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise KVRuntimeError(f"{what} holds a lone surrogate (not Unicode text): give UTF-8 text") from None
+
+
+# Over three times the default model's longest token (81 bytes: a newline and 80 spaces); byte-level BPE merges stay
+# short. A prompt of more bytes than this times the model's positions cannot fit, whatever it says.
+MAX_TOKEN_BYTES = 256
+
+
+def check_prompt_bytes(name: str, text: str, limit: int | None) -> None:
+    """Refuse, before tokenizing it, a prompt too long in bytes to fit in `limit` positions."""
+    size = len(text.encode("utf-8"))
+    if limit is not None and size > MAX_TOKEN_BYTES * limit:
+        raise KVRuntimeError(
+            f"{name} is {size:,} bytes: more than the model's {limit:,} positions can hold (at most "
+            f"{MAX_TOKEN_BYTES} bytes per token)"
+        )
+
+
+def check_generation_inputs(
+    prompts: Sequence[tuple[str, str]],
+    model: str,
+    prompt_format: str,
+    max_new_tokens: int,
+    batch_size: int,
+    question: Sequence[str] | None,
+    prefill_chunk_size: int | None,
+) -> int | None:
+    """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
+    from kvcompile.prompt_format import check_prompt_format
+    from kvruntime.model_spec import check_model_spec, check_positions, position_limit
+
+    if batch_size < 1:
+        raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
+    check_prompt_format(prompt_format)
+    check_model_spec(model)
+    positions = position_limit(model)  # from the model's config, read once
+    if max_new_tokens < 1:
+        raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
+    check_positions(max_new_tokens, positions, f"--max-new-tokens {max_new_tokens}")
+    for name, text in prompts:
+        check_prompt_bytes(name, text, positions)
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
+    if question is not None and not all(text.strip() for text in question):
+        raise KVRuntimeError("--question is empty: give the text of each question")
+    for text in question or []:
+        check_encodable("--question", text)
+    return positions
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionAsked:
+    """What `kvruntime.compress` gets for a `generate` run, checked before torch: the method (None: the tuned
+    default's), the request, the artifact files and the method's options."""
+
+    method: str | None
+    ratio: float | None
+    budget: int | None
+    memory: str
+    paths: list[Path]
+    options: dict[str, object]
+    prefill_chunk_size: int | None
+
+
+def compression_asked(
+    model: str,
+    method: str | None,
+    ratio: float | None,
+    budget: int | None,
+    memory: str,
+    artifacts: Sequence[Path],
+    options: dict[str, object],
+    nearest_budget: bool,
+    prefill_chunk_size: int | None,
+    positions: int | None,
+) -> CompressionAsked:
+    """Resolve and check a generate request without torch: the method's options, its artifacts (given, a bundle's,
+    or the model's default ones), a tuned default when no method is named, and what the method can serve."""
+    from kvruntime import ARTIFACT_KINDS, Request
+    from kvruntime.artifact_header import header_kind, header_params, read_header
+    from kvruntime.bundle import artifact_files, beside
+    from kvruntime.model_spec import check_positions
+    from kvruntime.request import check_method_options, required_artifact_kinds
+    from kvruntime.serving import check_has_artifact, check_serves
+
+    if options and method is None:
+        raise KVRuntimeError("--option needs --method: options belong to a method")
+    if method is not None:
+        options = check_method_options(method, options)
+    if nearest_budget:
+        options["nearest_budget"] = True
+    paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
+    if budget is not None:
+        check_positions(budget, positions, f"--budget {budget} tokens per layer")
+    tuned: list[Path] = []
+    served = None  # (method, its artifacts, its options): what is checked before torch loads
+    if method is None:
+        # A tuned_defaults artifact (given, or the model's default one) gives `compress` its method and ratio.
+        default = default_artifact(model, "tuned_defaults")
+        paths = paths or ([default] if default.exists() else [])
+        tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
+        recommended = header_params(tuned[0]).get("recommended") if tuned else None
+        if isinstance(recommended, dict) and isinstance(recommended.get("method"), str):
+            beside_tuned = beside(tuned[0], recommended.get("artifacts") or [], "its recommendation")
+            # --nearest-budget goes to the tuned method: checked against it here, as `compress` applies it.
+            served = recommended["method"], beside_tuned, {**(recommended.get("options") or {}), **options}
+    if not tuned and ratio is None and budget is None:
+        ratio = 0.5
+    if method is not None:
+        kinds = required_artifact_kinds(method, options)
+        if paths:  # the artifacts given must hold what the method needs, as `compress` requires
+            given = {read_header(path).get("kind") for path in paths}
+            for kind in kinds:
+                check_has_artifact(method, kind, given)
+        else:
+            paths = [default_artifact(model, kind) for kind in kinds]
+            for kind, path in zip(kinds, paths):
+                if not path.exists():
+                    command = ARTIFACT_KINDS[kind].command
+                    raise KVRuntimeError(
+                        f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
+                    )
+        served = method, paths, options
+    request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
+    if served is not None:
+        # A request the method cannot serve is refused here, before torch loads.
+        check_serves(*served, [request] if request else [], prefill_chunk_size, memory)
+    if method is not None:
+        from kvruntime.methods import check_method_serves
+
+        # The artifacts' tensors are checked too before the model loads.
+        check_method_serves(method, paths, options, [request], prefill_chunk_size)
+    return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size)
+
+
+Encoded = tuple[str, Any, list[Any]]  # a prompt's name, its ids, and in question mode each question's ids after it
+
+
+def encoded_prompts(
+    tokenizer: Any,
+    prompts: Sequence[tuple[str, str]],
+    question: Sequence[str] | None,
+    chat: bool,
+    max_new_tokens: int,
+    limit: int | None,
+) -> list[Encoded]:
+    """Every prompt's ids, checked before the first is answered: a batch is refused whole or answered whole. Chat:
+    a prompt is the user's turn, stripped as a chat front end sends it; raw: the text as it is. Question mode: the
+    context inside the user's turn, then per question its ids after that context."""
+    from kvcompile.prompt_format import chat_frame
+    from kvruntime.model_spec import check_positions
+
+    turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
+
+    def encode(text: str, special: bool = False) -> Any:
+        return tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids
+
+    encoded = []
+    for name, text in prompts:
+        context = text.strip() if chat else text
+        if encode(context).shape[1] < 2:
+            raise KVRuntimeError(f"{name} holds fewer than 2 tokens: nothing to compress")
+        if question:
+            row = encode(turn_start + context, special=not chat)[0]
+            separator = "\n\n" if chat else ("" if context[-1].isspace() else "\n")
+            asked = [encode(separator + q.strip() + turn_end)[0] for q in question]
+        else:
+            row, asked = encode(turn_start + context + turn_end, special=not chat)[0], []
+        tokens = len(row) + max((len(ids) for ids in asked), default=0)
+        check_positions(tokens + max_new_tokens, limit, f"{name} ({tokens} tokens) and {max_new_tokens} new tokens")
+        encoded.append((name, row, asked))
+    return encoded
+
+
+def generate_compressed(
+    asked: CompressionAsked,
+    prompts: Sequence[tuple[str, str]],
+    question: Sequence[str] | None,
+    model: str,
+    prompt_format: str,
+    max_new_tokens: int,
+    batch_size: int,
+    force: bool,
+    echo: Callable[[str], None],
+) -> None:
+    """Load the model, encode the prompts, and answer them in batches of `batch_size` under `kvruntime.compress`,
+    each batch followed by its compression report."""
+    import sys
+
+    import kvruntime
+    from kvcompile.prompt_format import uses_chat
+    from kvruntime.batch_rows import left_pad
+
+    loaded, tokenizer = recipe.load_model(model)
+    tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
+    limit = getattr(loaded.config, "max_position_embeddings", None)
+    encoded = encoded_prompts(tokenizer, prompts, question, uses_chat(tokenizer, prompt_format), max_new_tokens, limit)
+    # A batch's padding token: the tokenizer's own, else its end of text (most causal LMs have no pad token).
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+
+    def show(name: str, text: str) -> None:
+        if len(encoded) > 1:
+            echo(f"== {name}")
+        echo(text)
+
+    def decoded(ids: Any) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    with kvruntime.compress(
+        loaded,
+        asked.method,
+        ratio=asked.ratio,
+        budget=asked.budget,
+        memory=asked.memory,
+        artifacts=asked.paths,
+        force=force,
+        options=asked.options,
+        prefill_chunk_size=asked.prefill_chunk_size,
+    ) as session:
+        for first in range(0, len(encoded), batch_size):
+            batch = encoded[first : first + batch_size]
+            ids, mask = left_pad([row for _, row, _ in batch], pad)
+            if question:
+                compressed = session.prefill(ids, attention_mask=mask)
+                answers: list[list[str]] = [[] for _ in batch]
+                for number, text in enumerate(question):
+                    question_ids, question_mask = left_pad([questions[number] for _, _, questions in batch], pad)
+                    output = compressed.generate(question_ids, attention_mask=question_mask, **greedy)
+                    for lines, answer in zip(answers, output[:, question_ids.shape[1] :]):
+                        lines.append(f"Q: {text.strip()}\nA: {decoded(answer)}")
+                for (name, _, _), lines in zip(batch, answers):
+                    show(name, "\n".join(lines))
+            else:
+                output = loaded.generate(input_ids=ids, attention_mask=mask, **greedy)
+                for (name, _, _), answer in zip(batch, output[:, ids.shape[1] :]):
+                    show(name, decoded(answer))
+            echo(str(session.batch_report if len(batch) > 1 else session.report))
