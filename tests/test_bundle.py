@@ -398,8 +398,8 @@ def test_reproduce_only_reruns_the_kinds_asked_and_says_which_carry_no_full_comm
     heads = tmp_path / "sources" / "srh_heads.safetensors"
     fingerprint = read_artifact(stats).model
     shutil.copytree(stats.parent, heads.parent)
-    old = kvruntime.Artifact("srh_heads", {"srh_score": torch.rand(fingerprint.num_layers, fingerprint.num_query_heads)},
-                             fingerprint, {"command": "kvcompile heads"}, {})  # fmt: skip
+    scores = {"srh_score": torch.rand(fingerprint.num_layers, fingerprint.num_query_heads)}
+    old = kvruntime.Artifact("srh_heads", scores, fingerprint, {"libraries": {"torch": "2.13.0"}}, {})  # no command
     save_artifact(old, heads)
     invoke(["bundle", str(heads.parent), "--out", str(tmp_path / "two")])
     only_heads = invoke(["reproduce", str(tmp_path / "two"), "--only", "srh_heads", "--yes"])
