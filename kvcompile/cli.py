@@ -15,9 +15,9 @@ from kvcompile.commands import app, main
 for _module in ("kvcompile.cli_evaluation", "kvcompile.cli_artifacts"):
     importlib.import_module(_module)
 
-from kvcompile.cli_artifacts import can_ask, compile_commands  # noqa: E402
+from kvcompile.cli_artifacts import compile_commands  # noqa: E402
 
-__all__ = ["app", "can_ask", "compile_commands", "main"]
+__all__ = ["app", "compile_commands", "main"]
 
 if __name__ == "__main__":
     main()

@@ -15,9 +15,9 @@ from kvcompile.commands import (
     ModelOption,
     PromptFormatOption,
     SeedOption,
-    _numbers,
     app,
     clear_errors,
+    comma_separated,
     command_line,
     compile_command,
 )
@@ -163,7 +163,7 @@ def eval_(
         check_model_spec(model)
         recipe.check_device_name(device)
         settings = _suite_settings(
-            _numbers(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
+            comma_separated(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
         )
         settings.check()
         settings.check_positions(position_limit(model))
@@ -221,7 +221,7 @@ def tune(
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 
     suite = _suite_settings(
-        tuple(sorted(_numbers(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
+        tuple(sorted(comma_separated(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
     )
     target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
     records = target.with_name(target.stem + ".runs")

@@ -90,7 +90,8 @@ def main() -> None:
     sys.exit(code or 0)
 
 
-def _numbers(text: str, convert: type) -> tuple:
+def comma_separated(text: str, convert: type) -> tuple:
+    """The values of a comma-separated option, each as `convert` reads it (refused in one line otherwise)."""
     try:
         return tuple(convert(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -283,7 +284,7 @@ def heads(
     if prompt_format not in ("chat", "raw"):
         raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
     return HeadsRecipe(corpus), HeadsSettings(
-        _numbers(lengths, int), _numbers(depths, float), seed, prompt_format == "chat"
+        comma_separated(lengths, int), comma_separated(depths, float), seed, prompt_format == "chat"
     )
 
 
@@ -374,7 +375,7 @@ def tables(
     if design not in DESIGNS:
         raise KVRuntimeError(f"--design {design!r}: choose one of {', '.join(DESIGNS)}")
     settings = TablesSettings(
-        budgets=_numbers(budgets, int), prompts=prompts, candidates=candidates, context=context,
+        budgets=comma_separated(budgets, int), prompts=prompts, candidates=candidates, context=context,
         continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility, loss=loss,
         continuation_from=continuation_from, entropy_bins=entropy_bins, perplexity_bins=perplexity_bins,
         design=DESIGNS[design],
@@ -403,7 +404,9 @@ def stats(
     from kvcompile.recipes.kvcompose.recipe import StatsRecipe
     from kvcompile.recipes.kvcompose.settings import StatsSettings
 
-    settings = StatsSettings(ratios=_numbers(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed)
+    settings = StatsSettings(
+        ratios=comma_separated(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed
+    )
     return StatsRecipe(corpus, task_set), settings
 
 

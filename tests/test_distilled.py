@@ -320,6 +320,19 @@ def test_malformed_compiled_layer_shares_are_refused_when_the_scorer_is_read(tmp
         kvruntime.get_method("distilled", [kvruntime.read_artifact(path)])
 
 
+@pytest.mark.parametrize(
+    "floor, message",
+    [("abc", "share_floor 'abc' is not a number"), (True, "share_floor True is not a number"),
+     (1.0, "share_floor 1.0 is not in"), (float("nan"), "share_floor nan is not in")],
+)  # fmt: skip
+def test_a_recorded_share_floor_that_is_no_floor_is_refused_when_the_scorer_is_read(tmp_path, floor, message):
+    artifact = scorer_that_prefers(tiny_model("llama"), 0)
+    artifact.params["share_floor"] = floor
+    path = save_artifact(artifact, tmp_path / "distilled_scorer.safetensors")
+    with pytest.raises(kvruntime.ArtifactError, match=message):
+        kvruntime.get_method("distilled", [kvruntime.read_artifact(path)])
+
+
 def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tmp_path):
     path = save_artifact(scorer_that_prefers(tiny, 0), tmp_path / "s.safetensors")
     with kvruntime.compress(tiny, "distilled", ratio=0.75, artifacts=[path], options={"window": 8}) as session:

@@ -20,7 +20,7 @@ import pytest
 
 import kvruntime
 from kvcompile.evaluation.contestants import default_methods
-from kvruntime.registry import COMPARED_NAMES, METHOD_NAMES, METHODS, methods_table
+from kvruntime.registry import COMPARED_NAMES, METHOD_NAMES, METHODS, method_spec, methods_table
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS_FOLDER = ROOT / "runtime" / "kvruntime" / "methods"
@@ -72,7 +72,7 @@ def test_no_code_outside_a_methods_folders_branches_on_its_name():
         if relative in NAMES_ALLOWED_IN or "/build/" in relative:
             continue
         for name in method_names_in(path):
-            base = METHODS.get(name.split("+")[0]) or METHODS[kvruntime.registry.ALIASES[name].split("+")[0]]
+            base = method_spec(name)[0]  # an alias or a +budgets name: the method it is
             folders = (base.name, *base.aliases)  # srh's recipes are CompressKV's (compresskv: srh+budgets)
             homes = tuple(
                 f"{root}/{f}/" for f in folders for root in ("runtime/kvruntime/methods", "kvcompile/recipes")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...artifact import ArtifactReader
-from ...errors import ArtifactError
+from ...errors import ArtifactError, short_repr
 from ...serving import compiled_ratios
 
 
@@ -54,5 +54,12 @@ class DistilledScorer(ArtifactReader):
             task_prefix=tuple(int(i) for i in params.get("task_prefix", ())),
             share_ratios=compiled_ratios(tensors["share_ratios"].tolist()) if "share_ratios" in tensors else (),
             layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
-            share_floor=float(params.get("share_floor", 0.25)),
+            share_floor=_share_floor(params.get("share_floor", 0.25)),
         )
+
+
+def _share_floor(value: object) -> float:
+    """The recorded floor as a number: a file handed to us may hold anything there."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArtifactError(f"distilled scorer: share_floor {short_repr(value)} is not a number")
+    return float(value)
