@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile import __version__
+from kvcompile.evaluation.published import PICTURE, results_lines
 from kvcompile.recipe import OUTPUT_OPTIONS, PARTIAL_KIND, picture_path, read_run_record, run_record_path
 from kvruntime import KVRuntimeError
 from kvruntime.artifact_header import ARTIFACT_SUFFIX, read_header
@@ -80,10 +81,16 @@ def _is_artifact(path: Path) -> bool:
 
 
 def write_bundle(
-    files: Sequence[Path], out: Path, base_model: str | None = None, results: str | None = None
+    files: Sequence[Path],
+    out: Path,
+    base_model: str | None = None,
+    results: str | None = None,
+    measured: tuple[dict[str, Any], Path] | None = None,
 ) -> dict[str, Any]:
     """Check the artifacts (readable, of one model), then write the bundle folder `out` in a staging folder and
-    move it into place whole. Returns the manifest."""
+    move it into place whole. `results`: a markdown text for the card; `measured`: an eval run's results
+    (`evaluation.published.eval_results`) and its folder, carried in the manifest and the card with its plot.
+    Returns the manifest."""
     from kvruntime import read_artifact
     from kvruntime.artifact import check_tensors
     from kvruntime.files import replace_folder
@@ -120,6 +127,7 @@ def write_bundle(
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "bundled_by": f"kvcompile {__version__}",
         "artifacts": entries,
+        **({"results": measured[0]} if measured else {}),
     }
     card = model_card(manifest, artifacts, results)
 
@@ -133,6 +141,8 @@ def write_bundle(
                 (folder / run_record_path(source).name).write_text(text, encoding="utf-8")
             if file_sha256(folder / source.name) != entry["sha256"]:  # replaced by a compile since it was checked
                 raise KVRuntimeError(f"{source} changed while it was being bundled: run kvcompile bundle again")
+        if measured and "picture" in measured[0]:
+            shutil.copyfile(measured[1] / PICTURE, folder / measured[0]["picture"])
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (folder / CARD_NAME).write_text(card, encoding="utf-8")
         written = {path.name: file_sha256(path) for path in sorted(folder.iterdir())}
@@ -221,9 +231,11 @@ def model_card(manifest: dict[str, Any], artifacts: Sequence[Any], results: str 
     tuned = [a for a in artifacts if a.kind == "tuned_defaults"]
     if tuned:
         lines += tuned_validation_table(tuned[0])
+    if "results" in manifest:
+        lines += results_lines(manifest["results"])
     if results:
         lines += [results.strip(), ""]
-    if not tuned and not results:
+    if not tuned and not results and "results" not in manifest:
         lines += ["None carried: this bundle holds no tuned_defaults artifact and was given no results.", ""]
     return "\n".join(front + lines)
 
@@ -455,6 +467,8 @@ def describe_bundle(bundle: Bundle) -> list[str]:
             f"sha256 {entry['sha256'][:12]}"
         )
         lines.append(f"    made by: {provenance.get('command', '-')}")
+    if "results" in bundle.manifest:
+        lines += ["measured results:", *(f"  {line}" for line in results_lines(bundle.manifest["results"]) if line)]
     return [printable(line) for line in lines]
 
 

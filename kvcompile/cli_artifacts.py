@@ -106,7 +106,11 @@ def bundle(
         typer.Option(help="The model's hub id for the card (default: from the artifacts' --model, if a hub id)."),
     ] = None,
     results: Annotated[
-        Path | None, typer.Option(help="A markdown file of measured results to put in the model card.")
+        Path | None,
+        typer.Option(
+            help="A kvcompile eval --out folder (its measured table, source, command and plot go into the manifest "
+            "and the model card), or a markdown file of results for the card."
+        ),
     ] = None,
 ) -> None:
     """Write a bundle: the artifacts of one model, a manifest (sha256, command, calibration data, library versions
@@ -118,8 +122,14 @@ def bundle(
         files = bundle_sources(sources)
         check_bundle_output(out, sources)
         claim_output(resources, out, folder=True)
-        text = read_text(results, "--results") if results is not None else None
-        manifest = write_bundle(files, out, base_model, text)
+        text, measured = None, None
+        if results is not None and results.is_dir():
+            from kvcompile.evaluation.published import eval_results
+
+            measured = (eval_results(results), results)
+        elif results is not None:
+            text = read_text(results, "--results")
+        manifest = write_bundle(files, out, base_model, text, measured)
         kinds = ", ".join(entry["kind"] for entry in manifest["artifacts"])
         typer.echo(f"wrote {out}: {kinds}, manifest.json, README.md")
 

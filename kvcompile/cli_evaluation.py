@@ -3,7 +3,6 @@ on the command line's `app` when `kvcompile.cli` loads this module)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -46,6 +45,20 @@ QuestionAwareOption = Annotated[
         help="Compress with the question in the observation window (default: the context alone, then the question)."
     ),
 ]
+SuiteOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Your own prompts instead of the built-in tasks: a JSON Lines file (context, question, answers, optional "
+        "answer_prefix and id on each line) or a folder saved by datasets (or of .jsonl/.json/.parquet files)."
+    ),
+]
+ScoringOption = Annotated[
+    str,
+    typer.Option(
+        help="How --suite's answers are scored: substring (one of the answers appears, RULER), all (every answer "
+        "appears), exact (SQuAD's exact match) or f1 (token F1, SQuAD/LongBench)."
+    ),
+]
 ArtifactsOption = Annotated[
     Path | None,
     typer.Option(
@@ -69,12 +82,20 @@ def _suite_settings(
     question_aware: bool,
     new_tokens: int,
     prompt_format: str,
+    suite: Path | None = None,
+    scoring: str = "substring",
 ) -> object:
-    """The suite settings of eval and tune, from their options."""
+    """The suite settings of eval and tune, from their options: the built-in tasks, or a user's `suite` file scored
+    by `scoring`."""
     from kvcompile.evaluation.settings import SuiteSettings
     from kvcompile.tasks.grid import parse_lengths, parse_tasks
+    from kvcompile.tasks.own_suite import suite_digest
 
     task_names, task_samples = parse_tasks(tasks)
+    own = {}
+    if suite is not None:  # SuiteSettings.check refuses a missing suite in one line
+        digest = suite_digest(suite) if suite.exists() else None
+        own = dict(suite=str(suite), suite_sha256=digest, scoring=scoring)
     return SuiteSettings(
         ratios=ratios,
         tasks=task_names,
@@ -85,6 +106,21 @@ def _suite_settings(
         question_aware=question_aware,
         new_tokens=new_tokens,
         prompt_format=prompt_format,
+        **own,
+    )
+
+
+def _prompts_text(settings: object, records: list[dict]) -> str:
+    """'36 prompts (tasks ...; lengths ...; 2 per task and length; seed 10)', or a user's suite's name and scoring."""
+    count = len({r["prompt"] for r in records})
+    if settings.suite is not None:
+        return (
+            f"{count} prompts of the suite {settings.suite_name} (sha256 {settings.suite_sha256[:12]}), scored by "
+            f"{settings.scoring}"
+        )
+    return (
+        f"{count} prompts (tasks {', '.join(settings.tasks)}; lengths {', '.join(map(str, settings.lengths))}; "
+        f"{_samples_text(settings)}; seed {settings.seed})"
     )
 
 
@@ -103,12 +139,23 @@ def _report_header(model: str, command: str, machine: str, records: list[dict], 
         f"Command: `{command}`  ",
         f"Machine: {machine}  ",
         f"Finished: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
-        f"{len({r['prompt'] for r in records})} prompts (tasks {', '.join(settings.tasks)}; lengths "
-        f"{', '.join(map(str, settings.lengths))}; {_samples_text(settings)}; seed {settings.seed}), {asked}, "
-        f"greedy, {settings.new_tokens} new tokens.",
+        f"{_prompts_text(settings, records)}, {asked}, greedy, {settings.new_tokens} new tokens.",
         "",
     ]
     return "\n".join(lines)
+
+
+def check_suite_alone(ctx: typer.Context, suite: Path | None) -> None:
+    """Refuse the built-in suite's options beside --suite (they would be silently ignored), and --scoring without
+    it (the built-in tasks are scored by their own rule)."""
+    # By the source's name: typer carries its own copy of click, whose enum is not click's.
+    given = [name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    if suite is not None:
+        clash = [name for name in ("tasks", "lengths", "samples", "seed") if name in given]
+        if clash:
+            raise KVRuntimeError(f"--{clash[0]} picks the built-in suite's prompts: it does not apply with --suite")
+    elif "scoring" in given:
+        raise KVRuntimeError("--scoring scores a --suite of your own: the built-in tasks are scored by their rule")
 
 
 @app.command(name="eval")
@@ -123,6 +170,8 @@ def eval_(
         int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")
     ] = 3,
     seed: SeedOption = 0,
+    suite: SuiteOption = None,
+    scoring: ScoringOption = "substring",
     question_aware: QuestionAwareOption = False,
     prompt_format: PromptFormatOption = "auto",
     new_tokens: Annotated[
@@ -162,9 +211,11 @@ def eval_(
 
         check_model_spec(model)
         recipe.check_device_name(device)
+        check_suite_alone(ctx, suite)
         settings = _suite_settings(
-            comma_separated(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format
-        )
+            comma_separated(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format,
+            suite, scoring,
+        )  # fmt: skip
         settings.check()
         settings.check_positions(position_limit(model))
         if batch_size < 1:
@@ -173,7 +224,7 @@ def eval_(
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or artifact_folder(model))
         check_contestants(contestants, paths, settings.ratios)
-        record = {"model": model, "methods": [c.label for c in contestants], **dataclasses.asdict(settings)}
+        record = {"model": model, "methods": [c.label for c in contestants], **settings.record()}
         if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
             del record["task_samples"]
         claim_output(resources, out, folder=True)
@@ -211,6 +262,8 @@ def tune(
     lengths: LengthsOption = "2k",
     samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the validation prompts (kvcompile eval uses 0 by default).")] = 1,
+    suite: SuiteOption = None,
+    scoring: ScoringOption = "substring",
     question_aware: QuestionAwareOption = False,
     prompt_format: PromptFormatOption = "auto",
     artifacts: ArtifactsOption = None,
@@ -220,9 +273,10 @@ def tune(
     from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 
-    suite = _suite_settings(
-        tuple(sorted(comma_separated(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format
-    )
+    validation = _suite_settings(
+        tuple(sorted(comma_separated(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format,
+        suite, scoring,
+    )  # fmt: skip
     target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
     records = target.with_name(target.stem + ".runs")
-    return TuneRecipe(methods, artifacts or target.parent, records, model), TuneSettings(suite, tolerance)
+    return TuneRecipe(methods, artifacts or target.parent, records, model), TuneSettings(validation, tolerance)

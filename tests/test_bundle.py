@@ -464,3 +464,91 @@ def test_reproduce_reruns_a_command_that_writes_a_companion_once_and_compares_bo
     assert output.count("--out <scratch>") == 1  # one command shown and run for the two files
     assert "compilerkv_tables.safetensors: reproduced" in output
     assert "compilerkv_tables.experience.safetensors: reproduced" in output
+
+
+# Issue #52: a bundle carries an eval run's measured table.
+SHIPPED = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m-instruct"
+EVAL_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "distilled" / "eval_share_floor"
+
+
+def test_a_bundle_of_the_shipped_scorer_carries_an_eval_runs_table_into_its_manifest_card_and_info(tmp_path):
+    import csv
+
+    out = tmp_path / "bundle"
+    invoke(["bundle", str(SHIPPED / "distilled_scorer.safetensors"), "--out", str(out), "--results", str(EVAL_RUN)])
+    results = json.loads((out / "manifest.json").read_text())["results"]
+    # The table is the run's own summary (its summary.csv, written by the eval), method by method and ratio by ratio.
+    with open(EVAL_RUN / "summary.csv") as handle:
+        summary = {(r["method"], float(r["ratio"])): r for r in csv.DictReader(handle)}
+    table = {(r["method"], r["ratio"]): r for r in results["table"]}
+    assert table.keys() == summary.keys() and len(table) == 1 + 3 * 3
+    for key, row in table.items():
+        for column in ("accuracy", "answer_kl", "answer_logprob", "cache_kept"):
+            assert row[column] == pytest.approx(float(summary[key][column]), abs=1e-3), (key, column)
+    assert results["prompts"] == 36 and results["question_aware"] is False
+    assert (
+        results["source"].startswith("kvcompile's suite: tasks passkey, passkey_prose")
+        and "seed 10" in results["source"]
+    )
+    assert results["command"].startswith("kvcompile eval --model default --methods full,distilled,distilled:floor=0.5")
+    assert (out / results["picture"]).read_bytes() == (EVAL_RUN / "accuracy_vs_ratio.png").read_bytes()
+    card = (out / "README.md").read_text()
+    assert "| distilled:floor=0.5 | 0.75 | " in card and f"Rerun: `{results['command']}`" in card
+    assert f"![accuracy against the bytes removed]({results['picture']})" in card and "None carried" not in card
+    shown = invoke(["info", str(out)])
+    assert "measured results:" in shown and "36 prompts of kvcompile's suite" in shown
+    assert "| distilled | 0.9 | " in shown
+
+
+def _eval_run(tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "run"
+    shutil.copytree(EVAL_RUN, folder)
+    edit(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda f: (f / "run.json").unlink(), "cannot bundle the eval results in"),
+        (lambda f: (f / "runs.jsonl").write_text('{"prompt": 0, "method": "full", "ratio": 0, "correct": "yes"}\n'),
+         "line 1 is not a run record (its correct is missing or not a number)"),
+        (lambda f: (f / "runs.jsonl").write_text((EVAL_RUN / "runs.jsonl").read_text().replace('"answer_kl": 0.0,', '"answer_kl": NaN,', 1)),
+         "a number that is not finite"),
+        (lambda f: (f / "runs.jsonl").write_text("\n".join(line for line in (EVAL_RUN / "runs.jsonl").read_text().splitlines() if '"method": "full"' not in line)),
+         "its records hold no full cache's"),
+    ],
+)  # fmt: skip
+def test_an_eval_folder_that_is_not_a_run_is_refused_in_one_line(tmp_path, edit, message):
+    refused(
+        [
+            "bundle",
+            str(SHIPPED / "srh_heads.safetensors"),
+            "--out",
+            str(tmp_path / "b"),
+            "--results",
+            str(_eval_run(tmp_path, edit)),
+        ],
+        message,
+    )
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda r: r.update(picture="../../etc/passwd"), "its results' picture is not a file name in the bundle"),
+        (lambda r: r["table"][0].update(method="\x1b]0;owned\x07"), "its results' table holds a cell"),
+        (lambda r: r.update(command="kvcompile eval\nrm -rf ~"), "its results' command is not a line of printable"),
+        (lambda r: r.update(prompts=True), "its results need a source and a count of prompts"),
+    ],
+)
+def test_a_manifest_whose_results_are_not_results_is_refused_never_printed(tmp_path, edit, problem):
+    out = tmp_path / "bundle"
+    invoke(["bundle", str(SHIPPED / "srh_heads.safetensors"), "--out", str(out), "--results", str(EVAL_RUN)])
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest["results"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    result = runner.invoke(cli.app, ["info", str(out)])
+    assert result.exit_code == 2 and "\x1b" not in result.output
+    assert f"malformed manifest ({problem}" in result.output

@@ -177,3 +177,33 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
     assert generated.exit_code == 0, generated.output
     assert recommended["method"] in generated.output
     assert f"entries removed     {100 * chosen[best]:.1f}%" in generated.output
+
+
+def test_eval_runs_a_user_s_own_suite_on_the_default_model(tmp_path, default_model, monkeypatch):
+    """`--suite`: a user's JSON Lines prompts through the same runs and records as the built-in suite's, scored by
+    token F1; the full cache finds the facts the lines ask for."""
+    monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
+    from kvcompile.tasks.passkey import FILLER, INTRO
+
+    filler = FILLER * 12
+    rows = [
+        {"id": "key", "context": INTRO + filler + "The pass key is 71432. Remember it. 71432 is the pass key. " + filler,
+         "question": "What is the pass key?", "answers": ["71432"], "answer_prefix": " The pass key is"},
+        {"id": "city", "context": filler + "Mara moved to the city of Lisbon last spring. " + filler,
+         "question": "Which city did Mara move to?", "answers": ["Lisbon"], "answer_prefix": " Mara moved to"},
+    ]  # fmt: skip
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "eval"
+    args = ["eval", "--suite", str(tmp_path / "mine.jsonl"), "--scoring", "f1", "--methods", "snapkv"]
+    result = runner.invoke(app, [*args, "--ratios", "0.5", "--new-tokens", "12", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = {(r["id"], r["method"]): r for r in map(json.loads, (out / "runs.jsonl").read_text().splitlines())}
+    assert set(records) == {(i, m) for i in ("key", "city") for m in ("full", "snapkv")}
+    # Token F1 by hand: "71432. Remember it. The pass" is 4 normalised words (the article dropped), 1 of them the
+    # answer: precision 1/4, recall 1 -> 0.4; "the city of Lisbon last spring." is 5, 1 the answer -> 1/3.
+    assert records["key", "full"]["answer"].startswith("71432") and records["key", "full"]["correct"] == 0.4
+    assert records["city", "full"]["answer"].startswith("the city of Lisbon")
+    assert records["city", "full"]["correct"] == pytest.approx(1 / 3, abs=1e-4)
+    assert all(r["task"] == "mine" and r["length"] == 1024 and r["answer_logprob"] < 0 for r in records.values())
+    assert records["key", "snapkv"]["cache_kept"] == pytest.approx(0.5, abs=0.02)
+    assert "2 prompts of the suite mine" in (out / "results.md").read_text()

@@ -66,6 +66,9 @@ def _link(folder: Path, name: str, target: str) -> str:
     return name
 
 
+SUITE_LINE = '{"context": "c", "question": "q", "answers": ["a"]}\n'  # a good line of a user's suite
+
+
 def _text(folder: Path, name: str, text: str) -> str:
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text(text)
@@ -292,6 +295,35 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         ],
         "cannot resume from run/run.json: is not JSON",
     ),  # fmt: skip
+    "eval --suite: a line without a context": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE + '{"question": "q", "answers": ["a"]}\n')],
+        "mine.jsonl line 2: no 'context' (give a non-empty string)",
+    ),
+    "eval --suite: an empty list of answers": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", '{"context": "c", "question": "q", "answers": []}')],
+        "mine.jsonl line 1: no 'answers' (give a non-empty list of the accepted answers)",
+    ),
+    "eval --suite: a line that is not JSON": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE + "\n\n{oops\n")],
+        "mine.jsonl line 4: not JSON",
+    ),
+    "eval --suite: a missing file": (lambda d: ["eval", "--suite", "none.jsonl"], "no such file or folder"),
+    "eval --suite: an unknown scoring": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE), "--scoring", "bleu"],
+        "--scoring 'bleu': use one of all, substring, exact, f1",
+    ),
+    "eval --suite with the built-in suite's --tasks": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE), "--tasks", "passkey"],
+        "--tasks picks the built-in suite's prompts: it does not apply with --suite",
+    ),
+    "eval --scoring without a suite": (
+        lambda d: ["eval", "--scoring", "f1"],
+        "--scoring scores a --suite of your own",
+    ),
+    "tune --suite: a line without a question": (
+        lambda d: ["tune", "--suite", _text(d, "mine.jsonl", '{"context": "c", "answers": ["a"]}')],
+        "mine.jsonl line 1: no 'question'",
+    ),
     "eval: unknown task": (lambda d: ["eval", "--tasks", "foo"], "unknown tasks ['foo']"),
     "eval: a length past the model's positions": (
         lambda d: ["eval", "--lengths", "20k", "--methods", "snapkv"],

@@ -1,6 +1,6 @@
 """Scores of one compressed answer against the full cache's, and summaries over ratios (pure functions).
 
-Accuracy is exact match (`TaskPrompt.score`). Fidelity shows degradation before accuracy drops: the KL divergence
+Accuracy is the answer's score (`TaskPrompt.score`). Fidelity shows degradation before accuracy drops: the KL divergence
 of the first answer token's distribution from the full cache's, and greedy agreement, the share of the full
 cache's first greedy tokens reproduced before the first difference."""
 
@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the summaries are read torch-free (a bundle's carried results); the scores get tensors
+    import torch
 
 AGREEMENT_TOKENS = 32
 
@@ -23,6 +26,8 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
 def answer_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(full || compressed) in nats at each token of an answer both were teacher-forced on (logits [n, vocab]),
     averaged over its tokens: the first token's KL and what follows, with n times the samples."""
+    import torch
+
     reference = torch.log_softmax(reference_logits.double(), dim=-1)
     compressed = torch.log_softmax(logits.double(), dim=-1)
     return float((reference.exp() * (reference - compressed)).sum(dim=-1).clamp(min=0.0).mean())

@@ -55,10 +55,10 @@ class Scoring:
 
 
 def gold_answer(tokenizer: PreTrainedTokenizerBase, prompt: TaskPrompt, question_ids: torch.Tensor) -> list[int]:
-    """The expected values as the answer's text (joined by commas, after a space where the question ends in a
-    word, as an answer cue does): whose log-probability is a continuous measure of being right."""
+    """The expected answer's text (`TaskPrompt.gold_text`, after a space where the question ends in a word, as an
+    answer cue does): whose log-probability is a continuous measure of being right."""
     question = tokenizer.decode(question_ids[0])
-    text = ("" if question[-1:].isspace() else " ") + ", ".join(prompt.expected)
+    text = ("" if question[-1:].isspace() else " ") + prompt.gold_text
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

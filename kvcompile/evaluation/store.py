@@ -38,14 +38,16 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 # What a record needs for resuming (`RunStore.key`); the report reads the rest.
 RECORD_KEYS = {"prompt": ((int,), "an integer"), "method": ((str,), "a string"), "ratio": ((int, float), "a number")}
-UNREADABLE_HINT = "run again without --resume into a new --out"
+RESUMING = ("cannot resume from {path}", "run again without --resume into a new --out")  # (what failed, what to do)
+BUNDLING = ("cannot bundle the eval results in {path}", "give the --out folder of a kvcompile eval run")
 
 
-def _unreadable(path: Path, problem: str) -> KVRuntimeError:
-    return KVRuntimeError(f"cannot resume from {path}: {problem}; {UNREADABLE_HINT}")
+def _unreadable(path: Path, problem: str, reading: tuple[str, str] = RESUMING) -> KVRuntimeError:
+    failed, hint = reading
+    return KVRuntimeError(f"{failed.format(path=path)}: {problem}; {hint}")
 
 
-def _parse_json(path: Path, text: str, where: str = "") -> object:
+def _parse_json(path: Path, text: str, where: str = "", reading: tuple[str, str] = RESUMING) -> object:
     """`text` parsed, or one line naming `path` (and `where` in it) and the problem. A deeply nested value raises
     RecursionError and a number past Python's digit limit a plain ValueError: both are a damaged file, not a bug."""
     try:
@@ -57,42 +59,47 @@ def _parse_json(path: Path, text: str, where: str = "") -> object:
         problem = f"{where}is nested too deep to read"
     except ValueError:
         problem = f"{where}holds a number too long to read"
-    raise _unreadable(path, problem)  # outside the handler: the parser's traceback adds nothing to the line
+    raise _unreadable(path, problem, reading)  # outside the handler: the parser's traceback adds nothing to the line
 
 
-def _read_utf8(path: Path) -> str:
+def _read_utf8(path: Path, reading: tuple[str, str] = RESUMING) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise _unreadable(path, "it is not UTF-8 text") from None
+        raise _unreadable(path, "it is not UTF-8 text", reading) from None
     except OSError as exc:
-        raise _unreadable(path, exc.strerror or str(exc)) from None
+        raise _unreadable(path, exc.strerror or str(exc), reading) from None
 
 
-def read_saved_settings(path: Path) -> dict:
-    """The settings an earlier run saved in `path` (run.json): a JSON object, or one line saying why not."""
-    saved = _parse_json(path, _read_utf8(path))
+def read_saved_settings(path: Path, reading: tuple[str, str] = RESUMING) -> dict:
+    """The settings an earlier run saved in `path` (run.json): a JSON object, or one line saying why not (what
+    failed and what to do: `reading`)."""
+    saved = _parse_json(path, _read_utf8(path, reading), reading=reading)
     if not isinstance(saved, dict):
-        raise _unreadable(path, f"it holds a JSON {type(saved).__name__}, not the run's settings (an object)")
+        problem = f"it holds a JSON {type(saved).__name__}, not the run's settings (an object)"
+        raise _unreadable(path, problem, reading)
     return saved
 
 
-def read_saved_records(path: Path) -> list[dict]:
+def read_saved_records(
+    path: Path, reading: tuple[str, str] = RESUMING, keys: dict[str, tuple[tuple[type, ...], str]] = RECORD_KEYS
+) -> list[dict]:
     """The records an earlier run saved in `path` (runs.jsonl, one JSON object per line), or one line naming the
-    first line that is not a record."""
+    first line that is not a record (one holding each of `keys` of its type)."""
     records = []
     # Split on newlines only: json.dumps escapes every other line break, so none is inside a record.
-    for number, line in enumerate(_read_utf8(path).split("\n"), 1):
+    for number, line in enumerate(_read_utf8(path, reading).split("\n"), 1):
         if not line.strip():
             continue
         where = f"line {number} "
-        record = _parse_json(path, line, where)
+        record = _parse_json(path, line, where, reading)
         if not isinstance(record, dict):
-            raise _unreadable(path, f"{where}is not a run record (a JSON object)")
-        for key, (types, kind) in RECORD_KEYS.items():
+            raise _unreadable(path, f"{where}is not a run record (a JSON object)", reading)
+        for key, (types, kind) in keys.items():
             value = record.get(key)
             if not isinstance(value, types) or isinstance(value, bool):
-                raise _unreadable(path, f"{where}is not a run record (its {key} is missing or not {kind})")
+                problem = f"{where}is not a run record (its {key} is missing or not {kind})"
+                raise _unreadable(path, problem, reading)
         records.append(record)
     return records
 

@@ -46,7 +46,7 @@ def evaluate(
     batch_size: int = 1,
     shared_prefills: bool = True,
 ) -> list[dict]:
-    prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer)
+    prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer, position_limit(model))
     full = contestants[0]
     jobs = [(c, r) for r in settings.ratios for c in contestants[1:]]
     # Per prompt, the runs not recorded yet (all of them, or those of methods added to a resumed run).
@@ -121,9 +121,21 @@ def batched_answers(
     return answered
 
 
+def recorded_score(score: float) -> float | int:
+    """A score as records hold it: 0 or 1 as a whole number (as before token F1), a fraction to 4 places."""
+    return int(score) if float(score).is_integer() else round(score, 4)
+
+
+def position_limit(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def run_order(indices: list[int], settings: SuiteSettings) -> list[int]:
     """The prompts to run, sample by sample and length by length (each task in turn): a long run stopped early has
-    every task and length equally far along, and can be summarised before it is resumed."""
+    every task and length equally far along, and can be summarised before it is resumed. A user's suite runs in its
+    file's order."""
+    if settings.suite is not None:
+        return sorted(indices)
     cells = suite_cells(settings.tasks, settings.lengths, settings.samples_per_task)
     return sorted(
         indices, key=lambda i: (cells[i][2], settings.lengths.index(cells[i][1]), settings.tasks.index(cells[i][0]))
@@ -198,7 +210,7 @@ def run_prompt(
                     depth=prompt.depth,
                     method=contestant.label,
                     ratio=ratio,
-                    correct=int(prompt.score(result.text)),
+                    correct=recorded_score(prompt.score(result.text)),
                     kl=round(next_token_kl(base.first_logits, result.first_logits), 5),
                     answer_kl=round(answer_kl(base.reference_logits, result.reference_logits), 6),
                     answer_logprob=round(result.gold_logprob, 4),
@@ -209,6 +221,7 @@ def run_prompt(
                     prefill="shared" if result.prefill_shared else "own",
                     cache_kept=round(result.cache_bytes / base.cache_bytes, 4),
                     answer=" ".join(result.text.split())[:120],
+                    **({} if prompt.id is None else {"id": prompt.id}),
                 ),
             )
         )

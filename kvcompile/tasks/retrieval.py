@@ -3,7 +3,7 @@ the pass key (RULER's), one needle, several key-value needles of which one is as
 one key with several values, all asked (RULER's multi-value NIAH). Each of the first three comes on both haystacks,
 the same keys at the same depths: Moby-Dick (`passkey_prose`, `needle`, `multikey`) and RULER's repeated filler
 (`passkey`, `needle_filler`, `multikey_filler`).
-Each prompt is scored by exact match: every expected value must appear in the generated text."""
+Each prompt is scored by match: every expected value must appear in the generated text."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.tasks.needles import QUESTION_TEMPLATE, Needle, haystack_text, needle_probe, render_prompt
 from kvcompile.tasks.passkey import FILLER, passkey_prompt
+from kvcompile.tasks.scoring import score_answer
 
 EVALUATION_NEEDLES = (
     Needle(
@@ -49,10 +50,17 @@ class TaskPrompt:
     length: int
     depth: float | None  # relative depth of the (first) inserted fact; None for tasks without one
     question_start: int  # character where the question begins: the context alone is prompt[:question_start]
+    scoring: str = "all"  # how an answer is scored (`scoring.SCORINGS`): the built-in tasks ask for every value
+    id: str | None = None  # a user's suite: the prompt's own id
 
-    def score(self, generated: str) -> bool:
-        """Exact match: every expected value appears in the generated text (case-insensitive)."""
-        return all(value.lower() in generated.lower() for value in self.expected)
+    def score(self, generated: str) -> float:
+        """The generated text's score in [0, 1] against the expected values (`score_answer`)."""
+        return score_answer(generated, self.expected, self.scoring)
+
+    @property
+    def gold_text(self) -> str:
+        """The expected answer as text: every value, joined by commas, where all are asked for; else the first."""
+        return ", ".join(self.expected) if self.scoring == "all" else self.expected[0]
 
 
 def retrieval_prompt(

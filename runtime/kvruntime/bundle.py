@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -188,7 +189,38 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         libraries = provenance.get("libraries", {})
         if not isinstance(libraries, dict) or not all(isinstance(v, str) for v in libraries.values()):
             return f"{entry['file']}'s libraries are not names and versions"
+    return None if manifest.get("results") is None else _results_problem(manifest["results"])
+
+
+def _results_problem(results: object) -> str | None:
+    """What is wrong with the measured results a bundle carries (`kvcompile bundle --results`), or None: a source
+    and a command of printable text, a count, a table of rows whose cells are text, finite numbers or empty, and a
+    picture that is a file of the bundle."""
+    if not isinstance(results, dict):
+        return "its results are not an object"
+    if not _is_text(results.get("source")) or not _is_count(results.get("prompts")):
+        return "its results need a source and a count of prompts"
+    if results.get("command") is not None and not _is_text(results["command"]):
+        return "its results' command is not a line of printable text"
+    if "picture" in results and not is_plain_name(results["picture"]):
+        return "its results' picture is not a file name in the bundle"
+    table = results.get("table")
+    if not isinstance(table, list) or not all(isinstance(row, dict) for row in table):
+        return "its results' table is not a list of rows"
+    for row in table:
+        for key, value in row.items():
+            cell = value is None or _is_text(value) or _is_finite(value)
+            if not _is_text(key) or not cell:
+                return "its results' table holds a cell that is not text, a finite number or empty"
     return None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_text(value: object) -> bool:

@@ -3,7 +3,6 @@ anything heavy loads; the validation runs and the choice are in `tuning.py`."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,10 @@ class TuneRecipe(Recipe):
         self.records = records  # the run records' folder (for --resume), removed once the artifact is written
         self.model = model
 
-    def positions(self, settings: TuneSettings) -> tuple[int, str]:
+    def positions(self, settings: TuneSettings) -> tuple[int, str] | None:
         suite = settings.suite
+        if suite.suite is not None:  # a user's suite: each prompt is checked once tokenized
+            return None
         return max(suite.lengths) + suite.new_tokens, f"--lengths {max(suite.lengths)} and the answer"
 
     def prepare(self, settings: TuneSettings) -> tuple[list[Any], dict[str, list[Path]]]:
@@ -47,7 +48,7 @@ class TuneRecipe(Recipe):
 
         contestants, paths = inputs
         record = {"model": self.model, "methods": [c.label for c in contestants], "tolerance": settings.tolerance}
-        store = RunStore(self.records, {**record, **dataclasses.asdict(settings.suite)}, job.resume)
+        store = RunStore(self.records, {**record, **settings.suite.record()}, job.resume)
         return tune(
             job.model, job.tokenizer, contestants, paths, settings.suite, settings.tolerance, store, job.out.parent
         )

@@ -1,0 +1,208 @@
+"""A user's own suite (`kvcompile eval --suite`, `tune --suite`): the scorings against SQuAD's definitions worked by
+hand, the rows read from JSON Lines and from datasets folders with every refusal naming its row, and runs end to
+end on a tiny model (the default model's run is in test_eval_default_model.py). The refusals before torch are
+test_refusals_before_torch.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import save_char_tokenizer, tiny_model
+from typer.testing import CliRunner
+
+from kvcompile import recipe
+from kvcompile.cli import app
+from kvcompile.tasks.own_suite import length_bucket, read_suite, suite_digest, suite_prompt
+from kvcompile.tasks.scoring import normalized_words, score_answer, token_f1
+from kvruntime import KVRuntimeError
+
+ROWS = [
+    {"id": "capital", "context": "Ada lives in Lyon. " * 6, "question": "Where does Ada live?", "answers": ["Lyon"]},
+    {"context": "The code is 4417. " * 5, "question": "What is the code?", "answers": ["4417", "four four"]},
+    {"context": "Bo has a red kite. " * 7, "question": "What does Bo have?", "answers": ["a red kite"],
+     "answer_prefix": "Answer:", "length": 12},  # a column the suite does not read is left alone
+]  # fmt: skip
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_token_f1_and_exact_match_follow_squad_worked_by_hand():
+    # "the cat sat" -> ["cat", "sat"] (article dropped); "a cat sat down." -> ["cat", "sat", "down"]
+    assert normalized_words("The Cat, sat!") == ["cat", "sat"]
+    # common 2: precision 2/3, recall 2/2 -> F1 = 2 * (2/3) * 1 / (2/3 + 1) = 0.8
+    assert token_f1("a cat sat down.", "the cat sat") == pytest.approx(0.8)
+    assert token_f1("dog", "cat") == 0.0 and token_f1("", "") == 1.0
+    # The best of the expected answers; the answer's first line only (a model goes on after it).
+    assert score_answer("\n Thunder Moon.\nThen it ran away", ("grey horse", "thunder moon"), "exact") == 1.0
+    assert score_answer("Thunder Moon was its name", ("thunder moon",), "exact") == 0.0
+    assert score_answer("red kite\nred kite and more", ("a red kite", "kite"), "f1") == pytest.approx(1.0)
+    assert score_answer("It is in Lyon", ("Paris", "lyon"), "substring") == 1.0
+    assert score_answer("It is in Lyon", ("Paris", "lyon"), "all") == 0.0
+    with pytest.raises(ValueError, match="unknown scoring"):
+        score_answer("x", ("x",), "bleu")
+
+
+def test_rows_are_read_from_json_lines_with_ids_and_answer_prefixes(tmp_path):
+    path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    rows = read_suite(path)
+    assert [r.id for r in rows] == ["capital", "line 2", "line 3"]
+    assert rows[1].answers == ("4417", "four four") and rows[2].answer_prefix == "Answer:"
+    assert rows[0].where == "mine.jsonl line 1"
+    assert suite_digest(path) != suite_digest(write_jsonl(tmp_path / "other.jsonl", ROWS[:2]))
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"question": "q", "answers": ["a"]}', "line 2: no 'context' (give a non-empty string)"),
+        ('{"context": "c", "question": "  ", "answers": ["a"]}', "line 2: no 'question'"),
+        ('{"context": "c", "question": "q", "answers": []}', "line 2: no 'answers'"),
+        ('{"context": "c", "question": "q", "answers": "a"}', "line 2: 'answers' is a string"),
+        ('{"context": "c", "question": "q", "answers": ["a", ""]}', "line 2: every one of 'answers'"),
+        ('{"context": "c", "question": "q", "answers": ["a"], "id": true}', "line 2: 'id' must be"),
+        ('{"context": "c", "question": "q", "answers": ["a"], "answer_prefix": 3}', "line 2: 'answer_prefix'"),
+        ('{"context": "c", "question": "q", "answers": ["a"], "id": "capital"}', "line 2: id 'capital' is also"),
+        ('["c", "q"]', "line 2: not an object"),
+        ('{"context": "c",', "line 2: not JSON"),
+    ],
+)
+def test_a_bad_line_is_refused_in_one_line_naming_it(tmp_path, line, message):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + line + "\n")
+    with pytest.raises(KVRuntimeError, match="^mine.jsonl " + message.replace("(", r"\(").replace(")", r"\)")):
+        read_suite(path)
+
+
+def test_a_hostile_line_is_named_never_printed(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"context": "\x1b[2J\x1b]0;owned\x07", "question": "q", "answers": "\x1b[31m"}) + "\n")
+    with pytest.raises(KVRuntimeError) as refused:
+        read_suite(path)
+    assert "\x1b" not in str(refused.value) and "owned" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "none.jsonl", "no such file or folder"),
+        (lambda d: (d / "empty.jsonl").write_text("\n\n") and d / "empty.jsonl", "no prompt in it"),
+        (lambda d: (d / "rows.csv").write_text("a,b\n") and d / "rows.csv", "give a .jsonl file or a folder"),
+        (lambda d: (d / "bytes.jsonl").write_bytes(b"\xff\xfe{}") and d / "bytes.jsonl", "not UTF-8 text"),
+    ],
+)
+def test_a_suite_that_is_not_one_is_refused(tmp_path, make, message):
+    with pytest.raises(KVRuntimeError, match=message):
+        read_suite(make(tmp_path))
+
+
+def test_a_datasets_folder_reads_the_same_rows_as_the_json_lines(tmp_path):
+    import datasets
+
+    expected = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS))
+    columns = {key: [row.get(key) for row in ROWS] for key in ("id", "context", "question", "answers")}
+    columns["answer_prefix"] = [row.get("answer_prefix", "") for row in ROWS]
+    datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)}).save_to_disk(str(tmp_path / "splits"))
+    (tmp_path / "files").mkdir()
+    datasets.Dataset.from_dict(columns).to_parquet(str(tmp_path / "files" / "part.parquet"))
+
+    def content(rows):  # what the runs read; ids the file leaves out are the rows' places, named per source
+        return [(r.context, r.question, r.answers, r.answer_prefix) for r in rows]
+
+    for folder in ("saved", "splits", "files"):
+        rows = read_suite(tmp_path / folder)
+        assert content(rows) == content(expected), folder
+        assert rows[0].id == "capital" and rows[1].where == f"{folder} row 2"
+    datasets.DatasetDict(
+        {"a": datasets.Dataset.from_dict(columns), "b": datasets.Dataset.from_dict(columns)}
+    ).save_to_disk(str(tmp_path / "two"))
+    with pytest.raises(KVRuntimeError, match=r"splits \['a', 'b'\] and none is 'test'"):
+        read_suite(tmp_path / "two")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(KVRuntimeError, match="no dataset saved by datasets"):
+        read_suite(tmp_path / "nothing")
+
+
+def test_a_row_becomes_a_prompt_whose_context_is_compressed_before_its_question(tmp_path):
+    from transformers import AutoTokenizer
+
+    save_char_tokenizer(tmp_path / "tok")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    row = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS))[2]
+    prompt = suite_prompt(row, tokenizer, chat=False, name="mine", scoring="f1")
+    assert prompt.prompt[: prompt.question_start].startswith(row.context)
+    assert prompt.prompt[prompt.question_start :].startswith(row.question) and prompt.prompt.endswith("Answer:")
+    assert prompt.length == 256 and prompt.id == "line 3" and prompt.gold_text == "a red kite"
+    assert [length_bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+
+
+def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    save_char_tokenizer(tmp_path / "tok")
+    model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, tokenizer))
+    write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    args = ["eval", "--suite", "mine.jsonl", "--scoring", "f1", "--methods", "snapkv", "--ratios", "0.5"]
+    result = CliRunner().invoke(app, [*args, "--new-tokens", "4", "--out", "run"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in Path("run/runs.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and {r["task"] for r in records} == {"mine"}
+    assert [r["id"] for r in records if r["method"] == "full"] == ["capital", "line 2", "line 3"]
+    assert all(0 <= r["correct"] <= 1 and r["depth"] is None for r in records)
+    assert all(r["cache_kept"] == pytest.approx(0.5, abs=0.05) for r in records if r["method"] == "snapkv")
+    assert json.loads(Path("run/run.json").read_text())["suite_sha256"] == suite_digest(tmp_path / "mine.jsonl")
+    assert "3 prompts of the suite mine (sha256 " in Path("run/results.md").read_text()
+    assert "scored by f1" in Path("run/results.md").read_text()
+
+    # The suite changed: resuming would mix two suites' records.
+    write_jsonl(tmp_path / "mine.jsonl", ROWS[:2])
+    refused = CliRunner().invoke(app, [*args, "--new-tokens", "4", "--out", "run", "--resume"])
+    assert refused.exit_code == 2 and "other settings (suite_sha256 differ)" in refused.output
+
+    # A prompt past the model's positions is refused before any prompt runs, naming its line.
+    write_jsonl(tmp_path / "long.jsonl", [ROWS[0], {**ROWS[1], "context": "x" * 600}])
+    long = CliRunner().invoke(app, ["eval", "--suite", "long.jsonl", "--methods", "snapkv", "--out", "long"])
+    assert long.exit_code == 2 and "long.jsonl line 2: " in long.output and "more than the model's 512" in long.output
+    assert not Path("long").exists()  # nothing written
+
+    # A datasets folder runs the same way.
+    import datasets
+
+    columns = {key: [row.get(key, "") for row in ROWS] for key in ("id", "context", "question", "answers")}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "saved"))
+    saved = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--suite",
+            "saved",
+            "--methods",
+            "snapkv",
+            "--ratios",
+            "0.5",
+            "--new-tokens",
+            "2",
+            "--out",
+            "from_folder",
+        ],
+    )
+    assert saved.exit_code == 0, saved.output
+    folder_records = [json.loads(line) for line in Path("from_folder/runs.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in folder_records if r["method"] == "full"] == ["capital", "row 2", "row 3"]
+    assert {r["task"] for r in folder_records} == {"saved"}
+
+    tuned = CliRunner().invoke(
+        app, ["tune", "--suite", "mine.jsonl", "--methods", "snapkv", "--ratios", "0.5", "--out", "tuned.safetensors"]
+    )
+    assert tuned.exit_code == 0, tuned.output
+    from kvruntime.artifact import read_artifact
+
+    params = read_artifact(tmp_path / "tuned.safetensors").params
+    assert params["suite"] == "mine" and params["scoring"] == "substring"
