@@ -238,7 +238,8 @@ def eval_(
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size, shared_prefill)
         header = _report_header(model, command_line(ctx), machine(), records, settings)
-        subject = contestants[1].label if len(contestants) > 1 else None  # the first method after the full cache
+        # The first method after the full cache (a quantized full cache runs at ratio 0 only: nothing to pair with).
+        subject = next((c.label for c in contestants[1:] if c.kind != "full"), None)
         written, summary = write_report(records, out, header, subject)
         for path in written:
             typer.echo(f"wrote {path}")

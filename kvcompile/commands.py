@@ -6,6 +6,7 @@ Nothing heavy is imported before the options are checked: bad input is refused i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import shlex
 import signal
@@ -158,6 +159,12 @@ def generate(
             "batch decodes at once."
         ),
     ] = 1,
+    kv_bits: Annotated[
+        int | None,
+        typer.Option(
+            help="Quantize the kept entries for decoding: 8 (FP8, built in) or 4 (int4, needs optimum-quanto)."
+        ),
+    ] = None,
 ) -> None:
     """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
@@ -168,12 +175,13 @@ def generate(
 
         prompts = read_prompts(prompt_file)
         positions = check_generation_inputs(
-            prompts, model, prompt_format, max_new_tokens, batch_size, question, prefill_chunk_size
+            prompts, model, prompt_format, max_new_tokens, batch_size, question, prefill_chunk_size, kv_bits
         )
         options = parse_option_pairs(option or [])
         asked = compression_asked(
             model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size, positions
         )
+        asked = dataclasses.replace(asked, kv_bits=kv_bits)
         generate_compressed(
             asked, prompts, question, model, prompt_format, max_new_tokens, batch_size, force, typer.echo
         )

@@ -90,10 +90,12 @@ def check_generation_inputs(
     batch_size: int,
     question: Sequence[str] | None,
     prefill_chunk_size: int | None,
+    kv_bits: int | None = None,
 ) -> int | None:
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
     from kvruntime.model_spec import check_model_spec, check_positions, position_limit
+    from kvruntime.quantized_cache import check_kv_bits
 
     if batch_size < 1:
         raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
@@ -107,6 +109,9 @@ def check_generation_inputs(
         check_prompt_bytes(name, text, positions)
     if prefill_chunk_size is not None and prefill_chunk_size < 1:
         raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
+    check_kv_bits(kv_bits)
+    if kv_bits is not None and batch_size > 1:
+        raise KVRuntimeError("--kv-bits quantizes one prompt at a time: leave --batch-size at 1")
     if question is not None and not all(text.strip() for text in question):
         raise KVRuntimeError("--question is empty: give the text of each question")
     for text in question or []:
@@ -126,6 +131,7 @@ class CompressionAsked:
     paths: list[Path]
     options: dict[str, object]
     prefill_chunk_size: int | None
+    kv_bits: int | None = None  # the kept entries quantized to this many bits (checked by check_generation_inputs)
 
 
 def compression_asked(
@@ -283,6 +289,7 @@ def generate_compressed(
         force=force,
         options=asked.options,
         prefill_chunk_size=asked.prefill_chunk_size,
+        kv_bits=asked.kv_bits,
     ) as session:
         for first in range(0, len(encoded), batch_size):
             batch = encoded[first : first + batch_size]

@@ -295,6 +295,15 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         ],
         "cannot resume from run/run.json: is not JSON",
     ),  # fmt: skip
+    "generate: a bit width not offered": (lambda d: [*GENERATE, "--kv-bits", "3"], "kv_bits=3: give one of 8, 4"),
+    "generate: --kv-bits with a batch": (
+        lambda d: [*GENERATE, "--kv-bits", "8", "--batch-size", "2"],
+        "--kv-bits quantizes one prompt at a time: leave --batch-size at 1",
+    ),
+    "eval: a contestant's bit width not offered": (
+        lambda d: ["eval", "--methods", "snapkv:kv_bits=5"],
+        "kv_bits=5: give one of 8, 4",
+    ),
     "eval --suite: a line without a context": (
         lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE + '{"question": "q", "answers": ["a"]}\n')],
         "mine.jsonl line 2: no 'context' (give a non-empty string)",

@@ -4,7 +4,9 @@
 `--methods` takes comma-separated entries: `full`; a runtime method name (`compresskv`, `kvcompose`, `snapkv`,
 `kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
 `:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`),
-and `:artifacts=DIR` to take its artifacts from another folder than `--artifacts` (two compiles side by side);
+`:artifacts=DIR` to take its artifacts from another folder than `--artifacts` (two compiles side by side), and
+`:kv_bits=8` or `4` to quantize the kept entries for decoding (`distilled:kv_bits=4`, compressed and quantized;
+`full:kv_bits=4`, quantized alone, runs at ratio 0);
 `kvpress-<press>` for one press of kvpress (`kvpress-snapkv`, `kvpress-tova`, ...) or `kvpress` for all of them
 (but `kvpress-kvzap`, `kvpress-distilled` and `kvpress-srh`, which need a checkpoint or an artifact: the last two are
 kvcompile's compiled scores as kvpress presses)."""
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
 from kvruntime.bundle import locate
+from kvruntime.quantized_cache import check_kv_bits
 from kvruntime.registry import COMPARED_NAMES, method_spec
 from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
 
@@ -45,6 +48,7 @@ CHECKPOINTS = {"kvzap": "kvzap_linear"}  # presses that load a checkpoint: its f
 COMPILED_PRESSES = ("distilled", "srh")  # presses built from a kvcompile artifact, named as their runtime method
 CHUNK_OPTION = "prefill_chunk_size"  # not a method option: how the engine feeds the context
 ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts come from
+KV_BITS_OPTION = "kv_bits"  # not a method option: the kept entries quantized to this many bits (kvruntime)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Contestant:
     options: Mapping[str, object] = dataclasses.field(default_factory=dict)
     prefill_chunk_size: int | None = None  # stream the context in chunks of this many tokens
     artifacts: Path | None = None  # its artifacts' folder, when not --artifacts
+    kv_bits: int | None = None  # the kept entries quantized for decoding (answers one prompt at a time)
 
     def artifact_kinds(self) -> list[str]:
         if self.kind == "kvpress":
@@ -97,6 +102,9 @@ def parse_methods(text: str) -> list[Contestant]:
     for entry in (e.strip() for e in text.split(",") if e.strip()):
         if entry == FULL:
             continue
+        if entry.startswith(f"{FULL}:"):  # the full cache quantized: quantization alone, at ratio 0
+            contestants.append(Contestant(entry, "full", kv_bits=_kv_bits(entry, entry.split(":")[1:], {})))
+            continue
         if entry == "kvpress" or entry.startswith("kvpress-"):
             contestants += _presses(entry)
             continue
@@ -109,6 +117,7 @@ def parse_methods(text: str) -> list[Contestant]:
         folder = given.pop(ARTIFACTS_OPTION, None)
         if folder is not None and not locate(str(folder)).is_dir():
             raise KVRuntimeError(f"--methods {entry!r}: {ARTIFACTS_OPTION}={folder} is not a folder, bundle or hub id")
+        bits = _kv_bits(entry, [], given)
         options = check_method_options(name, given)
         contestants.append(
             Contestant(
@@ -118,6 +127,7 @@ def parse_methods(text: str) -> list[Contestant]:
                 options,
                 None if chunk is None else int(chunk),
                 None if folder is None else Path(str(folder)),
+                bits,
             )
         )
     labels = [c.label for c in contestants]
@@ -126,6 +136,19 @@ def parse_methods(text: str) -> list[Contestant]:
     if len(contestants) == 1:
         raise KVRuntimeError("--methods names no method to compare with the full cache")
     return contestants
+
+
+def _kv_bits(entry: str, pairs: list[str], given: dict[str, object]) -> int | None:
+    """The `kv_bits` of an entry, taken out of its parsed options `given` (or parsed from `pairs`, the full cache's,
+    which takes no other), checked."""
+    if pairs:
+        given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
+        if set(given) != {KV_BITS_OPTION}:
+            raise KVRuntimeError(f"--methods {entry!r}: the full cache takes {KV_BITS_OPTION} only")
+    bits = given.pop(KV_BITS_OPTION, None)
+    bits = int(bits) if isinstance(bits, float) and bits.is_integer() else bits
+    check_kv_bits(bits)
+    return bits
 
 
 def _presses(entry: str) -> list[Contestant]:

@@ -8,6 +8,7 @@ observation window of the window-scored methods."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from kvruntime import generate_after_context, logits_after_context
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
 from kvruntime.batch_rows import left_pad
 from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes, restored_after
+from kvruntime.quantized_cache import quantize_cache
 from kvruntime.recording import PrefillRecording, recorded_prefill
 from kvruntime.serving import method_facts
 
@@ -111,6 +113,7 @@ def compressing(
         artifacts=artifacts,
         options=contestant.options,
         prefill_chunk_size=contestant.prefill_chunk_size,
+        kv_bits=contestant.kv_bits,
     )
 
 
@@ -181,6 +184,10 @@ def prefilled(
                 model(input_ids=context_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
         seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
     masks = press_keep_masks(model, cache, context_ids.shape[1])
+    if contestant.kv_bits is not None:  # the full cache quantized (`full:kv_bits=N`)
+        if replayed:  # the recording's cache is shared by the prompt's other runs
+            cache = copy.deepcopy(cache)
+        quantize_cache(cache, contestant.kv_bits)
 
     @contextlib.contextmanager
     def answering() -> Iterator[None]:

@@ -14,6 +14,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
+from .quantized_cache import layer_bytes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -66,16 +67,10 @@ def check_full_attention_layer(layer: object, index: int) -> None:
         )
 
 
-def storage_bytes(tensor: torch.Tensor) -> int:
-    """Bytes really held: the whole storage, so that a view over a larger buffer is not counted as freed."""
-    return tensor.untyped_storage().nbytes()
-
-
 def cache_bytes(cache: Cache) -> int:
-    """Bytes the cache's tensors hold (layers a prefill has not reached yet hold none)."""
-    return sum(
-        storage_bytes(layer.keys) + storage_bytes(layer.values) for layer in cache.layers if layer.is_initialized
-    )
+    """Bytes the cache's tensors hold (layers a prefill has not reached yet hold none; a quantized layer its
+    quantized states, scales and full-precision residual: `layer_bytes`)."""
+    return sum(layer_bytes(layer) for layer in cache.layers if layer.is_initialized)
 
 
 def uncompressed_bytes(cache: Cache, length: int) -> int:
@@ -113,9 +108,11 @@ def replace_output(output: object, hidden_states: torch.Tensor, cache: Cache) ->
 def restored_after(cache: Cache) -> Iterator[None]:
     """What enters `cache` inside the block (a question, an answer) is gone after it, zero-copy: transformers' cache
     update makes new tensors, and the originals are put back."""
-    saved = [(layer.keys, layer.values) for layer in cache.layers]
+    # Every attribute: a quantized layer holds its states, residual and length beside its keys and values.
+    saved = [dict(vars(layer)) for layer in cache.layers]
     try:
         yield
     finally:
-        for layer, (keys, values) in zip(cache.layers, saved):
-            layer.keys, layer.values = keys, values
+        for layer, state in zip(cache.layers, saved):
+            vars(layer).clear()
+            vars(layer).update(state)

@@ -52,6 +52,7 @@ from .cache_ops import (
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
+from .quantized_cache import KV_BITS, check_kv_bits, quantize_cache, quantized_layer
 from .recording import PrefillRecording
 from .registry import DEFAULT_METHOD
 from .report import BatchReport, CompressionReport
@@ -115,11 +116,16 @@ class CompressionSession:
         memory: str,
         artifacts: Sequence[Artifact] = (),
         prefill_chunk_size: int | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         self.request = Request(ratio, budget, memory)
         method.check_request(self.request)
         check_prefill_chunk_size(method, prefill_chunk_size)
         check_memory(method.name, method.required_memory(), memory)
+        check_kv_bits(kv_bits)
+        if kv_bits is not None:
+            quantized_layer(kv_bits)  # refuses a transformers without that layer before any prefill
+        self.kv_bits = kv_bits  # the kept entries are quantized to this many bits once cut (`quantized_cache`)
         self.model = model
         self.method = method
         self.artifacts = list(artifacts)
@@ -289,6 +295,8 @@ class CompressionSession:
         the hook runs it, and `_after_model` replaces its output by the rows' hidden states and the stacked cache."""
         tokens = kwargs[tokens_key]
         batch, length = tokens.shape[:2]
+        if self.kv_bits is not None:
+            raise KVRuntimeError("kv_bits quantizes one prompt at a time: give the prompts one by one")
         starts = row_starts(kwargs.get("attention_mask"), batch, length)
         alone = {
             key: value
@@ -434,16 +442,20 @@ class CompressionSession:
         )
         with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
             slots, entries, notes = self._compress_cache(cache, state, prefill)
+            num_kv_heads, full_bytes = cache.layers[0].keys.shape[1], uncompressed_bytes(cache, state.length)
+            if self.kv_bits is not None:
+                quantize_cache(cache, self.kv_bits)
+                notes = [*notes, f"kept entries quantized to {KV_BITS[self.kv_bits]}"]
         ended = time.perf_counter()
         self._latest = CompressionReport(
             method=self.method.name,
             memory=self.memory,
             requested=self.request.describe(),
             context_length=state.length,
-            num_kv_heads=cache.layers[0].keys.shape[1],
+            num_kv_heads=num_kv_heads,
             slots_per_layer=slots,
             entries_per_layer=entries,
-            bytes_before=uncompressed_bytes(cache, state.length),
+            bytes_before=full_bytes,
             bytes_after=cache_bytes(cache),
             peak_bytes=peak,
             prefill_seconds=started - state.started - state.scoring_seconds,
@@ -692,6 +704,7 @@ def compress(
     force: bool = False,
     options: Mapping[str, object] = {},
     prefill_chunk_size: int | None = None,
+    kv_bits: int | None = None,
 ) -> Iterator[CompressionSession]:
     """Compress the KV cache of every prefill run inside the block. A left-padded batch (with its attention mask)
     is compressed row by row, each row as it would be alone; `session.batch_report` reports it.
@@ -710,6 +723,8 @@ def compress(
     (methods whose layer budgets are known in advance): the cache held never exceeds the budgets plus one chunk in
     one layer. Later chunks attend to what the earlier ones kept, so the answer may differ from a one-piece prefill.
     Such methods are cut layer by layer inside the prefill in any case (the same result as cutting at its end).
+    kv_bits: quantize the kept entries for decoding, 8 (FP8, built in) or 4 (int4, needs optimum-quanto): the
+    selection reads the prefill's full-precision keys; one prompt at a time (`quantized_cache`).
     """
     loaded = [load_artifact(path, model=model, force=force) for path in artifact_files(artifacts)]
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
@@ -723,7 +738,14 @@ def compress(
             load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present
         ]
     session = CompressionSession(
-        model, get_method(method or DEFAULT_METHOD, loaded, options), ratio, budget, memory, loaded, prefill_chunk_size
+        model,
+        get_method(method or DEFAULT_METHOD, loaded, options),
+        ratio,
+        budget,
+        memory,
+        loaded,
+        prefill_chunk_size,
+        kv_bits,
     )
     with per_layer_attention(model), session.attached():
         yield session
