@@ -237,7 +237,9 @@ def eval_(
         loaded, tokenizer = recipe.load_model(model, device=recipe.resolve_device(device))
         settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
         records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size, shared_prefill)
-        header = _report_header(model, command_line(ctx), machine(), records, settings)
+        # What reruns it: the built-in suite's options are refused beside --suite, --scoring without it.
+        unused = ("tasks", "lengths", "samples", "seed") if suite is not None else ("scoring",)
+        header = _report_header(model, command_line(ctx, leave_out=unused), machine(), records, settings)
         # The first method after the full cache (a quantized full cache runs at ratio 0 only: nothing to pair with).
         subject = next((c.label for c in contestants[1:] if c.kind != "full"), None)
         written, summary = write_report(records, out, header, subject)

@@ -160,6 +160,8 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
     assert json.loads(Path("run/run.json").read_text())["suite_sha256"] == suite_digest(tmp_path / "mine.jsonl")
     assert "3 prompts of the suite mine (sha256 " in Path("run/results.md").read_text()
     assert "scored by f1" in Path("run/results.md").read_text()
+    rerun = next(line for line in Path("run/results.md").read_text().splitlines() if line.startswith("Command: "))
+    assert "--suite mine.jsonl --scoring f1" in rerun and "--tasks" not in rerun and "--seed" not in rerun
 
     # The suite changed: resuming would mix two suites' records.
     write_jsonl(tmp_path / "mine.jsonl", ROWS[:2])

@@ -225,7 +225,8 @@ def write_report(records: list[dict], folder: Path, header: str, subject: str | 
             header,
             "## Summary (all tasks): accuracy, fidelity, prefill time and memory per method and ratio",
             "",
-            "accuracy: exact match of every expected value; kl: KL divergence (nats) of the first answer token's "
+            "accuracy: the answers' mean score (the built-in tasks: every expected value appears; a --suite: its "
+            "--scoring); kl: KL divergence (nats) of the first answer token's "
             "distribution from the full cache's; agreement: share of the full cache's first 32 greedy tokens "
             "reproduced before the first difference; prefill_vs_full: median ratio of prefill + compression time to "
             "the full cache's prefill of the same prompt (a run cut from the prompt's shared prefill, the default, "
