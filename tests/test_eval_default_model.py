@@ -50,7 +50,8 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
         assert (out / name).stat().st_size > 0
     report = (out / "results.md").read_text()
     assert "question-agnostic" in report and "Machine:" in report and "Command: `kvcompile eval" in report
-    assert "--scoring" not in report  # the built-in suite's rerun command: --scoring is for a --suite
+    rerun = next(line for line in report.splitlines() if line.startswith("Command: "))
+    assert "--scoring" not in rerun  # the built-in suite's rerun command: --scoring is for a --suite
     assert "fidelity against each method's at each ratio" in report and "### log_answer_kl" in report
 
     # A finished run resumes without running anything; a new run into the same folder is refused.
