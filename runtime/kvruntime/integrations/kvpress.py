@@ -9,9 +9,9 @@ kvpress`); imported only on request.
 Each press scores the prefill's tokens exactly as kvruntime's method of the same name does, and kvpress's
 ScorerPress keeps each KV head's top tokens, the same count in every layer and head. Against kvruntime's methods:
 - `DistilledPress`: the student's scores, the first `sinks` and the last `window` tokens kept, as `distilled`; its
-  layers all keep the same count, which is kvruntime's `distilled:allocation=uniform` (kvruntime's default ranks the
-  layers in one pool, `allocation=dynamic`, and `compiled` takes compiled layer shares: kvpress's
-  `PerLayerCompressionPress` can take those). Under DMSPress with `decoding=True` each generated token is scored on
+  layers all keep the same count, which is kvruntime's `distilled:allocation=uniform` (kvruntime's default,
+  `allocation=compiled`, takes the artifact's compiled layer shares, which kvpress's `PerLayerCompressionPress` can
+  take too; `allocation=dynamic` ranks the layers in one pool). Under DMSPress with `decoding=True` each generated token is scored on
   its own: its likeness to the earlier tokens (a feature) reads 0, as for the prompt's first two tokens.
 - `SRHPress`: CompressKV's semantic-retrieval-head scores (`srh`), one index set shared by the KV heads of a layer;
   `srh+budgets`' error-aware budgets are kvruntime's own.
