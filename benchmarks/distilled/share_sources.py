@@ -43,11 +43,11 @@ def main() -> None:
         load_corpus("austen-repeats"), tokenizer, settings.prompts, settings.prompt_tokens, settings.seed
     )
     rows, shares = [], []
+    sinks, floor = int(SPEC.options["sinks"].default), float(SPEC.options["floor"].default)
     for index, (source, ids) in enumerate(prompts):
         inputs, targets = prompt_features_and_targets(model, tokenizer, ids, settings.oracle)
         hidden = inputs[0][None, :LIKENESS_TOKENS, : model.config.hidden_size]
         likeness = likeness_to_earlier(hidden.float())[0, 2:].mean().item()
-        sinks, floor = int(SPEC.options["sinks"].default), float(SPEC.options["floor"].default)
         shares.append(teacher_layer_shares(targets, SPEC.window, sinks, floor))
         kind = "novel" if source < NOVELS else "repeating"
         rows.append(dict(prompt=index, source=source, kind=kind, layer0_likeness=round(likeness, 4)))

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvcompile.evaluation import store
 from kvcompile.evaluation.contestants import FULL
 from kvcompile.evaluation.report import summary_table
 from kvcompile.evaluation.store import BUNDLING, read_saved_records, read_saved_settings
@@ -17,10 +18,8 @@ from kvruntime import KVRuntimeError
 from kvruntime.errors import printable
 
 NUMBER = ((int, float), "a number")
-RECORD_KEYS = {
-    "prompt": ((int,), "an integer"),
-    "method": ((str,), "a string"),
-    "ratio": NUMBER,
+RECORD_KEYS = {  # a resumable record's keys, and the measures the table reads
+    **store.RECORD_KEYS,
     "correct": NUMBER,
     "kl": NUMBER,
     "answer_kl": NUMBER,

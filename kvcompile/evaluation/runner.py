@@ -185,8 +185,9 @@ def prefilled(
         seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
     masks = press_keep_masks(model, cache, context_ids.shape[1])
     if contestant.kv_bits is not None:  # the full cache quantized (`full:kv_bits=N`)
-        if replayed:  # the recording's cache is shared by the prompt's other runs
-            cache = copy.deepcopy(cache)
+        if replayed:  # the recording's cache is shared by the prompt's other runs: quantize a list of its layers
+            cache = copy.copy(cache)
+            cache.layers = list(cache.layers)
         quantize_cache(cache, contestant.kv_bits)
 
     @contextlib.contextmanager

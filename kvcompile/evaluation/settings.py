@@ -55,8 +55,10 @@ class SuiteSettings:
                 corpus, tokenizer, self.tasks, self.lengths, self.samples_per_task, self.seed, self.prompt_format
             )
         from kvcompile.prompt_format import uses_chat
-        from kvcompile.tasks.own_suite import read_suite, suite_prompt
+        from kvcompile.tasks.own_suite import read_suite, suite_digest, suite_prompt
 
+        if self.suite_sha256 != suite_digest(Path(self.suite)):  # what runs is what the run's settings name
+            raise KVRuntimeError(f"--suite {self.suite}: changed since the run's settings were made")
         chat = uses_chat(tokenizer, self.prompt_format)
         prompts = []
         for row in read_suite(Path(self.suite)):
@@ -77,11 +79,9 @@ class SuiteSettings:
         if self.suite is None:
             check_tasks(self.tasks)
             return
-        from kvcompile.tasks.own_suite import read_suite, suite_digest
+        from kvcompile.tasks.own_suite import read_suite
 
         read_suite(Path(self.suite))  # every row checked before torch loads
-        if self.suite_sha256 != suite_digest(Path(self.suite)):
-            raise KVRuntimeError(f"--suite {self.suite}: changed since the run's settings were made")
 
     def check_positions(self, limit: int | None) -> None:
         """Refuse lengths the model cannot hold with the answer after them (`limit`: its positions; None: not

@@ -46,7 +46,8 @@ def evaluate(
     batch_size: int = 1,
     shared_prefills: bool = True,
 ) -> list[dict]:
-    prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer, position_limit(model))
+    limit = getattr(model.config, "max_position_embeddings", None)
+    prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer, limit)
     full = contestants[0]
     # The full cache quantized (`full:kv_bits=N`) removes no entry: it runs once, at ratio 0.
     quantized_full = [(c, 0.0) for c in contestants[1:] if c.kind == "full"]
@@ -129,10 +130,6 @@ def batched_answers(
 def recorded_score(score: float) -> float | int:
     """A score as records hold it: 0 or 1 as a whole number (as before token F1), a fraction to 4 places."""
     return int(score) if float(score).is_integer() else round(score, 4)
-
-
-def position_limit(model: nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
 
 
 def run_order(indices: list[int], settings: SuiteSettings) -> list[int]:

@@ -24,7 +24,7 @@ from kvcompile.evaluation.metrics import grouped, largest_ratio_within, within_t
 from kvcompile.evaluation.report import method_curves
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
-from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, position_limit, reference_answer, run_prompt
+from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, reference_answer, run_prompt
 from kvruntime import Artifact, model_fingerprint
 
 UNMEASURED = -1.0  # accuracy/kl of a ratio not tried (the method had stopped before it)
@@ -42,7 +42,7 @@ def tune(
 ) -> Artifact:
     """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
     corpus = load_corpus(HELD_OUT_BOOK)
-    prompts = settings.prompts(corpus, tokenizer, position_limit(model))
+    prompts = settings.prompts(corpus, tokenizer, getattr(model.config, "max_position_embeddings", None))
     full, methods = contestants[0], contestants[1:]
     references = {}
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(settings.ratios)), desc="kvcompile tune", unit="run")
