@@ -440,13 +440,27 @@ def distill(
     ] = 32,
     prompt_tokens: PromptTokensOption = 2048,
     seed: SeedOption = 0,
+    shares_from: Annotated[
+        str,
+        typer.Option(
+            help="The calibration prompts the compiled layer shares are averaged over: repeating (those whose text "
+            "repeats, a quarter of their 8-grams seen earlier in them; all when none does) or all."
+        ),
+    ] = "repeating",
 ) -> tuple:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
     from kvcompile.calibration.corpus import REPEATING_CORPUS
     from kvcompile.recipes.distilled.recipe import DistillRecipe
     from kvcompile.recipes.distilled.settings import DistillSettings
 
-    settings = DistillSettings(prompts=prompts, prompt_tokens=prompt_tokens, oracle=oracle, student=student, seed=seed)
+    settings = DistillSettings(
+        prompts=prompts,
+        prompt_tokens=prompt_tokens,
+        oracle=oracle,
+        student=student,
+        seed=seed,
+        shares_from=shares_from,
+    )
     return DistillRecipe(corpus or REPEATING_CORPUS), settings
 
 

@@ -3,6 +3,7 @@ a tiny model (shards and resumption give the artifact of one run), and the runti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile import recipe
+from kvcompile.calibration.corpus import Corpus, calibration_prompts, repeated_ngram_fraction
 from kvcompile.calibration.distributed import Shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import merge_partials
@@ -27,7 +29,7 @@ from kvcompile.recipes.distilled.distill import (
     held_out_error,
     ridge,
 )
-from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY
+from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
 from kvruntime.allocation import apportion, error_aware_budgets, refloored_shares
 from kvruntime.methods import Distilled
@@ -41,6 +43,7 @@ from kvruntime.methods.distilled import (
     token_features,
     with_leverage,
 )
+from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.request import kept_per_head
 
 runner = CliRunner()
@@ -66,7 +69,7 @@ def test_the_finished_scorer_recovers_an_exact_linear_map_and_picks_the_weakest_
     layers, features, heads = 2, 5, 3
     w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
     shares = torch.tensor(rng.dirichlet(np.ones(layers), size=(8, len(distill.SHARE_RATIOS))))  # 8 prompts'
-    sums = {"tokens_held_out": torch.tensor([100.0]), "layer_shares": shares.sum(dim=0)}
+    sums = {"tokens_held_out": torch.tensor([100.0]), "layer_shares_all": shares.sum(dim=0)}
     for part, count in (("fit", 300), ("held_out", 100)):
         x = torch.tensor(rng.normal(size=(layers, count, features)))
         y = x @ w_true
@@ -93,7 +96,7 @@ def test_kvzaps_student_is_the_least_squares_fit_on_the_hidden_state_and_bias_al
     rng = np.random.default_rng(2)
     layers, features, heads, hidden = 2, 7, 2, 3  # 3 hidden features + 4 extras
     w_true = torch.tensor(rng.normal(size=(layers, features, heads)))
-    sums, xs, ys = {"tokens_held_out": torch.tensor([100.0]), "layer_shares": torch.full((19, layers), 4.0)}, [], []
+    sums, xs, ys = {"tokens_held_out": torch.tensor([100.0]), "layer_shares_all": torch.full((19, layers), 4.0)}, [], []
     for part, count in (("fit", 300), ("held_out", 100)):
         x = torch.tensor(rng.normal(size=(layers, count, features)))
         y = x @ w_true  # the extras matter: a fit that read them would differ
@@ -351,6 +354,7 @@ def test_question_mode_and_a_scorer_of_another_model_is_refused(tiny, tokens, tm
     [
         (["--oracle", "psychic"], "--oracle 'psychic': use one of reconstruction, repeat"),
         (["--prompts", "2"], "--prompts must be at least 4"),
+        (["--shares-from", "novels"], "--shares-from 'novels': use one of repeating, all"),
         (["--corpus", "short.txt", "--prompt-tokens", "200"], "too short for 200-token prompts"),
     ],
 )
@@ -389,6 +393,51 @@ def test_devices_and_dtypes_a_command_cannot_use_are_refused_before_the_model_lo
     assert result.exit_code == 2, result.output
     assert message in result.output and result.output.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compiled_layer_shares_average_the_teachers_over_the_prompts_whose_text_repeats(tmp_path):
+    """Prompts alternate between a periodic document and a random one; `shares_from` picks which prompts' teacher
+    allocations the compiled shares average, and with no repeating prompt the shares are all prompts'."""
+    rng = np.random.default_rng(3)
+    periodic, random_text = "the quick brown fox. " * 500, "".join(chr(97 + c) for c in rng.integers(0, 26, 9000))
+    model, settings = tiny_model("llama"), DistillSettings(prompts=4, prompt_tokens=96)
+    prompts = calibration_prompts(Corpus("two", (periodic, random_text)), CharTokenizer(), 4, 96, 0)
+    teacher = [
+        distill.teacher_layer_shares(
+            distill.prompt_features_and_targets(model, CharTokenizer(), ids, "reconstruction")[1],
+            SPEC.window,
+            int(SPEC.options["sinks"].default),
+            float(SPEC.options["floor"].default),
+        )
+        for _, ids in prompts
+    ]
+    expected = {
+        ("two", "repeating"): torch.stack(teacher[0::2]).mean(0),  # sources 0, 1, 0, 1: the periodic one repeats
+        ("two", "all"): torch.stack(teacher).mean(0),
+        ("random", "repeating"): None,  # none repeats: every prompt's
+    }
+    for (corpus, shares_from), reference in expected.items():
+        documents = (periodic, random_text) if corpus == "two" else (random_text,)
+        job = CompileJob(model, CharTokenizer(), tmp_path / f"{corpus}_{shares_from}.safetensors")
+        compiled = dataclasses.replace(settings, shares_from=shares_from)
+        artifact = compile_distilled_scorer(job, Corpus(corpus, documents), compiled)
+        if reference is None:
+            assert artifact.params["share_prompts"] == "all 4 calibration prompts (none repeats)"
+            continue
+        torch.testing.assert_close(artifact.tensors["layer_shares"].double(), reference, atol=1e-6, rtol=0)
+        assert artifact.params["share_prompts"] == (
+            "the 2 of 4 calibration prompts whose text repeats"
+            if shares_from == "repeating"
+            else "all 4 calibration prompts"
+        )
+    assert float((expected["two", "repeating"] - expected["two", "all"]).abs().max()) > 1e-3  # the choice matters
+
+
+def test_the_repeated_ngram_fraction_counts_the_ngrams_seen_earlier_in_the_prompt():
+    assert repeated_ngram_fraction([1, 2, 3, 1, 2, 3], n=2) == pytest.approx(2 / 5)  # (1,2) (2,3) again of 5
+    assert repeated_ngram_fraction([5, 5, 5, 5], n=2) == pytest.approx(2 / 3)
+    assert repeated_ngram_fraction([1, 2, 3], n=8) == 0.0
+    assert repeated_ngram_fraction(list(range(100))) == 0.0
 
 
 def test_a_bfloat16_model_distils_to_finite_weights_close_to_the_float32_ones(scorer, tmp_path):

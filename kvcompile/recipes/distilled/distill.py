@@ -10,8 +10,8 @@ its likeness to the tokens before it) to the log of those scores, fitted from su
 summed over tokens), which add up exactly over shards, ranks and resumed runs. Every 4th calibration prompt is held
 out: its sums choose each layer's ridge strength (validation error computed from the sums alone), then the weights
 are fitted on all prompts. Beside them, per ratio of `SHARE_RATIOS`, the share of the kept cache each layer takes in
-the teacher's dynamic allocation of each prompt (the runtime's rule, its default window and floor), averaged: the
-layer shares of `allocation="compiled"`.
+the teacher's dynamic allocation of each prompt (the runtime's rule, its default window and floor), averaged over the
+prompts whose text repeats (`shares_from`) or all: the layer shares of `allocation="compiled"`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvcompile.calibration.corpus import Corpus, calibration_prompts
+from kvcompile.calibration.corpus import Corpus, calibration_prompts, repeated_ngram_fraction
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
+from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, REPEATING_FRACTION, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 from kvruntime.cache_ops import attention_modules, cache_argument
 from kvruntime.methods.distilled import (
@@ -125,7 +125,9 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
     sums["yty_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
     sums["ysum_held_out"] = torch.zeros(layers, heads, dtype=torch.float64)
     sums["tokens_held_out"] = torch.zeros(1, dtype=torch.float64)
-    sums["layer_shares"] = torch.zeros(len(SHARE_RATIOS), layers, dtype=torch.float64)
+    for group in ("all", "repeating"):
+        sums[f"layer_shares_{group}"] = torch.zeros(len(SHARE_RATIOS), layers, dtype=torch.float64)
+    sums["repeating_prompts"] = torch.zeros(1, dtype=torch.float64)
     window, floor = SPEC.window, float(SPEC.options["floor"].default)  # the runtime's defaults
     sinks = int(SPEC.options["sinks"].default)
 
@@ -133,7 +135,11 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
         _, ids = calibration[index]
         inputs, targets = prompt_features_and_targets(model, tokenizer, ids, settings.oracle)
         part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
-        sums["layer_shares"] += teacher_layer_shares(targets, window, sinks, floor)
+        shares = teacher_layer_shares(targets, window, sinks, floor)
+        sums["layer_shares_all"] += shares
+        if repeated_ngram_fraction(ids[0].tolist()) >= REPEATING_FRACTION:
+            sums["layer_shares_repeating"] += shares
+            sums["repeating_prompts"] += 1
         for layer, x in enumerate(inputs):
             y = targets[layer].T  # [N, Hkv]
             sums[f"xtx_{part}"][layer] += x.T @ x
@@ -146,6 +152,18 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
 
     sums = accumulate(run, sums, add_prompt, job, f"distill ({settings.oracle})", "prompt")
     return finish_or_partial(run, sums, [job.shard.describe()], finish_distilled_scorer)
+
+
+def averaged_layer_shares(sums: dict[str, torch.Tensor], prompts: int, shares_from: str) -> tuple[torch.Tensor, str]:
+    """The teacher's layer shares averaged over the prompts `shares_from` names ([ratios, layers], each row summing
+    to 1), and which prompts those were; all prompts' when none repeats."""
+    repeating = int(sums["repeating_prompts"]) if shares_from == "repeating" else 0
+    if repeating:
+        return sums[
+            "layer_shares_repeating"
+        ] / repeating, f"the {repeating} of {prompts} calibration prompts whose text repeats"
+    source = f"all {prompts} calibration prompts" + (" (none repeats)" if shares_from == "repeating" else "")
+    return sums["layer_shares_all"] / prompts, source
 
 
 def ridge(xtx: torch.Tensor, xty: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -166,6 +184,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
     if tokens == 0:
         raise KVRuntimeError("no held-out prompt: give at least 4 prompts")
     student = run.settings.get("student", "all")
+    shares, share_prompts = averaged_layer_shares(sums, run.items, run.settings.get("shares_from", "all"))
     layers, features, heads = sums["xty_fit"].shape
     hidden_size = features - feature_count(0)  # the attention input's width
     read = student_features(hidden_size, student)
@@ -193,7 +212,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "weights": weights.float(),
             "held_out_r2": r2.float(),  # [layers, alphas]: 1 - held-out error / held-out variance, per alpha
             "alpha": torch.tensor(chosen, dtype=torch.float32),
-            "layer_shares": (sums["layer_shares"] / run.items).float(),  # [ratios, layers], each row sums to 1
+            "layer_shares": shares.float(),  # [ratios, layers], each row sums to 1
             "share_ratios": torch.tensor(SHARE_RATIOS, dtype=torch.float32),
         },
         model=run.model,
@@ -208,6 +227,7 @@ def finish_distilled_scorer(sums: dict[str, torch.Tensor], run: StatisticsRun) -
             "alphas": list(ALPHAS),
             "features": described[student],
             "target": "log of the oracle's score (clamped at 1e-6)",
+            "share_prompts": share_prompts,  # the calibration prompts the layer shares are averaged over
             "share_floor": SPEC.options["floor"].default,  # the runtime re-floors the shares from it
             "layer_shares": f"the teacher's dynamic allocation of the calibration prompts (window {SPEC.window}, "
             f"sinks {SPEC.options['sinks'].default}, floor {SPEC.options['floor'].default}), averaged per ratio",

@@ -35,4 +35,8 @@ class DistillRecipe(CorpusRecipe):
     def describe(self, artifact: Any) -> str:
         r2 = artifact.tensors["held_out_r2"].max(dim=1).values
         median, low, high = float(r2.median()), float(r2.min()), float(r2.max())
-        return f"held-out R^2 of the log-scores per layer: median {median:.3f}, range {low:.3f}-{high:.3f}"
+        shares = artifact.params["share_prompts"]
+        return (
+            f"held-out R^2 of the log-scores per layer: median {median:.3f}, range {low:.3f}-{high:.3f}; layer shares "
+            f"averaged over {shares}"
+        )

@@ -10,6 +10,8 @@ from kvruntime import KVRuntimeError
 from kvruntime.methods.distilled.oracle import ORACLES, STUDENTS
 
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
+SHARE_SOURCES = ("repeating", "all")  # the calibration prompts the compiled layer shares are averaged over
+REPEATING_FRACTION = 0.25  # a prompt repeats when this share of its 8-grams occurred earlier in it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,12 +21,18 @@ class DistillSettings:
     oracle: str = "reconstruction"  # the second pass distilled (ORACLES)
     student: str = "all"  # the features it reads: all, or KVzap's hidden state and bias (STUDENTS)
     seed: int = 0
+    # The teacher's allocation on prose starves layers that repeated text needs, and it is less faithful on prose
+    # too than the allocation of the prompts whose text repeats (docs/methods/distilled.md); all prompts' when none
+    # repeats.
+    shares_from: str = "repeating"
 
     def check(self) -> None:
         if self.oracle not in ORACLES:
             raise KVRuntimeError(f"--oracle {self.oracle!r}: use one of {', '.join(ORACLES)}")
         if self.student not in STUDENTS:
             raise KVRuntimeError(f"--student {self.student!r}: use one of {', '.join(STUDENTS)}")
+        if self.shares_from not in SHARE_SOURCES:
+            raise KVRuntimeError(f"--shares-from {self.shares_from!r}: use one of {', '.join(SHARE_SOURCES)}")
         if self.prompts < HELD_OUT_EVERY:
             raise KVRuntimeError(f"--prompts must be at least {HELD_OUT_EVERY} (every {HELD_OUT_EVERY}th is held out)")
         if self.prompt_tokens < 64:
