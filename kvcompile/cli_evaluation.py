@@ -241,7 +241,7 @@ def eval_(
         unused = ("tasks", "lengths", "samples", "seed") if suite is not None else ("scoring",)
         header = _report_header(model, command_line(ctx, leave_out=unused), machine(), records, settings)
         # The first method after the full cache (a quantized full cache runs at ratio 0 only: nothing to pair with).
-        subject = next((c.label for c in contestants[1:] if c.kind != "full"), None)
+        subject = next((c.label for c in contestants[1:] if c.compresses), None)
         written, summary = write_report(records, out, header, subject)
         for path in written:
             typer.echo(f"wrote {path}")

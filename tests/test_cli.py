@@ -124,6 +124,10 @@ def test_tables_refuses_bad_settings_before_loading_any_model(monkeypatch, args,
         ),
         (["tune", "--tolerance", "1.5"], "--tolerance 1.5: give an accuracy difference in [0, 1)"),
         (["tune", "--methods", "snapkv,kvpress-snapkv"], "kvpress"),
+        (
+            ["tune", "--methods", "snapkv,full:kv_bits=8"],
+            "the quantized full cache can be compared with kvcompile eval",
+        ),
         (["tune", "--ratios", "0"], "give compression ratios in (0, 1)"),
     ],
 )

@@ -14,7 +14,7 @@ from conftest import tiny_model
 import kvruntime
 from kvcompile.calibration.corpus import Corpus
 from kvcompile.evaluation import contestants as contestants_module
-from kvcompile.evaluation.contestants import Contestant, artifact_paths, parse_methods
+from kvcompile.evaluation.contestants import FullCache, RuntimeMethod, artifact_paths, parse_methods
 from kvcompile.evaluation.metrics import (
     accuracy_auc,
     answer_kl,
@@ -88,7 +88,7 @@ def test_methods_parse_with_options_and_the_full_cache_first():
     assert parsed[2].options == {}  # a ratio runs the nearest compiled budget's tables without an option
     assert parsed[1].artifact_kinds() == [] and parsed[3].artifact_kinds() == ["layer_budgets"]
     streamed = parse_methods("snapkv,snapkv:prefill_chunk_size=256,distilled:allocation=uniform:prefill_chunk_size=64")
-    assert [c.prefill_chunk_size for c in streamed] == [None, None, 256, 64]
+    assert [c.prefill_chunk_size for c in streamed[1:]] == [None, 256, 64]
     assert streamed[3].options == {"allocation": "uniform"}  # the chunk size goes to the engine, not the method
 
 
@@ -140,7 +140,7 @@ def test_a_method_takes_its_artifacts_from_its_own_folder_when_given(tmp_path):
 
 def test_kvzap_needs_its_checkpoint_and_says_how_to_make_it(tmp_path, monkeypatch):
     monkeypatch.setattr(contestants_module, "kvpress_available", lambda: True)
-    assert "kvzap" not in [c.method for c in parse_methods("kvpress")]  # needs a checkpoint: named on its own
+    assert "kvzap" not in [c.press_name for c in parse_methods("kvpress")[1:]]  # needs a checkpoint: named on its own
     with pytest.raises(KVRuntimeError, match=r"kvpress-kvzap needs the checkpoint .*kvzap_linear: distil it with"):
         artifact_paths(parse_methods("kvpress-kvzap"), tmp_path)
     (tmp_path / "kvzap_linear").mkdir()
@@ -214,7 +214,7 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
     context_ids, question_ids = tokens[:, :70], tokens[:, 70:]
     gold = [5, 17, 42]
     scoring = Scoring(None, gold)
-    full = answer(model, DigitTokenizer(), Contestant("full", "full"), 0.0, context_ids, question_ids, 8, [], scoring)
+    full = answer(model, DigitTokenizer(), FullCache(), 0.0, context_ids, question_ids, 8, [], scoring)
     plain = model.generate(tokens, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert full.tokens == plain[0, 80:].tolist()
     logits = model(tokens).logits[0, -1]
@@ -230,7 +230,7 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
     by_hand = sum(torch.log_softmax(gold_logits[i].double(), -1)[t] for i, t in enumerate(gold))
     assert full.gold_logprob == pytest.approx(float(by_hand), abs=1e-4)
     on_full = Scoring(own, gold)
-    snapkv = Contestant("snapkv", "kvcompile", "snapkv")
+    snapkv = RuntimeMethod("snapkv", "snapkv")
     same = answer(model, DigitTokenizer(), snapkv, 0.0, context_ids, question_ids, 8, [], on_full)
     assert same.tokens == full.tokens and next_token_kl(full.first_logits, same.first_logits) < 1e-8
     assert answer_kl(full.reference_logits, same.reference_logits) < 1e-8
@@ -473,7 +473,7 @@ def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its
     largest per-head count."""
     from transformers import DynamicCache
 
-    from kvcompile.evaluation.runner import held_bytes, keep_mask_hooks, press_keep_masks
+    from kvcompile.evaluation.prefill import held_bytes, keep_mask_hooks, press_keep_masks
     from kvruntime.cache_ops import cache_bytes, keep_entries
 
     model = tiny_model("llama")

@@ -13,9 +13,9 @@ from conftest import import_kvpress, save_char_tokenizer
 from test_selection_references import eight_head_model
 
 import kvruntime
-from kvcompile.evaluation import runner
-from kvcompile.evaluation.contestants import CHECKPOINTS, PRESSES, Contestant
-from kvcompile.evaluation.runner import prefilled, press_keep_masks
+from kvcompile.evaluation import prefill, runner
+from kvcompile.evaluation.contestants import CHECKPOINTS, PRESSES, Press
+from kvcompile.evaluation.prefill import press_keep_masks
 from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
 from kvruntime.cache_ops import attention_modules, cache_bytes
 from kvruntime.methods.distilled import feature_count, predicted_scores, token_features
@@ -25,7 +25,7 @@ kvpress = import_kvpress()
 LENGTH, RATIO = 160, 0.5
 # Presses that hide entries instead of removing them (the runner turns their masks into keep masks).
 MASKING = {"kvzip"}
-# Presses with hooks or passes of their own, which cannot run on a recorded prefill (`runner.replays`).
+# Presses with hooks or passes of their own, which cannot run on a recorded prefill (`prefill.replays`).
 PREFILL_ALONE = {"kvzip", "kvcompose"}
 
 
@@ -88,18 +88,18 @@ def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(
         masks.update(press_keep_masks(*args))
         return masks
 
-    monkeypatch.setattr(runner, "press_keep_masks", keep_masks)
+    monkeypatch.setattr(prefill, "press_keep_masks", keep_masks)
     question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(9))
     hooks = hook_counts(model)
     with torch.no_grad():
         before = model(torch.cat([context, question], dim=1)).logits[0, -1]
-    contestant = Contestant(f"kvpress-{press}", "kvpress", press)
-    with prefilled(model, contestant, RATIO, context, checkpoints.get(press, [])) as prefill:
-        output = prefill.generate(question, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    contestant = Press(f"kvpress-{press}", press)
+    with contestant.prefilled(model, RATIO, context, checkpoints.get(press, [])) as prefilled:
+        output = prefilled.generate(question, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     assert output.sequences.shape == (1, question.shape[1] + 2)
     # kvpress's ratio is of the context's entries: half of them held. A masking press hides them per head; the
     # bytes held count each layer's densest head (what a dense store of its kept entries would need).
-    held = prefill.cache_bytes / full_bytes(model, context)
+    held = prefilled.cache_bytes / full_bytes(model, context)
     assert bool(masks) == (press in MASKING)
     if masks:
         visible = sum(int(mask.sum()) for mask in masks.values()) / (len(masks) * masks[0].shape[1] * LENGTH)
@@ -120,8 +120,8 @@ def test_a_press_keeping_everything_answers_as_the_full_cache(model, context):
     """At ratio 0 a press removes nothing: the evaluation's answer path over its cache gives the full model's
     logits, so a difference at a real ratio comes from what the press removed, not from the plumbing."""
     question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(10))
-    with prefilled(model, Contestant("kvpress-snapkv", "kvpress", "snapkv"), 0.0, context, []) as prefill:
-        output = prefill.generate(
+    with Press("kvpress-snapkv", "snapkv").prefilled(model, 0.0, context, []) as prefilled:
+        output = prefilled.generate(
             question, max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
     with torch.no_grad():
@@ -158,11 +158,11 @@ def test_every_compared_press_on_a_shared_prefill_answers_as_on_its_own(model, c
     prefill and holds, answers and scores exactly what its own prefill gives; KVzip, which adds passes of its own,
     prefills alone."""
     question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(11))
-    contestant = Contestant(f"kvpress-{press}", "kvpress", press)
+    contestant = Press(f"kvpress-{press}", press)
     scoring = runner.Scoring([7, 3, 9], [11, 12])
     tokenizer = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
     arguments = (model, tokenizer, contestant, RATIO, context, question, 4, checkpoints.get(press, []), scoring)
-    shared = runner.shared_prefill(model, context)
+    shared = prefill.shared_prefill(model, context)
     torch.manual_seed(0)  # Compactor sketches its leverage scores with random projections
     own = runner.answer(*arguments)
     torch.manual_seed(0)

@@ -262,6 +262,43 @@ def test_masked_keep_masks_never_reach_another_sequence(tiny):
             session.prefill(other[:, :1])
 
 
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_a_prefill_that_fails_part_way_leaves_nothing_for_the_next_and_the_block_puts_the_forward_back(tiny, chunk):
+    """A layer that raises in the middle of a prefill (streamed or not): the next prefill in the same block
+    compresses as a fresh block does, and after the block the base model holds its own forward again (an
+    instance's own forward, as accelerate sets, included)."""
+    ids, base = _ids(60), tiny.base_model
+    with torch.no_grad():
+        plain = tiny(ids, use_cache=False).logits
+    with kvruntime.compress(tiny, "snapkv", ratio=0.5, prefill_chunk_size=chunk) as session:
+        expected = session.prefill(ids).report.slots_per_layer
+    calls = []
+
+    def fail_once(module, args, output):
+        calls.append(1)
+        if len(calls) == 1:  # the first chunk's (the whole prompt's without chunks): layers 2 and after not yet run
+            raise RuntimeError("a layer failed")
+
+    own = base.forward
+    base.forward = own  # an instance's own forward (a bound method), as accelerate's hooks set one
+    handle = tiny.model.layers[1].self_attn.register_forward_hook(fail_once)
+    try:
+        with kvruntime.compress(tiny, "snapkv", ratio=0.5, prefill_chunk_size=chunk) as session:
+            with pytest.raises(RuntimeError, match="a layer failed"):
+                session.prefill(ids)
+            handle.remove()
+            with torch.no_grad():  # a forward that is no prefill runs as without compression
+                assert torch.allclose(tiny(ids, use_cache=False).logits, plain, atol=1e-5)
+            assert session.prefill(ids).report.slots_per_layer == expected
+    finally:
+        handle.remove()
+    assert vars(base)["forward"] is own
+    del base.forward
+    with kvruntime.compress(tiny, "snapkv", ratio=0.5):
+        pass
+    assert "forward" not in vars(base)
+
+
 def test_prefill_after_the_block_is_refused(tiny):
     with kvruntime.compress(tiny, "snapkv", ratio=0.5) as session:
         session.prefill(_ids(60))

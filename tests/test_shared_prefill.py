@@ -14,8 +14,9 @@ from test_batches import CASES, artifacts_for, compress
 from test_compilerkv_runtime import save_tables
 
 from kvcompile.evaluation import runner
-from kvcompile.evaluation.contestants import Contestant
-from kvcompile.evaluation.runner import Scoring, shared_prefill
+from kvcompile.evaluation.contestants import FullCache, RuntimeMethod
+from kvcompile.evaluation.prefill import shared_prefill
+from kvcompile.evaluation.runner import Scoring
 from kvruntime import KVRuntimeError
 from kvruntime.recording import recorded_prefill
 
@@ -68,11 +69,11 @@ def tokenizer() -> SimpleNamespace:
 @pytest.mark.parametrize(
     "contestant, ratio",
     [
-        (Contestant("full", "full"), 0.0),
-        (Contestant("kvcompress", "kvcompile", "kvcompress"), 0.5),
-        (Contestant("distilled", "kvcompile", "distilled"), 0.75),
-        (Contestant("kvcompose", "kvcompile", "kvcompose", {"mode": "dynamic"}), 0.5),
-        (Contestant("streamed", "kvcompile", "snapkv", prefill_chunk_size=64), 0.5),
+        (FullCache(), 0.0),
+        (RuntimeMethod("kvcompress", "kvcompress"), 0.5),
+        (RuntimeMethod("distilled", "distilled"), 0.75),
+        (RuntimeMethod("kvcompose", "kvcompose", {"mode": "dynamic"}), 0.5),
+        (RuntimeMethod("streamed", "snapkv", prefill_chunk_size=64), 0.5),
     ],
     ids=lambda c: getattr(c, "label", str(c)),
 )
@@ -82,7 +83,7 @@ def test_the_eval_answers_from_a_shared_prefill_as_from_its_own(setup, contestan
     model, paths, context = setup
     question = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
     scoring = Scoring([7, 3, 9], [11, 12])
-    artifacts = artifacts_for(contestant.method, paths) if contestant.kind == "kvcompile" else []
+    artifacts = artifacts_for(contestant.method, paths) if isinstance(contestant, RuntimeMethod) else []
     arguments = (model, tokenizer(), contestant, ratio, context, question, 6, artifacts, scoring)
     own = runner.answer(*arguments)
     shared = shared_prefill(model, context)
@@ -91,7 +92,7 @@ def test_the_eval_answers_from_a_shared_prefill_as_from_its_own(setup, contestan
     assert torch.equal(replayed.first_logits, own.first_logits)
     assert torch.equal(replayed.reference_logits, own.reference_logits)
     assert replayed.gold_logprob == own.gold_logprob
-    if contestant.prefill_chunk_size is None:
+    if getattr(contestant, "prefill_chunk_size", None) is None:
         assert replayed.peak_mib is None and replayed.prefill_seconds > shared.seconds
     else:
         assert replayed.peak_mib is not None  # its own prefill, measured

@@ -27,21 +27,21 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.reporting import command_line, machine, write_results
 from kvcompile.calibration.corpus import load_corpus
-from kvcompile.evaluation.contestants import Contestant
+from kvcompile.evaluation.contestants import FullCache, Press, RuntimeMethod
 from kvcompile.evaluation.runner import answer, split_prompt
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
 STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
 FULL = "full cache"
 METHODS = (  # label, what runs it
-    ("kvcompose compiled", Contestant("kvcompose compiled", "kvcompile", "kvcompose")),
+    ("kvcompose compiled", RuntimeMethod("kvcompose compiled", "kvcompose")),
     (
         "kvcompose compiled, unstructured (masked)",
-        Contestant("unstructured", "kvcompile", "kvcompose", {"unstructured": True}),
+        RuntimeMethod("unstructured", "kvcompose", {"unstructured": True}),
     ),
-    ("kvcompose dynamic", Contestant("dynamic", "kvcompile", "kvcompose", {"mode": "dynamic"})),
-    ("kvpress KVComposePress", Contestant("kvpress-kvcompose", "kvpress", "kvcompose")),
-    ("snapkv", Contestant("snapkv", "kvcompile", "snapkv")),
+    ("kvcompose dynamic", RuntimeMethod("dynamic", "kvcompose", {"mode": "dynamic"})),
+    ("kvpress KVComposePress", Press("kvpress-kvcompose", "kvcompose")),
+    ("snapkv", RuntimeMethod("snapkv", "snapkv")),
 )
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(ratios)), desc="kvcompose comparison", unit="run")
     for job, prompt in enumerate(prompts):
         context_ids, question_ids = split_prompt(tokenizer, prompt, args.question_aware)
-        settings = [(FULL, Contestant(FULL, "full"), 0.0)] + [(label, c, r) for r in ratios for label, c in methods]
+        settings = [(FULL, FullCache(), 0.0)] + [(label, c, r) for r in ratios for label, c in methods]
         full = None
         for label, contestant, ratio in settings:
             stats = [args.stats] if contestant.artifact_kinds() else []

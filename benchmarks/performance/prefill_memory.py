@@ -27,7 +27,6 @@ from tqdm import tqdm
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods
-from kvcompile.evaluation.runner import prefilled
 from kvcompile.tasks.passkey import passkey_prompt
 from kvruntime.cache_ops import cache_bytes, hooked_cache
 
@@ -102,14 +101,14 @@ def main() -> None:
     bar = tqdm(total=len(lengths) * args.repeats * len(contestants), desc="prefill memory", unit="run")
     for length in lengths:
         ids = tokenizer(passkey_prompt(tokenizer, length, 0.5, seed=length).text, return_tensors="pt").input_ids
-        with prefilled(model, contestants[0], 0.0, ids, []):  # warm-up
+        with contestants[0].prefilled(model, 0.0, ids, []):  # warm-up
             pass
         measured: dict[str, list[tuple[float, float, float]]] = {}
         for _ in range(args.repeats):
             for contestant in contestants:
                 with largest.watching():
-                    ratio = 0.0 if contestant.kind == "full" else args.ratio
-                    with prefilled(model, contestant, ratio, ids, paths.get(contestant.label, [])) as context:
+                    ratio = args.ratio if contestant.compresses else 0.0
+                    with contestant.prefilled(model, ratio, ids, paths.get(contestant.label, [])) as context:
                         step = (context.seconds, context.peak_mib or float("nan"))
                 measured.setdefault(contestant.label, []).append((*step, largest.largest))
                 bar.update()

@@ -19,7 +19,6 @@ from pathlib import Path
 import kvruntime
 from benchmarks.reporting import command_line, machine
 from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods
-from kvcompile.evaluation.runner import prefilled
 from kvcompile.tasks.passkey import passkey_prompt
 
 ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
@@ -40,14 +39,14 @@ def main() -> None:
     for length in (int(n) for n in args.lengths.split(",")):
         ids = tokenizer(passkey_prompt(tokenizer, length, 0.5, seed=length).text, return_tensors="pt").input_ids
         lengths.append(ids.shape[1])
-        with prefilled(model, contestants[0], 0.0, ids, []):  # warm-up
+        with contestants[0].prefilled(model, 0.0, ids, []):  # warm-up
             pass
         seconds = {c.label: [] for c in contestants}
         peaks = {c.label: [] for c in contestants}
         for _ in range(args.repeats):
             for contestant in contestants:
-                ratio = 0.0 if contestant.kind == "full" else args.ratio
-                with prefilled(model, contestant, ratio, ids, paths.get(contestant.label, [])) as context:
+                ratio = args.ratio if contestant.compresses else 0.0
+                with contestant.prefilled(model, ratio, ids, paths.get(contestant.label, [])) as context:
                     seconds[contestant.label].append(context.seconds)
                     peaks[contestant.label].append(context.peak_mib or float("nan"))
             full_seconds, full_peak = seconds["full"][-1], peaks["full"][-1]
@@ -63,7 +62,7 @@ def main() -> None:
         row = [contestant.label]
         for n in lengths:
             time_ratio, peak_ratio = cells[(contestant.label, n)]
-            if contestant.kind == "full":
+            if not contestant.compresses:
                 row += [f"{time_ratio:.2f} s", f"{peak_ratio:.0f} MiB"]
             else:
                 row += [f"{time_ratio:.2f}x", f"{peak_ratio:.2f}x"]

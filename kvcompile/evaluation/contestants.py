@@ -13,10 +13,13 @@ kvcompile's compiled scores as kvpress presses)."""
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, ClassVar
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
 from kvruntime.bundle import locate
@@ -51,40 +54,157 @@ ARTIFACTS_OPTION = "artifacts"  # not a method option: the folder its artifacts 
 KV_BITS_OPTION = "kv_bits"  # not a method option: the kept entries quantized to this many bits (kvruntime)
 
 
-@dataclasses.dataclass(frozen=True)
-class Contestant:
+class Contestant(abc.ABC):
+    """One thing `eval` compares with the full cache: its label in the records, the files it needs (found before
+    torch loads) and its prefill of a context, ready to answer."""
+
     label: str
-    kind: str  # "full", "kvcompile" or "kvpress"
-    method: str = ""  # runtime method name, or press name
+    kv_bits: int | None  # the kept entries quantized for decoding (answers one prompt at a time)
+    compresses: ClassVar[bool] = True  # removes entries (the full cache does not: quantized, it runs at ratio 0)
+
+    @property
+    def batches(self) -> bool:
+        """Whether prompts that share its run answer together, as one batch."""
+        return False
+
+    def files(self, folder: Path) -> list[Path]:
+        """The artifacts or checkpoint it reads, from `folder` (the eval's `--artifacts`); a missing one is refused
+        with the command that makes it."""
+        return []
+
+    def check(self, files: list[Path], requests: list[Request]) -> None:
+        """Refuse, from its files' headers, a request it cannot serve (before torch loads)."""
+
+    @abc.abstractmethod
+    def prefilled(
+        self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
+    ) -> contextlib.AbstractContextManager:
+        """Prefill and compress `context_ids` at `ratio` (cut from the `shared` prefill where it can), timed; the
+        block yields a `prefill.Prefill` to answer from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FullCache(Contestant):
+    label: str = FULL
+    kv_bits: int | None = None
+    compresses: ClassVar[bool] = False
+
+    def prefilled(
+        self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
+    ) -> contextlib.AbstractContextManager:
+        from kvcompile.evaluation.prefill import cache_prefilled
+
+        return cache_prefilled(model, None, self.kv_bits, context_ids, shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeMethod(Contestant):
+    """A kvruntime method with its options, as `--methods` names it."""
+
+    label: str
+    method: str  # its registered name
     options: Mapping[str, object] = dataclasses.field(default_factory=dict)
     prefill_chunk_size: int | None = None  # stream the context in chunks of this many tokens
     artifacts: Path | None = None  # its artifacts' folder, when not --artifacts
-    kv_bits: int | None = None  # the kept entries quantized for decoding (answers one prompt at a time)
+    kv_bits: int | None = None
+
+    @property
+    def batches(self) -> bool:
+        return self.kv_bits is None  # a quantized cache is made one prompt at a time (kvruntime's kv_bits)
+
+    def files(self, folder: Path) -> list[Path]:
+        return [_artifact_file(self.label, self.artifacts or folder, kind) for kind in self.artifact_kinds()]
 
     def artifact_kinds(self) -> list[str]:
-        if self.kind == "kvpress":
-            return [method_spec(self.method)[0].needs] if self.method in COMPILED_PRESSES else []
-        return required_artifact_kinds(self.method, self.options) if self.kind == "kvcompile" else []
+        return required_artifact_kinds(self.method, self.options)
 
-    def press(self, ratio: float, model: object = None, checkpoints: list[Path] = ()) -> object:
-        """A kvpress press at this compression ratio (kvpress is imported only here, when a press is run); KVzap
-        with the model of `checkpoints` (its checkpoint folder) for `model`; a compiled press from its artifact
-        (`checkpoints`: the artifact file)."""
+    def check(self, files: list[Path], requests: list[Request]) -> None:
+        from kvruntime.serving import check_serves
+
+        check_serves(self.method, files, self.options, requests, self.prefill_chunk_size)
+
+    def prefilled(
+        self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
+    ) -> contextlib.AbstractContextManager:
+        from kvcompile.evaluation.prefill import compressed_prefill
+
+        return compressed_prefill(self.compressing(model, ratio, files), context_ids, shared)
+
+    def compressing(self, model: Any, ratio: float, files: list[Path]) -> contextlib.AbstractContextManager:
+        """`kvruntime.compress` as this contestant asks for it (in the memory mode its options need, if any)."""
+        import kvruntime
+        from kvruntime.serving import method_facts
+
+        return kvruntime.compress(
+            model,
+            self.method,
+            ratio=ratio,
+            memory=method_facts(self.method, self.options).memory or "padded",
+            artifacts=files,
+            options=self.options,
+            prefill_chunk_size=self.prefill_chunk_size,
+            kv_bits=self.kv_bits,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Press(Contestant):
+    """A kvpress press, by its name after `kvpress-` (`PRESSES`)."""
+
+    label: str
+    press_name: str
+    kv_bits: ClassVar[None] = None  # presses answer from a full-precision cache
+
+    def files(self, folder: Path) -> list[Path]:
+        if self.press_name in COMPILED_PRESSES:
+            return [_artifact_file(self.label, folder, method_spec(self.press_name)[0].needs)]
+        if self.press_name not in CHECKPOINTS:
+            return []
+        checkpoint = folder / CHECKPOINTS[self.press_name]
+        if not (checkpoint / "config.json").is_file():
+            raise KVRuntimeError(
+                f"{self.label} needs the checkpoint {checkpoint}: distil it with `kvcompile distill "
+                f"--oracle kvzip_plus --student hidden`, then `kvcompile export-kvzap ... --out {checkpoint}`"
+            )
+        return [checkpoint]
+
+    def press(self, ratio: float, model: object = None, files: list[Path] = ()) -> object:
+        """The press at this compression ratio (kvpress is imported only here, when a press is run); KVzap with the
+        model of `files` (its checkpoint folder) for `model`; a compiled press from its artifact (`files`: the
+        artifact file)."""
         import kvpress
 
-        class_name, settings = PRESSES[self.method]
-        if self.method in COMPILED_PRESSES:
+        class_name, settings = PRESSES[self.press_name]
+        if self.press_name in COMPILED_PRESSES:
             from kvruntime.integrations import kvpress as compiled
 
-            return getattr(compiled, class_name).from_artifact(checkpoints[0], compression_ratio=ratio)
+            return getattr(compiled, class_name).from_artifact(files[0], compression_ratio=ratio)
         press = getattr(kvpress, class_name)(compression_ratio=ratio, **settings)
-        if self.method in CHECKPOINTS:
+        if self.press_name in CHECKPOINTS:
             from kvpress.presses.kvzap_press import KVzapModel
 
             # kvpress loads `nvidia/KVzap-<type>-<model name>` from the hub unless that name is already loaded.
             press.kvzap_model_name = f"nvidia/KVzap-linear-{model.config.name_or_path.split('/')[-1]}"
-            press.kvzap_model = KVzapModel.from_pretrained(checkpoints[0])
+            press.kvzap_model = KVzapModel.from_pretrained(files[0])
         return press
+
+    def prefilled(
+        self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
+    ) -> contextlib.AbstractContextManager:
+        from kvcompile.evaluation.prefill import cache_prefilled
+
+        return cache_prefilled(model, self.press(ratio, model, files), None, context_ids, shared)
+
+
+def _artifact_file(label: str, folder: Path, kind: str) -> Path:
+    """The artifact of `kind` in `folder` (a bundle's, or `<kind>.safetensors` in a plain folder)."""
+    from kvruntime.bundle import resolve_artifact_path
+
+    try:
+        return resolve_artifact_path(folder, kind)
+    except KVRuntimeError as exc:
+        command = ARTIFACT_KINDS[kind].command
+        raise KVRuntimeError(f"{label}: {exc}; compile it with `{command}` or pass --artifacts DIR") from None
 
 
 def kvpress_available() -> bool:
@@ -98,12 +218,12 @@ def default_methods() -> str:
 
 def parse_methods(text: str) -> list[Contestant]:
     """Contestants from `--methods`; the full cache always comes first (it is the reference of every score)."""
-    contestants = [Contestant(FULL, "full")]
+    contestants: list[Contestant] = [FullCache()]
     for entry in (e.strip() for e in text.split(",") if e.strip()):
         if entry == FULL:
             continue
         if entry.startswith(f"{FULL}:"):  # the full cache quantized: quantization alone, at ratio 0
-            contestants.append(Contestant(entry, "full", kv_bits=_kv_bits(entry, entry.split(":")[1:], {})))
+            contestants.append(FullCache(entry, _kv_bits(entry, entry.split(":")[1:], {})))
             continue
         if entry == "kvpress" or entry.startswith("kvpress-"):
             contestants += _presses(entry)
@@ -120,9 +240,8 @@ def parse_methods(text: str) -> list[Contestant]:
         bits = _kv_bits(entry, [], given)
         options = check_method_options(name, given)
         contestants.append(
-            Contestant(
+            RuntimeMethod(
                 entry,
-                "kvcompile",
                 name,
                 options,
                 None if chunk is None else int(chunk),
@@ -161,46 +280,17 @@ def _presses(entry: str) -> list[Contestant]:
         raise KVRuntimeError(
             f"{entry} needs kvpress: install the bench extra (`make .venv-bench/bin/.installed`, or pip install -e '.[bench]')"
         )
-    return [Contestant(f"kvpress-{n}", "kvpress", n) for n in names]
+    return [Press(f"kvpress-{n}", n) for n in names]
 
 
 def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
-    """Each kvcompile contestant's artifacts in `folder` (or its own `artifacts=` folder): a bundle's artifact of
-    each kind, or `<kind>.safetensors` in a plain folder; a missing one is refused with the command that compiles
-    it, before any model work."""
-    from kvruntime.bundle import resolve_artifact_path
-
-    paths = {}
-    for contestant in contestants:
-        own = contestant.artifacts or folder
-        paths[contestant.label] = []
-        for kind in contestant.artifact_kinds():
-            try:
-                paths[contestant.label].append(resolve_artifact_path(own, kind))
-            except KVRuntimeError as exc:
-                command = ARTIFACT_KINDS[kind].command
-                raise KVRuntimeError(
-                    f"{contestant.label}: {exc}; compile it with `{command}` or pass --artifacts DIR"
-                ) from None
-        if contestant.kind == "kvpress" and contestant.method in CHECKPOINTS:
-            checkpoint = folder / CHECKPOINTS[contestant.method]
-            if not (checkpoint / "config.json").is_file():
-                raise KVRuntimeError(
-                    f"{contestant.label} needs the checkpoint {checkpoint}: distil it with `kvcompile distill "
-                    f"--oracle kvzip_plus --student hidden`, then `kvcompile export-kvzap ... --out {checkpoint}`"
-                )
-            paths[contestant.label] = [checkpoint]
-    return paths
+    """Each contestant's files (`Contestant.files`), found before any model work."""
+    return {contestant.label: contestant.files(folder) for contestant in contestants}
 
 
 def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
-    """Let each kvcompile method refuse a ratio it cannot serve from its artifacts' headers, before torch loads (the
+    """Let each contestant refuse a ratio it cannot serve from its files' headers, before torch loads (the
     artifacts' tensors are checked when the methods are built, and against the model when they are applied)."""
-    from kvruntime.serving import check_serves
-
     requests = [Request(ratio=ratio) for ratio in ratios]
     for contestant in contestants:
-        if contestant.kind == "kvcompile":
-            check_serves(
-                contestant.method, paths[contestant.label], contestant.options, requests, contestant.prefill_chunk_size
-            )
+        contestant.check(paths[contestant.label], requests)

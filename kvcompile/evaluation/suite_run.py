@@ -16,15 +16,14 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import Contestant
 from kvcompile.evaluation.metrics import answer_kl, greedy_agreement, next_token_kl
+from kvcompile.evaluation.prefill import SharedPrefill, shared_prefill
 from kvcompile.evaluation.runner import (
     Answer,
     Scoring,
-    SharedPrefill,
     answer,
     answer_batch,
     gold_answer,
     scored_tokens,
-    shared_prefill,
     split_prompt,
     stop_tokens,
 )
@@ -50,8 +49,8 @@ def evaluate(
     prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer, limit)
     full = contestants[0]
     # The full cache quantized (`full:kv_bits=N`) removes no entry: it runs once, at ratio 0.
-    quantized_full = [(c, 0.0) for c in contestants[1:] if c.kind == "full"]
-    jobs = quantized_full + [(c, r) for r in settings.ratios for c in contestants[1:] if c.kind != "full"]
+    quantized_full = [(c, 0.0) for c in contestants[1:] if not c.compresses]
+    jobs = quantized_full + [(c, r) for r in settings.ratios for c in contestants[1:] if c.compresses]
     # Per prompt, the runs not recorded yet (all of them, or those of methods added to a resumed run).
     left = {i: [(c, r) for c, r in jobs if not store.done(i, c.label, r)] for i in range(len(prompts))}
     todo = run_order([i for i in left if left[i] or not store.done(i, full.label, 0.0)], settings)
@@ -99,13 +98,10 @@ def batched_answers(
     settings: SuiteSettings,
     scorings: dict[int, Scoring],
 ) -> dict[int, dict[tuple[str, float], Answer]]:
-    """The answers of the kvcompile methods' runs that the group's prompts share, each run a batch of those prompts:
+    """The answers of the runs that batch (`Contestant.batches`) and that the group's prompts share, each a batch:
     prompt -> (method label, ratio) -> answer. Runs of a single prompt are left to `run_prompt`."""
     answered: dict[int, dict[tuple[str, float], Answer]] = {index: {} for index in group}
-    # A quantized cache is made one prompt at a time (kvruntime's kv_bits): those runs are left to `run_prompt`.
-    jobs = {
-        (c.label, r): (c, r) for index in group for c, r in left[index] if c.kind == "kvcompile" and c.kv_bits is None
-    }
+    jobs = {(c.label, r): (c, r) for index in group for c, r in left[index] if c.batches}
     for contestant, ratio in jobs.values():
         indices = [index for index in group if (contestant, ratio) in left[index]]
         if len(indices) < 2:

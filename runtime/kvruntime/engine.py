@@ -1,7 +1,8 @@
-"""The compression engine: hooks that compress the KV cache during or at the end of prefill.
+"""The compression engine: the KV cache compressed during or at the end of prefill.
 
-`compress(model, method, ratio=...)` is a context manager. Inside it, every forward pass that starts on an empty
-cache with more than one token is a prefill: each attention layer's hook rebuilds the last `window` queries and hands
+`compress(model, method, ratio=...)` is a context manager. Inside it, the base model's forward is wrapped: every
+forward pass that starts on an empty cache with more than one token is a prefill, which the wrapper drives (a
+batch's rows and a long prompt's chunks, one forward each), and each attention layer's hook rebuilds the last `window` queries and hands
 them, with the layer's keys and values, to the method, which keeps its statistics (for most methods, token scores
 from window attention); when the whole model has run, the method selects what each (layer, KV head) keeps and the
 cache is cut to it. A method whose layer budgets are known in advance has each layer cut right after its attention
@@ -25,7 +26,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -131,15 +132,12 @@ class CompressionSession:
         self.artifacts = list(artifacts)
         self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
-        self._latest: CompressionReport | BatchReport | None = None  # what the latest prefill compressed
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
         self.kept_positions: list[torch.Tensor] = []
         self._attention = attention_modules(model)
         self.prefill_chunk_size = prefill_chunk_size
+        # The prefill going through the model now (set and cleared by `_forward`): what the attention hooks feed.
         self._prefill: _Prefill | None = None
-        self._feeding_chunks = False  # the earlier chunks of a streamed prompt are going in (the hooks let them be)
-        # A batch's stacked rows (hidden states, cache), waiting for the throwaway forward whose output they replace.
-        self._rows_output: tuple[torch.Tensor, Cache] | None = None
         # Per compressed cache, the masks of its layers whose heads keep fewer entries than their slots (`masked`
         # memory): they belong to that cache's entries, and go when it goes.
         self._keep_masks: weakref.WeakKeyDictionary[Cache, dict[int, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -160,6 +158,17 @@ class CompressionSession:
     def keep_masks(self, cache: Cache) -> dict[int, torch.Tensor]:
         """The keep masks of a cache this session compressed ({} when every head shows all its slots)."""
         return self._keep_masks.get(cache, {})
+
+    @contextlib.contextmanager
+    def masking(self, cache: Cache, masks: dict[int, torch.Tensor]) -> Iterator[None]:
+        """`masks` hide entries of `cache` from attention inside the block (a question's padding beside the
+        context's); the cache's own keep masks are back after it."""
+        own = self._keep_masks.get(cache, {})
+        self._keep_masks[cache] = masks
+        try:
+            yield
+        finally:
+            self._keep_masks[cache] = own
 
     @property
     def report(self) -> CompressionReport:
@@ -189,7 +198,7 @@ class CompressionSession:
                 f"a context of {input_ids.shape[-1] if input_ids.ndim else 0} token(s) has nothing to compress: give at least 2"
             )
         cache = DynamicCache(config=self.model.config)
-        self._latest = None
+        counts = len(self.reports), len(self.batch_reports)
         with torch.no_grad():
             self.model(
                 input_ids=input_ids,
@@ -198,12 +207,16 @@ class CompressionSession:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        if self._latest is None:
+        if len(self.batch_reports) > counts[1]:
+            report: CompressionReport | BatchReport = self.batch_reports[-1]
+        elif len(self.reports) > counts[0]:
+            report = self.reports[-1]
+        else:
             raise KVRuntimeError("the context was not compressed")
         lengths = (
             [input_ids.shape[1]] * input_ids.shape[0] if attention_mask is None else attention_mask.sum(1).tolist()
         )
-        return CompressedContext(self, cache, lengths, self._latest)
+        return CompressedContext(self, cache, lengths, report)
 
     def streams(self, length: int) -> bool:
         """Whether a prompt of `length` tokens goes in chunks (`prefill_chunk_size`)."""
@@ -219,12 +232,11 @@ class CompressionSession:
             raise KVRuntimeError(
                 f"a prompt streamed in chunks of {self.prefill_chunk_size} tokens is not a recorded prefill of one piece"
             )
-        self._latest = None
-        self._prefill = self._new_prefill(recording.input_ids)
-        with torch.no_grad():
+        state = self._new_prefill(recording.input_ids)
+        with torch.no_grad(), self._feeding(state):
             cache, output = recording.replay(self.model, self._after_attention)
-        self._after_model(self.model.base_model, (), {}, output)
-        return CompressedContext(self, cache, [recording.length], self._latest)
+        self._finish(state, output)
+        return CompressedContext(self, cache, [recording.length], self.reports[-1])
 
     # -- hooks ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -233,10 +245,11 @@ class CompressionSession:
         if getattr(self.model, _ACTIVE_SESSION, None) is not None:
             raise KVRuntimeError("this model is already inside a `kvruntime.compress(...)` block: blocks do not nest")
         setattr(self.model, _ACTIVE_SESSION, self)
-        self._handles = [
-            base.register_forward_pre_hook(self._before_model, with_kwargs=True),
-            base.register_forward_hook(self._after_model, with_kwargs=True),
-        ]
+        # The base model's forward, wrapped while attached: a prefill goes through `_forward`, which drives its
+        # rows and chunks; every other forward (decoding, a second pass) goes through unchanged.
+        own_forward = base.__dict__.get("forward")  # an instance's own forward (accelerate's hooks set one)
+        forward = base.forward
+        base.forward = functools.wraps(forward)(functools.partial(self._forward, forward))
         for module in self._attention:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
@@ -246,14 +259,16 @@ class CompressionSession:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
+            if own_forward is None:
+                del base.forward
+            else:
+                base.forward = own_forward
             delattr(self.model, _ACTIVE_SESSION)
 
-    def _before_model(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if self._feeding_chunks:
-            return None
-        # An earlier prefill that raised left its state: it does not apply to this pass.
-        self._prefill, self._rows_output = None, None
-        if args:  # the input ids given by position: pass them on by name, as the chunks are
+    def _forward(self, forward: Callable[..., object], *args: object, **kwargs: object) -> object:
+        """The base model's forward while attached: a prefill (an empty cache, two tokens or more) is compressed,
+        a batch or a padded prompt row by row, a long prompt in chunks (`prefill_chunk_size`)."""
+        if args:  # the input ids given by position: pass them on by name, as the rows and chunks are
             kwargs, args = {**kwargs, "input_ids": args[0]}, args[1:]
         tokens_key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         tokens = kwargs[tokens_key]
@@ -263,19 +278,30 @@ class CompressionSession:
         if starts_empty and cache is not None:  # a new sequence: an earlier prompt's keep masks do not apply to it
             self._keep_masks.pop(cache, None)
         if not starts_empty or length < 2 or kwargs.get("use_cache") is False:
-            return None
+            return forward(*args, **kwargs)
         mask = kwargs.get("attention_mask")
         if batch != 1 or (isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
-            return args, self._prefill_rows(module, kwargs, tokens_key, cache)
+            return self._prefill_rows(kwargs, tokens_key, cache)
         check_positions(
             length, getattr(self.model.config, "max_position_embeddings", None), f"a prompt of {length} tokens"
         )
         state = self._new_prefill(tokens)
+        with self._feeding(state):
+            if self.streams(length) and cache is not None:
+                bounds = chunk_bounds(length, self.prefill_chunk_size)
+                kwargs = self._feed_earlier_chunks(forward, kwargs, tokens_key, bounds, state)
+            output = forward(*args, **kwargs)
+        self._finish(state, output)
+        return output
+
+    @contextlib.contextmanager
+    def _feeding(self, state: _Prefill) -> Iterator[None]:
+        """The attention hooks feed `state` inside the block, and nothing after it (an error included)."""
         self._prefill = state
-        if not self.streams(length) or cache is None:
-            return args, kwargs
-        bounds = chunk_bounds(length, self.prefill_chunk_size)
-        return args, self._feed_earlier_chunks(module, kwargs, tokens_key, bounds, state)
+        try:
+            yield
+        finally:
+            self._prefill = None
 
     def _new_prefill(self, tokens: torch.Tensor) -> _Prefill:
         """The state of a prefill of `tokens` [1, N] (ids, or embeddings [1, N, hidden]) starting now."""
@@ -287,12 +313,11 @@ class CompressionSession:
             state.budgets = self.method.layer_budgets(len(self._attention), plan)
         return state
 
-    def _prefill_rows(self, module: nn.Module, kwargs: dict, tokens_key: str, cache: Cache | None) -> dict:
+    def _prefill_rows(self, kwargs: dict, tokens_key: str, cache: Cache | None) -> object:
         """A batch, or a padded prompt: each row's own tokens go through the model alone, at batch size 1, and are
         compressed as that prompt alone would be (padding never enters a row's cache, each row keeps its own ratio
         or budget of its own length; second-pass methods and streaming work as alone). The rows' caches are then
-        stacked into `cache`, and the arguments of a throwaway one-token forward returned: the forward that called
-        the hook runs it, and `_after_model` replaces its output by the rows' hidden states and the stacked cache."""
+        stacked into `cache`; the output holds the rows' hidden states and the stacked cache."""
         tokens = kwargs[tokens_key]
         batch, length = tokens.shape[:2]
         if self.kv_bits is not None:
@@ -308,7 +333,7 @@ class CompressionSession:
         for row, start in enumerate(starts):
             row_cache = DynamicCache(config=self.model.config)
             row_tokens = tokens[row : row + 1, start:]
-            output = module(**{**alone, tokens_key: row_tokens, **cache_argument(self.model, row_cache)})
+            output = self.model.base_model(**{**alone, tokens_key: row_tokens, **cache_argument(self.model, row_cache)})
             states = output.last_hidden_state
             if hidden is None:
                 hidden = states.new_zeros(batch, length, states.shape[-1])
@@ -337,17 +362,21 @@ class CompressionSession:
                 masks[index] = visible
             self.kept_positions.append(stack_rows([positions[index] for positions in row_positions], fill=-1))
         self._keep_masks[cache] = masks
-        self._latest = BatchReport(self.reports[first_report:], uncompressed_bytes(cache, length), cache_bytes(cache))
-        self.batch_reports.append(self._latest)
-        self._rows_output = (hidden, cache)
-        throwaway = DynamicCache(config=self.model.config)
-        return {**alone, tokens_key: tokens[:, -1:], **cache_argument(self.model, throwaway)}
+        self.batch_reports.append(
+            BatchReport(self.reports[first_report:], uncompressed_bytes(cache, length), cache_bytes(cache))
+        )
+        return replace_output(output, hidden, cache)
 
     def _feed_earlier_chunks(
-        self, module: nn.Module, kwargs: dict, tokens_key: str, bounds: list[tuple[int, int]], state: _Prefill
+        self,
+        forward: Callable[..., object],
+        kwargs: dict,
+        tokens_key: str,
+        bounds: list[tuple[int, int]],
+        state: _Prefill,
     ) -> dict:
-        """Run every chunk but the last through the model (each layer is cut after each chunk), and return the
-        arguments of the last chunk: the forward that called the hook runs it, and its output is the prefill's.
+        """Run every chunk but the last through the model's `forward` (each layer is cut after each chunk), and
+        return the arguments of the last chunk, whose output is the prefill's.
         Positions are given explicitly: the cache, cut, no longer says how far the prompt has gone."""
         tokens = kwargs[tokens_key]
         positions = kwargs.get("position_ids")
@@ -359,13 +388,9 @@ class CompressionSession:
             return {**kwargs, **sliced, **explicit_positions(self.model, positions[0, start:end])}
 
         state.chunks = len(bounds)
-        self._feeding_chunks = True
-        try:
-            for start, end in bounds[:-1]:
-                state.chunk_start, state.final_chunk = start, False
-                module(**chunk_arguments(start, end))
-        finally:
-            self._feeding_chunks = False
+        for start, end in bounds[:-1]:
+            state.chunk_start, state.final_chunk = start, False
+            forward(**chunk_arguments(start, end))
         state.chunk_start, state.final_chunk = bounds[-1][0], True
         return chunk_arguments(*bounds[-1])
 
@@ -418,18 +443,11 @@ class CompressionSession:
             scores, positions = scores.gather(-1, indices), positions.gather(-1, indices)
         state.held[layer.index] = _HeldEntries(positions, scores, carry)
 
-    def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-        if self._feeding_chunks:
-            return None
-        if self._rows_output is not None:  # the throwaway forward of a batch: its output is the rows'
-            (hidden, cache), self._rows_output = self._rows_output, None
-            return replace_output(output, hidden, cache)
-        state, self._prefill = self._prefill, None
-        if state is None:
-            return None
+    def _finish(self, state: _Prefill, output: object) -> None:
+        """Compress the cache of a prefill that went through (`output`'s), and report it."""
         cache = output_cache(output)
         if cache is None:
-            return None
+            return
         started = time.perf_counter()
         peak = max(cache_bytes(cache), state.peak_bytes)
         prefill = Prefill(
@@ -447,7 +465,7 @@ class CompressionSession:
                 quantize_cache(cache, self.kv_bits)
                 notes = [*notes, f"kept entries quantized to {KV_BITS[self.kv_bits]}"]
         ended = time.perf_counter()
-        self._latest = CompressionReport(
+        report = CompressionReport(
             method=self.method.name,
             memory=self.memory,
             requested=self.request.describe(),
@@ -463,7 +481,7 @@ class CompressionSession:
             cut=state.path(),
             notes=notes,
         )
-        self.reports.append(self._latest)
+        self.reports.append(report)
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         cache = hooked_cache(kwargs)
@@ -604,17 +622,14 @@ class CompressedContext:
             raise KVRuntimeError(
                 f"{ids.shape[0]} row(s) of tokens for a context of {len(self.context_lengths)} row(s): give one per row"
             )
-        masks = self.session._keep_masks.get(self.cache, {})
+        masks = self.keep_masks
         if attention_mask is not None and not bool(attention_mask.all()):
             # The question's padding enters the cache after the context: hidden from attention like the context's.
             heads = self.cache.layers[0].keys.shape[1]
             slots = [layer.keys.shape[2] for layer in self.cache.layers]
-            self.session._keep_masks[self.cache] = with_appended(masks, slots, heads, attention_mask)
-        try:
-            with restored_after(self.cache):
-                yield
-        finally:
-            self.session._keep_masks[self.cache] = masks
+            masks = with_appended(masks, slots, heads, attention_mask)
+        with self.session.masking(self.cache, masks), restored_after(self.cache):
+            yield
 
 
 def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:

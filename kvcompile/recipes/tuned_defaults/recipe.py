@@ -30,13 +30,14 @@ class TuneRecipe(Recipe):
         return max(suite.lengths) + suite.new_tokens, f"--lengths {max(suite.lengths)} and the answer"
 
     def prepare(self, settings: TuneSettings) -> tuple[list[Any], dict[str, list[Path]]]:
-        from kvcompile.evaluation.contestants import artifact_paths, check_contestants, parse_methods
+        from kvcompile.evaluation.contestants import RuntimeMethod, artifact_paths, check_contestants, parse_methods
 
         check_run_folder(self.records, option="the run records' folder beside --out:")
         contestants = parse_methods(self.methods)
-        if any(c.kind == "kvpress" for c in contestants):
+        if not all(isinstance(c, RuntimeMethod) for c in contestants[1:]):
             raise KVRuntimeError(
-                "tune recommends a runtime method: kvpress presses can be compared with kvcompile eval only"
+                "tune recommends a runtime method: kvpress presses and the quantized full cache can be compared with "
+                "kvcompile eval only"
             )
         paths = artifact_paths(contestants, self.artifacts)
         check_contestants(contestants, paths, settings.suite.ratios)
