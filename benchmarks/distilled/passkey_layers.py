@@ -38,6 +38,7 @@ def key_positions(tokenizer: object, ids: list[int], key: str) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--scorer", default=SCORER, help="the distilled_scorer artifact (a variant's, to compare)")
     parser.add_argument("--out", default="benchmarks/distilled/passkey_layers.md")
     args = parser.parse_args()
     model, tokenizer = kvruntime.load_model()
@@ -49,7 +50,9 @@ def main() -> None:
         context, question = split_prompt(tokenizer, prompt, False)
         digits = key_positions(tokenizer, context[0].tolist(), prompt.expected[0])
         for label, (ratio, options) in VARIANTS.items():
-            with kvruntime.compress(model, "distilled", ratio=ratio, artifacts=[SCORER], options=options) as session:
+            with kvruntime.compress(
+                model, "distilled", ratio=ratio, artifacts=[args.scorer], options=options
+            ) as session:
                 compressed = session.prefill(context)
                 output = compressed.generate(question, max_new_tokens=12, do_sample=False, pad_token_id=0)
                 answers[label] += prompt.expected[0] in tokenizer.decode(output[0, question.shape[1] :])
@@ -69,7 +72,7 @@ def main() -> None:
         f"Machine: {machine()}",
         "",
         f"{len(prompts)} pass-key prompts in repeated filler (seed {args.seed}, 1k, 2k and 4k tokens), question-agnostic,"
-        " the shipped scorer. Per layer: the share of the key's digit tokens kept, averaged over KV heads and prompts.",
+        f" the scorer {args.scorer}. Per layer: the share of the key's digit tokens kept, averaged over KV heads and prompts.",
         "",
         *markdown_table(rows),
         "",

@@ -2,15 +2,15 @@
 
 `compress(model, method, ratio=...)` is a context manager. Inside it, the base model's forward is wrapped: every
 forward pass that starts on an empty cache with more than one token is a prefill, which the wrapper drives (a
-batch's rows and a long prompt's chunks, one forward each), and each attention layer's hook rebuilds the last `window` queries and hands
-them, with the layer's keys and values, to the method, which keeps its statistics (for most methods, token scores
-from window attention); when the whole model has run, the method selects what each (layer, KV head) keeps and the
-cache is cut to it. A method whose layer budgets are known in advance has each layer cut right after its attention
-instead (one layer at a time holds its full cache), and with `prefill_chunk_size` the prompt goes in chunks, every
-layer cut after each (the cache held never exceeds the budgets plus one chunk in one layer). Decoding then runs
-unchanged on the smaller cache. Generated
-tokens keep their original positions because transformers derives them from the attention mask, not from the
-(compressed) cache length; the question mode passes them explicitly.
+batch's rows and a long prompt's chunks, one forward each), and each attention layer's hook rebuilds the last
+`window` queries and hands them, with the layer's keys and values, to the method, which keeps its statistics (for
+most methods, token scores from window attention); when the whole model has run, the method selects what each
+(layer, KV head) keeps and the cache is cut to it. A method whose layer budgets are known in advance has each layer
+cut right after its attention instead (one layer at a time holds its full cache), and with `prefill_chunk_size` the
+prompt goes in chunks, every layer cut after each (the cache held never exceeds the budgets plus one chunk in one
+layer). Decoding then runs unchanged on the smaller cache. Generated tokens keep their original positions because
+transformers derives them from the attention mask, not from the (compressed) cache length; the question mode passes
+them explicitly.
 
 A batch (left-padded, as transformers' generation pads) is prefilled row by row: each row's own tokens go through the
 model alone and are compressed exactly as that prompt alone would be; the rows' caches are then stacked into one
