@@ -267,7 +267,7 @@ def test_fidelity_is_paired_per_ratio_as_log_kl_and_expected_answer_logprob():
     (row,) = paired_by_ratio(records, "distilled", FIDELITY_MEASURES["log_answer_kl"])
     expected = [math.log(0.0101 / 0.1001), 0.0, math.log(0.0001 / 0.01)]
     assert row["distilled_minus_method"] == pytest.approx(sum(expected) / 3, abs=1e-4)
-    assert (row["distilled_ahead"], row["method_ahead"], row["prompts"]) == (0, 2, 3)  # ahead: larger, i.e. worse KL
+    assert (row["distilled_higher"], row["method_higher"], row["prompts"]) == (0, 2, 3)  # higher KL: less faithful
     (row,) = paired_by_ratio(records, "distilled", FIDELITY_MEASURES["answer_logprob"])
     assert row["distilled_minus_method"] == pytest.approx((0.5 + 0.0 - 1.0) / 3, abs=1e-4)
 
@@ -299,7 +299,7 @@ def test_the_bootstrap_interval_of_a_mean_is_the_exact_resampling_quantile_and_e
     assert bootstrap_interval([0.0, 1.0, 0.5]) == bootstrap_interval([0.0, 1.0, 0.5])  # seeded
 
 
-def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_who_is_ahead():
+def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_who_is_higher():
     ratios = (0.5, 0.75, 0.9)
     correct = {  # per method, per prompt, the answers at each ratio
         "distilled": [(1, 1, 0), (1, 0, 0), (1, 1, 1)],
@@ -321,7 +321,7 @@ def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_wh
     filler = dict(agreement=1.0, prefill_vs_full=1.0, peak_mib=None, cache_kept=1.0)
     auc = {r["method"]: r["auc"] for r in summary_table([{**r, **filler} for r in records])}
     assert row["distilled_minus_method"] == pytest.approx(auc["distilled"] - auc["tova"], abs=2e-4)
-    assert (row["distilled_ahead"], row["method_ahead"]) == (1, 1)
+    assert (row["distilled_higher"], row["method_higher"]) == (1, 1)
     assert row["low_95"] <= row["distilled_minus_method"] <= row["high_95"]
     # At each ratio, by hand from the answers above: 0.5 (1,1,1) vs (1,0,1), 0.75 the same, 0.9 (0,0,1) vs (1,0,1).
     by_ratio = {r["ratio"]: r for r in paired_accuracy_table(records, "distilled")}
@@ -329,7 +329,7 @@ def test_paired_auc_differences_average_to_the_suite_auc_difference_and_count_wh
         r["method"] == "tova" and r["prompts"] == 3 for r in by_ratio.values()
     )
     assert [by_ratio[r]["distilled_minus_method"] for r in ratios] == [round(1 / 3, 4), 0.0, round(-1 / 3, 4)]
-    assert [(by_ratio[r]["distilled_ahead"], by_ratio[r]["method_ahead"]) for r in ratios] == [(1, 0), (0, 0), (0, 1)]
+    assert [(by_ratio[r]["distilled_higher"], by_ratio[r]["method_higher"]) for r in ratios] == [(1, 0), (0, 0), (0, 1)]
     assert by_ratio[0.75]["low_95"] == by_ratio[0.75]["high_95"] == 0.0
 
 

@@ -118,7 +118,7 @@ def prompt_aucs(records: list[dict]) -> dict[str, dict[int, float]]:
 
 def paired_auc_table(records: list[dict], subject: str) -> list[dict]:
     """`subject`'s AUC minus each other method's, paired over the prompts both answered, with a 95% bootstrap
-    interval over prompts and the prompts on which either is ahead: what a claim that one beats another needs."""
+    interval over prompts and the prompts on which either is the higher: what a claim that one beats another needs."""
     aucs = prompt_aucs(records)
     return [{"method": other, **_paired(aucs[subject], aucs[other], subject)} for other in aucs if other != subject]
 
@@ -152,8 +152,9 @@ def _paired(subject_values: dict[int, float], other_values: dict[int, float], su
         "low_95": round(low, 4),
         "high_95": round(high, 4),
         "prompts": len(prompts),
-        f"{subject}_ahead": sum(d > 0 for d in differences),
-        "method_ahead": sum(d < 0 for d in differences),
+        # "higher", not "ahead": for log KL the higher is the less faithful
+        f"{subject}_higher": sum(d > 0 for d in differences),
+        "method_higher": sum(d < 0 for d in differences),
     }
 
 
@@ -185,7 +186,8 @@ def _paired_section(records: list[dict], subject: str | None) -> list[str]:
         f"## {subject}'s AUC against each method's, paired over prompts",
         "",
         "The difference of the AUCs per prompt, averaged (the difference of the suite's AUCs), with a 95% bootstrap "
-        "interval over prompts (10,000 resamples); ahead: prompts on which one method's AUC is the larger.",
+        "interval over prompts (10,000 resamples); higher: prompts on which one method's value is the larger (for the "
+        "AUC, accuracy and answer_logprob the better; for log_answer_kl the less faithful).",
         "",
         to_markdown(paired),
         f"## {subject}'s accuracy against each method's at each ratio, paired over prompts",
