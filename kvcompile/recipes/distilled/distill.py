@@ -159,9 +159,8 @@ def averaged_layer_shares(sums: dict[str, torch.Tensor], prompts: int, shares_fr
     to 1), and which prompts those were; all prompts' when none repeats."""
     repeating = int(sums["repeating_prompts"]) if shares_from == "repeating" else 0
     if repeating:
-        return sums[
-            "layer_shares_repeating"
-        ] / repeating, f"the {repeating} of {prompts} calibration prompts whose text repeats"
+        source = f"the {repeating} of {prompts} calibration prompts whose text repeats"
+        return sums["layer_shares_repeating"] / repeating, source
     source = f"all {prompts} calibration prompts" + (" (none repeats)" if shares_from == "repeating" else "")
     return sums["layer_shares_all"] / prompts, source
 
