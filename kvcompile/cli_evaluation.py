@@ -59,6 +59,27 @@ ScoringOption = Annotated[
         "appears), exact (SQuAD's exact match) or f1 (token F1, SQuAD/LongBench)."
     ),
 ]
+RatiosOption = Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")]
+EvalResumeOption = Annotated[
+    bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
+]
+EvalBatchOption = Annotated[
+    int,
+    typer.Option(
+        help="Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not "
+        "measured per prompt). The full cache and kvpress's presses answer one by one."
+    ),
+]
+SharedPrefillOption = Annotated[
+    bool,
+    typer.Option(
+        "--shared-prefill/--own-prefills",
+        help="Prefill each context once with the full cache and cut every method's cache from that forward (the "
+        "same records, several times faster: each method's prefill time is the shared forward plus its own "
+        "scoring and cut, and peak memory is not measured); streamed prompts and presses with passes of their "
+        "own still prefill alone. --own-prefills gives every method its own prefill, timed and measured.",
+    ),
+]
 ArtifactsOption = Annotated[
     Path | None,
     typer.Option(
@@ -163,7 +184,7 @@ def eval_(
     ctx: typer.Context,
     model: ModelOption = "default",
     methods: MethodsOption = None,
-    ratios: Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")] = "0.5,0.75,0.9",
+    ratios: RatiosOption = "0.5,0.75,0.9",
     tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
     lengths: LengthsOption = "2k",
     samples: Annotated[
@@ -181,26 +202,9 @@ def eval_(
     out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path(
         "eval_results"
     ),
-    resume: Annotated[
-        bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
-    ] = False,
-    batch_size: Annotated[
-        int,
-        typer.Option(
-            help="Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not "
-            "measured per prompt). The full cache and kvpress's presses answer one by one."
-        ),
-    ] = 1,
-    shared_prefill: Annotated[
-        bool,
-        typer.Option(
-            "--shared-prefill/--own-prefills",
-            help="Prefill each context once with the full cache and cut every method's cache from that forward (the "
-            "same records, several times faster: each method's prefill time is the shared forward plus its own "
-            "scoring and cut, and peak memory is not measured); streamed prompts and presses with passes of their "
-            "own still prefill alone. --own-prefills gives every method its own prefill, timed and measured.",
-        ),
-    ] = True,
+    resume: EvalResumeOption = False,
+    batch_size: EvalBatchOption = 1,
+    shared_prefill: SharedPrefillOption = True,
     device: DeviceOption = "cpu",
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""

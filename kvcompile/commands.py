@@ -99,6 +99,54 @@ def comma_separated(text: str, convert: type) -> tuple:
         raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
+GenerateMethodOption = Annotated[
+    str | None,
+    typer.Option(
+        help=f"{methods_help()}. Default: the method and ratio of "
+        "artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if there is one, else kvcompress."
+    ),
+]
+QuestionOption = Annotated[
+    list[str] | None,
+    typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
+]
+ArtifactOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        help="Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked "
+        "against the model."
+    ),
+]
+NearestBudgetOption = Annotated[
+    bool,
+    typer.Option(
+        help="compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does)."
+    ),
+]
+MethodOptionOption = Annotated[
+    list[str] | None,
+    typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
+]
+PrefillChunkOption = Annotated[
+    int | None,
+    typer.Option(
+        help="Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache "
+        "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
+    ),
+]
+GenerateBatchOption = Annotated[
+    int,
+    typer.Option(
+        help="Prompts generated together (left-padded): each row is compressed as it would be alone, and the "
+        "batch decodes at once."
+    ),
+]
+KvBitsOption = Annotated[
+    int | None,
+    typer.Option(help="Quantize the kept entries for decoding: 8 (FP8, built in) or 4 (int4, needs optimum-quanto)."),
+]
+
+
 @app.command()
 def generate(
     prompt_file: Annotated[
@@ -108,63 +156,23 @@ def generate(
             'give a .jsonl file of prompts (a JSON string or {"prompt": ...} per line).'
         ),
     ],
-    method: Annotated[
-        str | None,
-        typer.Option(
-            help=f"{methods_help()}. Default: the method and ratio of "
-            "artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if there is one, else kvcompress."
-        ),
-    ] = None,
+    method: GenerateMethodOption = None,
     ratio: Annotated[
         float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")
     ] = None,
     budget: Annotated[int | None, typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
-    question: Annotated[
-        list[str] | None,
-        typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
-    ] = None,
+    question: QuestionOption = None,
     memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
-    artifact: Annotated[
-        list[Path] | None,
-        typer.Option(
-            help="Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked "
-            "against the model."
-        ),
-    ] = None,
+    artifact: ArtifactOption = None,
     force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
-    nearest_budget: Annotated[
-        bool,
-        typer.Option(
-            help="compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does)."
-        ),
-    ] = False,
-    option: Annotated[
-        list[str] | None,
-        typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
-    ] = None,
+    nearest_budget: NearestBudgetOption = False,
+    option: MethodOptionOption = None,
     model: ModelOption = "default",
     prompt_format: PromptFormatOption = "auto",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
-    prefill_chunk_size: Annotated[
-        int | None,
-        typer.Option(
-            help="Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache "
-            "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
-        ),
-    ] = None,
-    batch_size: Annotated[
-        int,
-        typer.Option(
-            help="Prompts generated together (left-padded): each row is compressed as it would be alone, and the "
-            "batch decodes at once."
-        ),
-    ] = 1,
-    kv_bits: Annotated[
-        int | None,
-        typer.Option(
-            help="Quantize the kept entries for decoding: 8 (FP8, built in) or 4 (int4, needs optimum-quanto)."
-        ),
-    ] = None,
+    prefill_chunk_size: PrefillChunkOption = None,
+    batch_size: GenerateBatchOption = 1,
+    kv_bits: KvBitsOption = None,
 ) -> None:
     """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat

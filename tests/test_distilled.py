@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvcompile import recipe
-from kvcompile.calibration.corpus import Corpus, calibration_prompts, repeated_ngram_fraction
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.distributed import Shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import merge_partials
@@ -44,6 +44,7 @@ from kvruntime.methods.distilled import (
     with_leverage,
 )
 from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.repetition import repeated_ngram_fraction, repeats
 from kvruntime.request import kept_per_head
 
 runner = CliRunner()
@@ -288,6 +289,37 @@ def test_a_floor_given_to_the_compiled_allocation_refloors_the_teachers_shares(t
     )
 
 
+def test_a_prompt_that_repeats_gets_the_repeating_floor_when_one_is_given(tiny, tokens, tmp_path):
+    """The compiled shares are re-floored with `repeating_floor` for a prompt a quarter or more of whose 8-grams came
+    earlier in it, in one piece or streamed, and with `floor` otherwise."""
+    layers = tiny.config.num_hidden_layers
+    pool = torch.arange(1.0, layers + 1, dtype=torch.float64) ** 2
+    pool /= pool.sum()
+    artifact = scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0)
+    artifact.tensors["layer_shares"] = (0.25 / layers + 0.75 * pool).expand(4, -1).clone()
+    path = save_artifact(artifact, tmp_path / "s.safetensors")
+    repeating = tokens[:, :20].repeat(1, 4)  # 80 tokens, 53 of its 73 8-grams seen before
+    window = 8
+    keep = kept_per_head(tokens.shape[1], window, ratio=0.5)
+
+    def slots(prompt: torch.Tensor, chunk: int | None = None) -> tuple[list[int], str]:
+        options = {"repeating_floor": 1.0, "window": window}
+        with kvruntime.compress(
+            tiny, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=chunk
+        ) as s:
+            s.prefill(prompt)
+        return s.report.slots_per_layer, s.report.notes[-1]
+
+    def expected(floor: float) -> list[int]:
+        return apportion(floor / layers + (1 - floor) * pool, keep * layers, low=window, high=80).tolist()
+
+    for chunk in (None, 32):
+        counts, note = slots(repeating, chunk)
+        assert counts == expected(1.0) and "the prompt repeats: 0.73 of its 8-grams" in note
+        counts, note = slots(tokens, chunk)
+        assert counts == expected(0.25) != expected(1.0) and "repeats" not in note
+
+
 def uniform_shares(rows: int, layers: int) -> torch.Tensor:
     return torch.full((rows, layers), 1 / layers, dtype=torch.float64)
 
@@ -433,11 +465,26 @@ def test_the_compiled_layer_shares_average_the_teachers_over_the_prompts_whose_t
     assert float((expected["two", "repeating"] - expected["two", "all"]).abs().max()) > 1e-3  # the choice matters
 
 
+def _seen_earlier_share(ids: list[int], n: int) -> float:
+    """The reference: walk the prompt, counting each n-gram met before."""
+    seen, repeated = set(), 0
+    for end in range(n, len(ids) + 1):
+        repeated += tuple(ids[end - n : end]) in seen
+        seen.add(tuple(ids[end - n : end]))
+    return repeated / max(len(ids) - n + 1, 1)
+
+
 def test_the_repeated_ngram_fraction_counts_the_ngrams_seen_earlier_in_the_prompt():
-    assert repeated_ngram_fraction([1, 2, 3, 1, 2, 3], n=2) == pytest.approx(2 / 5)  # (1,2) (2,3) again of 5
-    assert repeated_ngram_fraction([5, 5, 5, 5], n=2) == pytest.approx(2 / 3)
-    assert repeated_ngram_fraction([1, 2, 3], n=8) == 0.0
-    assert repeated_ngram_fraction(list(range(100))) == 0.0
+    share = repeated_ngram_fraction
+    assert share(torch.tensor([1, 2, 3, 1, 2, 3]), n=2) == pytest.approx(2 / 5)  # (1,2) (2,3) again of 5
+    assert share(torch.tensor([5, 5, 5, 5]), n=2) == pytest.approx(2 / 3)
+    assert share(torch.tensor([1, 2, 3]), n=8) == 0.0
+    assert share(torch.arange(100)) == 0.0
+    generator = torch.Generator().manual_seed(0)
+    for vocabulary in (3, 5, 50):
+        ids = torch.randint(vocabulary, (300,), generator=generator)
+        assert share(ids, n=4) == pytest.approx(_seen_earlier_share(ids.tolist(), 4))
+    assert repeats(share(torch.tensor([7, 8, 9] * 40))) and not repeats(share(torch.arange(120)))
 
 
 def test_a_bfloat16_model_distils_to_finite_weights_close_to_the_float32_ones(scorer, tmp_path):

@@ -136,18 +136,6 @@ def repeating_documents(
     return made
 
 
-def repeated_ngram_fraction(ids: Sequence[int], n: int = 8) -> float:
-    """The share of the `n`-grams of `ids` that occurred earlier in it: 0 in a novel's passage, 0.6-0.9 in the
-    repeating documents (0 when `ids` is shorter than `n`)."""
-    seen: set[tuple[int, ...]] = set()
-    repeated = 0
-    for end in range(n, len(ids) + 1):
-        gram = tuple(ids[end - n : end])
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / max(len(ids) - n + 1, 1)
-
-
 def passage_ids(tokenizer: PreTrainedTokenizerBase, document: str, start: int, tokens: int) -> list[int]:
     """The first `tokens` token ids of the document from character `start` (8 characters a token is ample)."""
     return tokenizer(document[start : start + tokens * 8], add_special_tokens=False).input_ids[:tokens]

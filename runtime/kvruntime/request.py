@@ -34,16 +34,17 @@ class Request:
     def __post_init__(self) -> None:
         check_request(self.ratio, self.budget, self.memory)
 
-    def plan(self, length: int, window: int) -> KeepPlan:
-        """What a prompt of `length` tokens keeps under this request, for a method protecting `window` tokens. A
-        window longer than the prompt would keep it whole whatever the request says: refused, as a budget is."""
+    def plan(self, length: int, window: int, repeated: float | None = None) -> KeepPlan:
+        """What a prompt of `length` tokens (`repeated`: the share of its 8-grams seen earlier in it, when its ids are
+        known) keeps under this request, for a method protecting `window` tokens. A window longer than the prompt
+        would keep it whole whatever the request says: refused, as a budget is."""
         if window > length:
             raise KVRuntimeError(
                 f"the method's window of {window} recent tokens is longer than the prompt ({length} tokens): nothing "
                 "to compress; give a smaller window (option window) or a longer prompt"
             )
         keep = kept_per_head(length, window, self.ratio, self.budget)
-        return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget))
+        return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget), repeated)
 
     def describe(self) -> str:
         return f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
@@ -59,6 +60,8 @@ class KeepPlan:
     window: int  # the recent tokens that always stay (the method's window, at most the prompt)
     keep: int  # entries each (layer, KV head) keeps on average, the window included
     asked: int  # what the request alone asks for: more is kept when the window outgrows it
+    # The share of the prompt's 8-grams seen earlier in it (`repetition.py`); None when it came as embeddings.
+    repeated: float | None = None
 
     @property
     def ratio(self) -> float:

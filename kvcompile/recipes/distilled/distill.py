@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from kvcompile.calibration.corpus import Corpus, calibration_prompts, repeated_ngram_fraction
+from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, REPEATING_FRACTION, DistillSettings
+from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 from kvruntime.cache_ops import attention_modules, cache_argument
 from kvruntime.methods.distilled import (
@@ -40,6 +40,7 @@ from kvruntime.methods.distilled import (
 )
 from kvruntime.methods.distilled.method import dynamic_layer_counts
 from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.repetition import repeated_ngram_fraction, repeats
 from kvruntime.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
 from kvruntime.selection import protect_sinks, protect_window
@@ -137,7 +138,7 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
         part = "held_out" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
         shares = teacher_layer_shares(targets, window, sinks, floor)
         sums["layer_shares_all"] += shares
-        if repeated_ngram_fraction(ids[0].tolist()) >= REPEATING_FRACTION:
+        if repeats(repeated_ngram_fraction(ids[0])):
             sums["layer_shares_repeating"] += shares
             sums["repeating_prompts"] += 1
         for layer, x in enumerate(inputs):

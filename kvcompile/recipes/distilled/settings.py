@@ -11,7 +11,6 @@ from kvruntime.methods.distilled.oracle import ORACLES, STUDENTS
 
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
 SHARE_SOURCES = ("repeating", "all")  # the calibration prompts the compiled layer shares are averaged over
-REPEATING_FRACTION = 0.25  # a prompt repeats when this share of its 8-grams occurred earlier in it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""A key-geometry term for the student's scores (issue #33): a key's leverage among the layer's keys, high for a key
-unlike the others (an outlier direction, as Compactor scores them), low for one of many alike. The student ranks the
-tokens of repeated filler alike, so at a half-size cache every layer keeps the same fragments of every repeat and
-the pass key drowns in them (`benchmarks/distilled/rule_probe.md`); leverage ranks the repeats apart. Pure functions,
-no model."""
+"""A key-geometry term for the student's scores: a key's leverage among the layer's keys, high for a key unlike the
+others (an outlier direction, as Compactor scores them), low for one of many alike. The student ranks the copies of
+a repeated text alike, so every layer would keep the same fragments of every copy; leverage ranks the copies apart
+(measured in docs/methods/distilled.md). Pure functions, no model.
+"""
 
 from __future__ import annotations
 

@@ -2,25 +2,20 @@
 `distilled_scorer` artifact, a linear student of what a second pass over the context finds (`kvcompile distill`).
 
 Each KV head keeps its own best tokens in its layer's shared slots (composite tokens: every removed byte is freed).
-How many each layer keeps: `allocation="compiled"` (default) takes the layer shares the teacher's dynamic
-allocation gave the calibration prompts (averaged at compile time, per ratio), known before the prefill, so each
-layer is cut inside it and a long prompt streams; `"dynamic"` ranks the layers' composite tokens by their predicted
-scores in one global pool, as KVCompose's dynamic mode does with its second pass's, after giving every layer
-`floor` times the average count (level with the compiled shares on 60 held-out prompts, but it holds the whole
-prompt until the prefill ends: `benchmarks/distilled/eval_sixty/`); `"uniform"` gives every layer the same count;
-`distilled+budgets` takes CompressKV's error-aware budgets from a `layer_budgets` artifact (`layer_error`). The pool alone starves layers: at
-ratio 0.9 it leaves most layers their window while two keep nearly the whole prompt (the teacher's allocation does
-the same), and a floor of a quarter answered more held-out prompts
-(`benchmarks/distilled/distilled_allocation.md`). The last `window` tokens and the first `sinks` always stay (a
-second pass that weighs what a token adds to the output, KVzip+, scores the attention sink low, and dropping it
-shifts every layer's attention: issue #33). `leverage` mixes each key's leverage among the layer's keys into the
-student's scores (`leverage.py`). The student's score of a token depends only on its own inputs and the tokens
-before it, never on the tokens after it: with compiled, uniform or error-aware budgets each layer is cut inside the
-prefill, and a long prompt can stream in chunks with the scores it would have had in one piece (given the same
-hidden states); the leverage then ranks a chunk's keys among the keys held when it came.
+How many each layer keeps (`allocation`): `compiled`, the layer shares the teacher's allocation gave the calibration
+prompts, compiled per ratio and known before the prefill, so each layer is cut inside it and a long prompt streams;
+`dynamic`, one global pool of the layers' composite tokens ranked by their predicted scores after every layer gets
+`floor` times the average count (it holds the whole prompt until the prefill ends); `uniform`, the same count in
+every layer; `distilled+budgets`, CompressKV's error-aware budgets from a `layer_budgets` artifact (`layer_error`).
+The last `window` tokens and the first `sinks` always stay: a second pass that weighs what a token adds to the
+output scores the attention sink low, and dropping it shifts every layer's attention. `leverage` mixes each key's
+leverage among the layer's keys into the student's scores (`leverage.py`). A token's predicted score depends only on
+its own inputs and the tokens before it, so with budgets known in advance a prompt streamed in chunks gets the scores
+it would have had in one piece (given the same hidden states).
 
-`scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) instead of
-the student's predictions, under the same selection rule, to measure what the student could reach.
+`scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) under the
+same selection rule, to measure what the student could reach. What each choice costs and gains:
+docs/methods/distilled.md.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ import torch
 
 from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
 from ...errors import KVRuntimeError
+from ...repetition import repeats
 from ...request import KeepPlan, check_method_options
 from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
@@ -56,6 +52,8 @@ class Distilled(Method):
     # Share of the average tokens per layer every layer keeps: dynamic allocation's floor, and compiled shares
     # re-floored as if the teacher's allocation had given it (`refloored_shares`).
     floor: float = _default("floor")
+    # The floor of the compiled shares for a prompt that repeats (`repetition.py`), None: `floor`.
+    repeating_floor: float | None = _default("repeating_floor")
     # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
@@ -113,9 +111,12 @@ class Distilled(Method):
                 "it with `kvcompile distill`, or use allocation=dynamic"
             )
         shares, how = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
-        if self.floor == self.scorer.share_floor:
-            return shares, how
-        return refloored_shares(shares, self.scorer.share_floor, self.floor), f"{how}, floor {self.floor:g}"
+        floor, why = self.floor, ""
+        if self.repeating_floor is not None and plan.repeated is not None and repeats(plan.repeated):
+            floor, why = self.repeating_floor, f" (the prompt repeats: {plan.repeated:.2f} of its 8-grams)"
+        if floor == self.scorer.share_floor:
+            return shares, how + why
+        return refloored_shares(shares, self.scorer.share_floor, floor), f"{how}, floor {floor:g}{why}"
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)

@@ -22,6 +22,14 @@ SPEC = MethodSpec(
             minimum=0.0,
             maximum=1.0,
         ),
+        "repeating_floor": Option(
+            float,
+            None,
+            "the compiled shares' floor for a prompt whose text repeats (a quarter or more of its 8-grams seen "
+            "earlier in it; default: floor)",
+            minimum=0.0,
+            maximum=1.0,
+        ),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
         "leverage": Option(
             float,

@@ -1,0 +1,23 @@
+"""How much a prompt repeats itself: the share of its 8-grams that occurred earlier in it. The compile stage averages
+the distilled scorer's layer shares over the calibration prompts that repeat, and the runtime gives a prompt that
+repeats its own floor (`distilled`'s `repeating_floor`): one measure and one threshold for both."""
+
+from __future__ import annotations
+
+import torch
+
+NGRAM = 8
+REPEATING_FRACTION = 0.25  # a prompt repeats when this share of its 8-grams occurred earlier in it
+
+
+def repeated_ngram_fraction(ids: torch.Tensor, n: int = NGRAM) -> float:
+    """The share of the `n`-grams of `ids` [N] that occurred earlier in it (0 when `ids` is shorter than `n`): every
+    occurrence of an n-gram after its first counts, so the share is one minus the distinct n-grams over all."""
+    if ids.numel() < n:
+        return 0.0
+    grams = ids.reshape(-1).unfold(0, n, 1)
+    return 1.0 - torch.unique(grams, dim=0).shape[0] / grams.shape[0]
+
+
+def repeats(fraction: float) -> bool:
+    return fraction >= REPEATING_FRACTION
