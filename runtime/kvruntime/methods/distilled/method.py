@@ -52,8 +52,9 @@ class Distilled(Method):
     # Share of the average tokens per layer every layer keeps: dynamic allocation's floor, and compiled shares
     # re-floored as if the teacher's allocation had given it (`refloored_shares`).
     floor: float = _default("floor")
-    # The floor of the compiled shares for a prompt that repeats (`repetition.py`), None: `floor`.
-    repeating_floor: float | None = _default("repeating_floor")
+    # The floor of the compiled shares for a prompt that repeats (`repetition.py`): repeated text asks for more
+    # layers than the teacher's shares give it, at 0.5 most (docs/methods/distilled.md).
+    repeating_floor: float = _default("repeating_floor")
     # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
@@ -112,7 +113,7 @@ class Distilled(Method):
             )
         shares, how = shares_at_ratio(self.scorer.share_ratios, self.scorer.layer_shares, plan.ratio)
         floor, why = self.floor, ""
-        if self.repeating_floor is not None and plan.repeated is not None and repeats(plan.repeated):
+        if plan.repeated is not None and repeats(plan.repeated):
             floor, why = self.repeating_floor, f" (the prompt repeats: {plan.repeated:.2f} of its 8-grams)"
         if floor == self.scorer.share_floor:
             return shares, how + why

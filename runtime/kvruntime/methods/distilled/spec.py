@@ -24,9 +24,9 @@ SPEC = MethodSpec(
         ),
         "repeating_floor": Option(
             float,
-            None,
+            0.5,
             "the compiled shares' floor for a prompt whose text repeats (a quarter or more of its 8-grams seen "
-            "earlier in it; default: floor)",
+            "earlier in it)",
             minimum=0.0,
             maximum=1.0,
         ),
