@@ -128,7 +128,7 @@ class CompressionAsked:
     ratio: float | None
     budget: int | None
     memory: str
-    paths: list[Path]
+    artifacts: list[Path | Any]  # the files, or the artifacts read once their method was checked (`read_artifact`)
     options: dict[str, object]
     prefill_chunk_size: int | None
     kv_bits: int | None = None  # the kept entries quantized to this many bits (checked by check_generation_inputs)
@@ -149,18 +149,18 @@ def compression_asked(
     """Resolve and check a generate request without torch: the method's options, its artifacts (given, a bundle's,
     or the model's default ones), a tuned default when no method is named, and what the method can serve."""
     from kvruntime import ARTIFACT_KINDS, Request
-    from kvruntime.artifact_header import header_kind, header_params, read_header
+    from kvruntime.artifact_header import header_kind, header_params
     from kvruntime.bundle import artifact_files, beside
     from kvruntime.model_spec import check_positions
     from kvruntime.request import check_method_options, required_artifact_kinds
-    from kvruntime.serving import check_has_artifact, check_serves
+    from kvruntime.serving import check_serves
 
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
+    if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
+        options = {**options, "nearest_budget": True}
     if method is not None:
         options = check_method_options(method, options)
-    if nearest_budget:
-        options["nearest_budget"] = True
     paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
     if budget is not None:
         check_positions(budget, positions, f"--budget {budget} tokens per layer")
@@ -179,12 +179,8 @@ def compression_asked(
     if not tuned and ratio is None and budget is None:
         ratio = 0.5
     if method is not None:
-        kinds = required_artifact_kinds(method, options)
-        if paths:  # the artifacts given must hold what the method needs, as `compress` requires
-            given = {read_header(path).get("kind") for path in paths}
-            for kind in kinds:
-                check_has_artifact(method, kind, given)
-        else:
+        if not paths:  # the model's default artifacts of the kinds it needs (the ones given: check_serves checks)
+            kinds = required_artifact_kinds(method, options)
             paths = [default_artifact(model, kind) for kind in kinds]
             for kind, path in zip(kinds, paths):
                 if not path.exists():
@@ -200,8 +196,8 @@ def compression_asked(
     if method is not None:
         from kvruntime.methods import check_method_serves
 
-        # The artifacts' tensors are checked too before the model loads.
-        check_method_serves(method, paths, options, [request], prefill_chunk_size)
+        # The artifacts' tensors are checked too before the model loads, and `compress` takes them as read.
+        paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
     return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size)
 
 
@@ -285,7 +281,7 @@ def generate_compressed(
         ratio=asked.ratio,
         budget=asked.budget,
         memory=asked.memory,
-        artifacts=asked.paths,
+        artifacts=asked.artifacts,
         force=force,
         options=asked.options,
         prefill_chunk_size=asked.prefill_chunk_size,

@@ -11,7 +11,7 @@ import kvruntime
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
-from kvruntime.methods import CompilerKV, Prefill
+from kvruntime.methods import CompilerKV, Prefill, get_method
 from kvruntime.methods.compilerkv import CompilerKVTables
 from kvruntime.methods.compilerkv.signals import LayerSignals
 
@@ -216,7 +216,7 @@ def test_the_keep_rule_is_the_tables_own_unless_overridden_and_a_mismatch_is_rep
 @pytest.mark.parametrize("threshold", [0.0, -0.5, 1.5])
 def test_a_fixed_threshold_outside_the_tables_range_is_refused(threshold):
     with pytest.raises(KVRuntimeError, match=rf"fixed_threshold={threshold}: give a value in \[0.8, 1.0\]"):
-        CompilerKV(tables=_flat_tables([0.9] * 4, None), fixed_threshold=threshold)
+        get_method(CompilerKV(tables=_flat_tables([0.9] * 4, None), fixed_threshold=threshold))
 
 
 def test_generation_and_questions_run_on_the_compressed_cache(tiny, tables, prompt):

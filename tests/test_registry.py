@@ -135,14 +135,14 @@ from typing import Any
 
 import torch
 
+from ...registry import option_fields
 from ..base import ScoringMethod
+from .spec import SPEC
 
 
 @dataclasses.dataclass
-class RecentTail(ScoringMethod):
+class RecentTail(option_fields(SPEC), ScoringMethod):  # its options (window, reverse): declared once, in spec.py
     name = "recent_tail"
-    window: int = 4
-    reverse: bool = False
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         batch, kv_heads, _, _, length = attention.shape

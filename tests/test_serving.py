@@ -68,3 +68,39 @@ def test_the_header_check_refuses_exactly_what_the_built_method_refuses(name, op
     built = outcome(check_method_serves, name, paths(name, options), options, [request_], chunk)
     read = outcome(check_serves, name, paths(name, options), options, [request_], chunk)
     assert read == built
+
+
+def test_a_generate_requests_options_and_artifacts_are_checked_once_from_the_command_line_to_the_prefill(
+    tmp_path, tokens, monkeypatch
+):
+    """`kvcompile generate --method distilled --option ... --artifact ...`: the torch-free checks, the artifacts'
+    check and the compression itself check each option once and read each artifact's header once and its tensors
+    once (the command line's checks are the only ones; later steps trust them)."""
+    from conftest import scorer_that_prefers, tiny_model
+
+    import kvruntime.artifact
+    import kvruntime.artifact_header
+    import kvruntime.request
+    from kvcompile.generation import compression_asked
+    from kvruntime import compress, save_artifact
+
+    model = tiny_model("llama")
+    scorer = save_artifact(scorer_that_prefers(model, 0), tmp_path / "distilled_scorer.safetensors")
+    calls = []
+
+    def counted(module: object, name: str, label: object) -> None:
+        function = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args: calls.append(label(*args)) or function(*args))
+
+    counted(kvruntime.request, "check_option_value", lambda method, key, option, value: key)
+    counted(kvruntime.artifact_header, "_header", lambda source: ("header", source.name))
+    counted(kvruntime.artifact, "_read_safetensors", lambda data: "tensors")
+    options = {"window": 8.0, "floor": 0.5, "allocation": "uniform"}  # as the command line reads them
+    asked = compression_asked("default", "distilled", 0.5, None, "padded", [scorer], options, False, 16, None)
+    with compress(
+        model, asked.method, ratio=asked.ratio, artifacts=asked.artifacts, options=asked.options, prefill_chunk_size=16
+    ) as session:
+        session.prefill(tokens)
+    assert sorted(calls, key=str) == sorted([*options, ("header", scorer.name), "tensors"], key=str)
+    layers = model.config.num_hidden_layers
+    assert session.report.slots_per_layer == [kvruntime.request.kept_per_head(80, 8, ratio=0.5)] * layers

@@ -147,14 +147,15 @@ def _json_object(text: str, key: str) -> dict[str, Any]:
 
 
 def load_artifact(
-    path: str | os.PathLike, model: nn.Module | None = None, kind: str | None = None, force: bool = False
+    path: str | os.PathLike | Artifact, model: nn.Module | None = None, kind: str | None = None, force: bool = False
 ) -> Artifact:
-    """Read an artifact and check it against the expected kind and the model it will be applied to, and that it
-    holds the tensors the runtime reads from its kind (`artifact_kinds`).
+    """Read an artifact (or take one read already: `read_artifact` checked its file) and check it against the
+    expected kind and the model it will be applied to, and that it holds the tensors the runtime reads from its kind
+    (`artifact_kinds`).
 
     `force` accepts another checkpoint of the same shape (with a warning); a shape mismatch is always refused.
     """
-    artifact = read_artifact(path)
+    artifact = path if isinstance(path, Artifact) else read_artifact(path)
     if kind is not None:
         check_kind(artifact, kind)
     if model is not None:

@@ -717,7 +717,7 @@ def compress(
     ratio: float | None = None,
     budget: int | None = None,
     memory: str = "padded",
-    artifacts: Sequence[str | os.PathLike] = (),
+    artifacts: Sequence[str | os.PathLike | Artifact] = (),
     force: bool = False,
     options: Mapping[str, object] = {},
     prefill_chunk_size: int | None = None,
@@ -733,8 +733,8 @@ def compress(
     layer the layer's largest count, filled with each head's next-best tokens; `masked` uses the same slots but
     hides the entries beyond each head's own count (the method's exact selection). Both free the same bytes.
     artifacts: compiled artifacts the method needs (`kvruntime.methods.required_artifact_kinds`): files, or bundles
-    (a folder written by `kvcompile bundle`, or its hub repo id), checked against the model first (refused if
-    compiled for another model).
+    (a folder written by `kvcompile bundle`, or its hub repo id), or artifacts read already (`read_artifact`), checked
+    against the model first (refused if compiled for another model).
     options: settings of a method given by name (compilerkv: `nearest_budget`, `uniform_heads`, `fixed_threshold`, `elastic`).
     prefill_chunk_size: feed a longer prompt in chunks of this many tokens, every layer cut to its budget after each
     (methods whose layer budgets are known in advance): the cache held never exceeds the budgets plus one chunk in
@@ -743,7 +743,9 @@ def compress(
     kv_bits: quantize the kept entries for decoding, 8 (FP8, built in) or 4 (int4, needs optimum-quanto): the
     selection reads the prefill's full-precision keys; one prompt at a time (`quantized_cache`).
     """
-    loaded = [load_artifact(path, model=model, force=force) for path in artifact_files(artifacts)]
+    files = artifact_files([source for source in artifacts if not isinstance(source, Artifact)])
+    read = [source for source in artifacts if isinstance(source, Artifact)]
+    loaded = [load_artifact(source, model=model, force=force) for source in [*read, *files]]
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
     if method is None and tuned:
         defaults = TunedDefaults.from_artifact(tuned[0])

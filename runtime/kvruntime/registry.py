@@ -81,6 +81,19 @@ class MethodSpec:
         return (self.name,) if self.compared is None else self.compared
 
 
+def option_fields(spec: MethodSpec) -> type:
+    """A dataclass whose fields are the method's options (`window` included), each with its declared default: the
+    base of the method's own dataclass, so that an option is declared once, in its registration, and the method
+    reads it as `self.<option>`."""
+    fields = []
+    for name, option in spec.all_options.items():
+        kind = str if isinstance(option.kind, tuple) else option.kind
+        fields.append(
+            (name, kind if option.default is not None else kind | None, dataclasses.field(default=option.default))
+        )
+    return dataclasses.make_dataclass(f"{spec.name.title()}Options", fields)
+
+
 def discover(folder: Path, package: str) -> dict[str, MethodSpec]:
     """The SPEC of every method folder under `folder` (a subpackage `package.<name>` with a `spec.py`)."""
     specs = {}

@@ -108,8 +108,29 @@ def kept_per_head(length: int, window: int, ratio: float | None = None, budget: 
     return min(length, max(keep, min(window, length)))
 
 
-def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
-    """Refuse options the method does not take, and values of the wrong type; returns them as a dict."""
+class CheckedOptions(dict):
+    """A method's options as `check_method_options` returned them: checked once at a request's edge, then trusted by
+    every later step of it (the serving checks, the method's build). Read-only: a changed copy is a plain dict, and
+    is checked again."""
+
+    def __init__(self, method: str, values: Mapping[str, object]) -> None:
+        super().__init__(values)
+        self.method = method
+
+    def __reduce__(self) -> tuple[type, tuple[str, dict[str, object]]]:  # a copy or a pickle, checked as it was
+        return CheckedOptions, (self.method, dict(self))
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("checked method options are read-only: copy them into a dict to change them")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = __ior__ = _refuse  # type: ignore[assignment]
+
+
+def check_method_options(name: str, options: Mapping[str, object]) -> CheckedOptions:
+    """Refuse options the method does not take, and values of the wrong type; returns them checked (options this
+    function returned for the same method come back as they are)."""
+    if isinstance(options, CheckedOptions) and options.method == name:
+        return options
     spec, budgets = method_spec(name)
     known = spec.all_options
     if budgets and not spec.options_with_budgets:
@@ -122,7 +143,9 @@ def check_method_options(name: str, options: Mapping[str, object]) -> dict[str, 
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise KVRuntimeError(f"unknown {spec.name} options {unknown} (known: {sorted(known)})")
-    return {key: check_option_value(spec.name, key, known[key], value) for key, value in options.items()}
+    return CheckedOptions(
+        name, {key: check_option_value(spec.name, key, known[key], value) for key, value in options.items()}
+    )
 
 
 def check_option_value(method: str, key: str, option: Option, value: object) -> object:

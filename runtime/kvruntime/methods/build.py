@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from ..artifact import Artifact, applied_form, read_artifact
 from ..errors import KVRuntimeError
-from ..registry import LAYER_BUDGETS_KIND, method_spec
+from ..registry import ALIASES, LAYER_BUDGETS_KIND, METHODS, method_spec
 from ..request import Request, check_method_options, required_artifact_kinds
 from ..serving import check_has_artifact, check_memory
 from .base import Method, check_prefill_chunk_size
@@ -17,10 +17,15 @@ from .layer_budgets import WithLayerBudgets
 
 
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
-    """A method instance from its name, the artifacts it needs and method options; an instance is returned as is."""
+    """A method instance from its name, the artifacts it needs and method options; an instance is returned as is, its
+    options (the fields its registration declares) checked as a name's would be."""
     if isinstance(name, Method):
         if options:
             raise KVRuntimeError("method options go to a method given by name; set them on the instance instead")
+        spec = METHODS.get(ALIASES.get(name.name, name.name).partition("+")[0])  # None: a method not registered
+        if spec is not None:
+            fields = {key: getattr(name, key) for key in spec.all_options if hasattr(name, key)}
+            check_method_options(spec.name, fields)
         return name
     spec, budgets = method_spec(name)
     options = check_method_options(name, options)
@@ -43,12 +48,14 @@ def check_method_serves(
     options: Mapping[str, object],
     requests: Sequence[Request],
     prefill_chunk_size: int | None = None,
-) -> None:
+) -> list[Artifact]:
     """Build the method from its artifact files (read and checked, not yet against a model) and let it refuse any
     of `requests` it cannot serve, and a chunked prefill it cannot stream: what the command line asks before it
-    loads the model."""
-    method = get_method(name, [read_artifact(path) for path in artifact_paths], options)
+    loads the model. Returns the artifacts read, for `compress` to take without reading them again."""
+    artifacts = [read_artifact(path) for path in artifact_paths]
+    method = get_method(name, artifacts, options)
     for request in requests:
         method.check_request(request)
         check_memory(method.name, method.required_memory(), request.memory)
     check_prefill_chunk_size(method, prefill_chunk_size)
+    return artifacts

@@ -12,7 +12,7 @@ __getattr__, __dir__ = lazy_exports(
         "CompilerKV": "method",
         "CompilerKVTables": "tables",
         **dict.fromkeys(
-            ("WINDOW", "LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "signals"
+            ("LayerSignals", "PromptSignals", "layer_scores", "layer_signals", "prompt_signals"), "signals"
         ),
     },
 )

@@ -25,27 +25,22 @@ from typing import Any
 import torch
 
 from ...errors import KVRuntimeError
-from ...request import KeepPlan, Request, check_method_options
+from ...registry import option_fields
+from ...request import KeepPlan, Request
 from ..base import LayerPrefill, Method, Prefill, Selection
 from .operating_points import check_compilerkv_request
 from .risk_gate import kept_counts, risk_bin
-from .signals import WINDOW, LayerSignals, layer_scores, layer_signals, prompt_signals
+from .signals import LayerSignals, layer_scores, layer_signals, prompt_signals
 from .spec import SPEC
 from .tables import CompilerKVTables
 
 
 @dataclasses.dataclass
-class CompilerKV(Method):
+class CompilerKV(
+    option_fields(SPEC), Method
+):  # its options (window 64, elastic None: the tables' rule): the registration's
     name = "compilerkv"
-    window: int = WINDOW
     tables: CompilerKVTables | None = None
-    nearest_budget: bool = False
-    uniform_heads: bool = False
-    fixed_threshold: float | None = None
-    elastic: bool | None = None  # None: the tables' own rule
-
-    def __post_init__(self) -> None:
-        check_method_options(SPEC.name, {key: getattr(self, key) for key in SPEC.all_options})
 
     def check_request(self, request: Request) -> None:  # a budget not compiled is refused unless nearest_budget
         check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)

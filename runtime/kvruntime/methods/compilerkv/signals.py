@@ -20,8 +20,6 @@ from .stabilized_utility import (
     relative_value_norms,
 )
 
-WINDOW = 64  # the last 64 queries: CompilerKV's observation window
-
 # One layer's share of the prompt signals: mean window attention [B, N], relative value norms [B, Hkv, N], and
 # each query head's window attention mass [B, Hq, N].
 LayerSignals = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

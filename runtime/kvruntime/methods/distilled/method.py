@@ -27,8 +27,9 @@ import torch
 
 from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
 from ...errors import KVRuntimeError
+from ...registry import option_fields
 from ...repetition import repeats
-from ...request import KeepPlan, check_method_options
+from ...request import KeepPlan
 from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
 from ..kvcompose.composite_tokens import prompt_allocation
@@ -39,37 +40,18 @@ from .scorer import DistilledScorer
 from .spec import SPEC
 
 
-def _default(option: str) -> object:
-    return SPEC.all_options[option].default  # the registration declares each option's default once
-
-
 @dataclasses.dataclass
-class Distilled(Method):
-    window: int = _default("window")
-    sinks: int = _default("sinks")  # the first tokens, always kept
+class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor, sinks, ...): the registration's
     scorer: DistilledScorer | None = None
-    allocation: str = _default("allocation")
-    # Share of the average tokens per layer every layer keeps: dynamic allocation's floor, and compiled shares
-    # re-floored as if the teacher's allocation had given it (`refloored_shares`).
-    floor: float = _default("floor")
-    # The floor of the compiled shares for a prompt that repeats (`repetition.py`): repeated text asks for more
-    # layers than the teacher's shares give it, at 0.5 most (docs/methods/distilled.md).
-    repeating_floor: float = _default("repeating_floor")
     # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
-    scores: str = _default("scores")  # or "oracle": the teacher, replayed on the prompt by a second pass
-    # Weight of the keys' leverage mixed into the student's scores (`leverage.py`): the student ranks the copies of a
-    # repeated text alike, the keys' geometry ranks them apart (the pass key in repeated filler; issue #33).
-    leverage: float = _default("leverage")
 
     @property
     def name(self) -> str:  # type: ignore[override]
         return "distilled" if self.layer_error is None else "distilled+budgets"
 
     def __post_init__(self) -> None:
-        # The options' words and ranges are the registration's: an instance built by hand is held to them too.
-        check_method_options(SPEC.name, {key: getattr(self, key) for key in SPEC.all_options})
         if self.scorer is None:
             raise KVRuntimeError("distilled needs a distilled_scorer artifact (compile it with `kvcompile distill`)")
         if self.scores == "oracle" and self.scorer.oracle in PREFIXED and not self.scorer.task_prefix:

@@ -22,6 +22,7 @@ SPEC = MethodSpec(
             minimum=0.0,
             maximum=1.0,
         ),
+        # Repeated text asks for more layers than the teacher's shares give it, at 0.5 most (docs/methods/distilled.md).
         "repeating_floor": Option(
             float,
             0.5,
@@ -31,6 +32,7 @@ SPEC = MethodSpec(
             maximum=1.0,
         ),
         "sinks": Option(int, 1, "the first N tokens always stay (attention sinks)", minimum=0),
+        # The student ranks the copies of a repeated text alike, the keys' geometry (`leverage.py`) ranks them apart.
         "leverage": Option(
             float,
             0.0,

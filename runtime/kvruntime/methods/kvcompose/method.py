@@ -24,25 +24,20 @@ import torch
 
 from ...allocation import apportion
 from ...errors import KVRuntimeError
+from ...registry import option_fields
 from ...request import KeepPlan, Request
 from ..base import LayerPrefill, Prefill, ScoringMethod, Selection
 from .composite_tokens import kv_head_scores, prompt_allocation
+from .spec import SPEC
 from .stats import KVComposeStats
-
-MODES = ("compiled", "dynamic")
 
 
 @dataclasses.dataclass
-class KVCompose(ScoringMethod):
+class KVCompose(option_fields(SPEC), ScoringMethod):  # its options (mode, unstructured): the registration's
     name = "kvcompose"
-    window: int = 32
-    mode: str = "compiled"
-    unstructured: bool = False
     stats: KVComposeStats | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise KVRuntimeError(f"unknown kvcompose mode {self.mode!r} (use one of {', '.join(MODES)})")
         if self.mode == "compiled" and self.stats is None:
             raise KVRuntimeError(
                 "kvcompose mode 'compiled' needs kvcompose_stats (compile them with `kvcompile stats`)"

@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
+from ...registry import option_fields
 from ...request import KeepPlan
 from ...scores import kvcompress_scores
 from ...selection import global_head_counts
 from ..base import ScoringMethod
+from .spec import SPEC
 
 
 @dataclasses.dataclass
-class KVCompress(ScoringMethod):
+class KVCompress(option_fields(SPEC), ScoringMethod):  # its options: the registration's (KVC-w: window 8)
     name = "kvcompress"
-    window: int = 8  # KVC-w: the last 8 queries
     kernel: int = 7  # max-pooling width over tokens
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:

@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
+from ...registry import option_fields
 from ...scores import snapkv_scores
 from ..base import ScoringMethod
+from .spec import SPEC
 
 
 @dataclasses.dataclass
-class SnapKV(ScoringMethod):
+class SnapKV(option_fields(SPEC), ScoringMethod):  # its options: the registration's (window: 32 queries)
     name = "snapkv"
-    window: int = 32  # the last 32 queries (observation window)
     kernel: int = 7  # max-pooling width over tokens (see above)
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:

@@ -13,16 +13,17 @@ from typing import Any
 
 import torch
 
+from ...registry import option_fields
 from ...scores import pool_tokens
 from ..base import ScoringMethod
+from .spec import SPEC
 
 
 @dataclasses.dataclass
-class SemanticRetrievalHeads(ScoringMethod):
+class SemanticRetrievalHeads(option_fields(SPEC), ScoringMethod):  # its options: the registration's
     name = "srh"
     head_scores: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0, 0))  # [L, Hq]
     top_heads: int = 4
-    window: int = 8
     kernel: int = 5
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
