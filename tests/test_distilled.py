@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,15 +267,21 @@ def test_the_floor_lifts_every_layer_to_its_share_of_the_average(tiny, tokens, t
         get_method(Distilled(scorer=DistilledScorer(torch.zeros(1, 1, 1), "test"), floor=1.5))
 
 
+def scorer_with_floored_shares(model: torch.nn.Module, tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    """A scorer whose compiled shares are the teacher's floor 0.25 plus a pool growing with the layer, and that pool."""
+    layers = model.config.num_hidden_layers
+    pool = torch.arange(1.0, layers + 1, dtype=torch.float64) ** 2
+    pool /= pool.sum()
+    artifact = scorer_that_prefers(model, model.config.hidden_size + 1, sign=-1.0)
+    artifact.tensors["layer_shares"] = (0.25 / layers + 0.75 * pool).expand(4, -1).clone()
+    return save_artifact(artifact, tmp_path / "s.safetensors"), pool
+
+
 def test_a_floor_given_to_the_compiled_allocation_refloors_the_teachers_shares(tiny, tokens, tmp_path):
     """The teacher's allocation gave every layer the compiled floor first and pooled the rest: with another floor,
     each layer gets the new floor plus its pooled part scaled to what that floor leaves."""
     layers = tiny.config.num_hidden_layers
-    pool = torch.arange(1.0, layers + 1, dtype=torch.float64) ** 2
-    pool /= pool.sum()
-    artifact = scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0)
-    artifact.tensors["layer_shares"] = (0.25 / layers + 0.75 * pool).expand(4, -1).clone()
-    path = save_artifact(artifact, tmp_path / "s.safetensors")
+    path, pool = scorer_with_floored_shares(tiny, tmp_path)
     length, window = tokens.shape[1], 8
     keep = kept_per_head(length, window, ratio=0.5)
     for floor in (0.25, 0.6, 1.0):
@@ -293,11 +300,7 @@ def test_a_prompt_that_repeats_gets_the_repeating_floor_when_one_is_given(tiny, 
     """The compiled shares are re-floored with `repeating_floor` for a prompt a quarter or more of whose 8-grams came
     earlier in it, in one piece or streamed, and with `floor` otherwise."""
     layers = tiny.config.num_hidden_layers
-    pool = torch.arange(1.0, layers + 1, dtype=torch.float64) ** 2
-    pool /= pool.sum()
-    artifact = scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0)
-    artifact.tensors["layer_shares"] = (0.25 / layers + 0.75 * pool).expand(4, -1).clone()
-    path = save_artifact(artifact, tmp_path / "s.safetensors")
+    path, pool = scorer_with_floored_shares(tiny, tmp_path)
     repeating = tokens[:, :20].repeat(1, 4)  # 80 tokens, 53 of its 73 8-grams seen before
     window = 8
     keep = kept_per_head(tokens.shape[1], window, ratio=0.5)

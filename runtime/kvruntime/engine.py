@@ -56,7 +56,6 @@ from .model_spec import check_positions
 from .quantized_cache import KV_BITS, check_kv_bits, quantize_cache, quantized_layer
 from .recording import PrefillRecording
 from .registry import DEFAULT_METHOD
-from .repetition import repeated_ngram_fraction
 from .report import BatchReport, CompressionReport
 from .request import KeepPlan, Request
 from .second_pass import task_attention_maxima
@@ -308,8 +307,7 @@ class CompressionSession:
         """The state of a prefill of `tokens` [1, N] (ids, or embeddings [1, N, hidden]) starting now."""
         length = tokens.shape[1]
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
-        repeated = None if ids is None else repeated_ngram_fraction(ids[0])
-        plan = self.request.plan(length, self.method.window, repeated)
+        plan = self.request.plan(length, self.method.window, None if ids is None else ids[0])
         state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
         if self.method.budgets_known_in_advance:
             state.budgets = self.method.layer_budgets(len(self._attention), plan)

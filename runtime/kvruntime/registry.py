@@ -114,11 +114,16 @@ BUDGETABLE_NAMES: tuple[str, ...] = tuple(name for name, spec in METHODS.items()
 COMPARED_NAMES: tuple[str, ...] = tuple(name for spec in METHODS.values() for name in spec.compared_names)
 
 
+def registration_of(name: str) -> MethodSpec | None:
+    """The registration a method name (an alias, a `+budgets` name) belongs to; None for a name not registered."""
+    return METHODS.get(ALIASES.get(name, name).partition("+")[0])
+
+
 def method_spec(name: str) -> tuple[MethodSpec, bool]:
     """The registration of a method name and whether it asks for error-aware layer budgets; refuses unknown names
     ('compresskv' -> srh's, True)."""
-    base, plus, suffix = ALIASES.get(name, name).partition("+")
-    spec = METHODS.get(base)
+    _, plus, suffix = ALIASES.get(name, name).partition("+")
+    spec = registration_of(name)
     if spec is None or (plus and (suffix != LAYER_BUDGETS or not spec.budgetable)):
         raise KVRuntimeError(
             f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "

@@ -5,9 +5,11 @@ these before it imports the heavy runtime."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from .errors import KVRuntimeError, short_repr
 from .registry import LAYER_BUDGETS_KIND, Option, method_spec
@@ -34,17 +36,17 @@ class Request:
     def __post_init__(self) -> None:
         check_request(self.ratio, self.budget, self.memory)
 
-    def plan(self, length: int, window: int, repeated: float | None = None) -> KeepPlan:
-        """What a prompt of `length` tokens (`repeated`: the share of its 8-grams seen earlier in it, when its ids are
-        known) keeps under this request, for a method protecting `window` tokens. A window longer than the prompt
-        would keep it whole whatever the request says: refused, as a budget is."""
+    def plan(self, length: int, window: int, input_ids: Any = None) -> KeepPlan:
+        """What a prompt of `length` tokens (`input_ids` [N], when its ids are known) keeps under this request, for a
+        method protecting `window` tokens. A window longer than the prompt would keep it whole whatever the request
+        says: refused, as a budget is."""
         if window > length:
             raise KVRuntimeError(
                 f"the method's window of {window} recent tokens is longer than the prompt ({length} tokens): nothing "
                 "to compress; give a smaller window (option window) or a longer prompt"
             )
         keep = kept_per_head(length, window, self.ratio, self.budget)
-        return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget), repeated)
+        return KeepPlan(self, length, window, keep, kept_per_head(length, 1, self.ratio, self.budget), input_ids)
 
     def describe(self) -> str:
         return f"ratio {self.ratio}" if self.ratio is not None else f"budget {self.budget} tokens per layer"
@@ -60,8 +62,18 @@ class KeepPlan:
     window: int  # the recent tokens that always stay (the method's window, at most the prompt)
     keep: int  # entries each (layer, KV head) keeps on average, the window included
     asked: int  # what the request alone asks for: more is kept when the window outgrows it
-    # The share of the prompt's 8-grams seen earlier in it (`repetition.py`); None when it came as embeddings.
-    repeated: float | None = None
+    # The prompt's token ids [N] (a tensor), None when it came as embeddings: what `repeated` counts.
+    input_ids: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def repeated(self) -> float | None:
+        """The share of the prompt's 8-grams seen earlier in it (`repetition.py`), None without its ids: counted when
+        a method asks (0.2 s for 128k tokens on a CPU), once per prompt."""
+        if self.input_ids is None:
+            return None
+        from .repetition import repeated_ngram_fraction  # torch: this module stays importable without it
+
+        return repeated_ngram_fraction(self.input_ids)
 
     @property
     def ratio(self) -> float:

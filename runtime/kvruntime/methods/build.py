@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from ..artifact import Artifact, applied_form, read_artifact
 from ..errors import KVRuntimeError
-from ..registry import ALIASES, LAYER_BUDGETS_KIND, METHODS, method_spec
+from ..registry import LAYER_BUDGETS_KIND, method_spec, registration_of
 from ..request import Request, check_method_options, required_artifact_kinds
 from ..serving import check_has_artifact, check_memory
 from .base import Method, check_prefill_chunk_size
@@ -22,8 +22,8 @@ def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: 
     if isinstance(name, Method):
         if options:
             raise KVRuntimeError("method options go to a method given by name; set them on the instance instead")
-        spec = METHODS.get(ALIASES.get(name.name, name.name).partition("+")[0])  # None: a method not registered
-        if spec is not None:
+        spec = registration_of(name.name)
+        if spec is not None:  # a method not registered has no declared options
             fields = {key: getattr(name, key) for key in spec.all_options if hasattr(name, key)}
             check_method_options(spec.name, fields)
         return name

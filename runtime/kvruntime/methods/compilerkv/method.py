@@ -35,10 +35,9 @@ from .spec import SPEC
 from .tables import CompilerKVTables
 
 
+# Its options (window 64; elastic None: the tables' own rule) are the registration's.
 @dataclasses.dataclass
-class CompilerKV(
-    option_fields(SPEC), Method
-):  # its options (window 64, elastic None: the tables' rule): the registration's
+class CompilerKV(option_fields(SPEC), Method):
     name = "compilerkv"
     tables: CompilerKVTables | None = None
 
