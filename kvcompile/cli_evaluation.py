@@ -16,11 +16,11 @@ from kvcompile.commands import (
     SeedOption,
     app,
     clear_errors,
-    comma_separated,
     command_line,
     compile_command,
 )
 from kvcompile.recipe import artifact_folder, claim_output, default_artifact
+from kvcompile.settings import comma_separated
 from kvruntime import KVRuntimeError
 from kvruntime.registry import COMPARED_NAMES
 

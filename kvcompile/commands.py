@@ -1,5 +1,6 @@
 """The command line's application (`app`, `main`), its shared options and checks, `generate`, and the compile
-commands (options into settings, then the recipe: `kvcompile/recipe.py`). `kvcompile.cli` adds the other commands.
+commands (their options derived from each recipe's settings dataclass, `kvcompile/settings.py`, then the recipe:
+`kvcompile/recipe.py`). `kvcompile.cli` adds the other commands.
 
 Nothing heavy is imported before the options are checked: bad input is refused in one line before torch loads."""
 
@@ -20,6 +21,11 @@ import typer
 
 from kvcompile import recipe
 from kvcompile.recipe import compile_artifact, default_artifact
+from kvcompile.recipes.compilerkv.settings import TablesSettings
+from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
+from kvcompile.recipes.distilled.settings import DistillSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
+from kvcompile.settings import command_line_default, command_line_fields, settings_from_command_line
 from kvruntime import KVRuntimeError
 from kvruntime.registry import methods_help
 
@@ -89,14 +95,6 @@ def main() -> None:
         typer.echo("aborted", err=True)
         code = 130
     sys.exit(code or 0)
-
-
-def comma_separated(text: str, convert: type) -> tuple:
-    """The values of a comma-separated option, each as `convert` reads it (refused in one line otherwise)."""
-    try:
-        return tuple(convert(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
 
 
 GenerateMethodOption = Annotated[
@@ -215,13 +213,11 @@ CheckpointOption = Annotated[
     int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")
 ]
 SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
-PromptsOption = Annotated[int, typer.Option(help="Calibration prompts.")]
 DeviceOption = Annotated[
     str,
     typer.Option(help="Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."),
 ]
 DtypeOption = Annotated[str, typer.Option(help="The model's dtype: float32, bfloat16 or float16.")]
-PromptTokensOption = Annotated[int, typer.Option(help="Tokens per calibration prompt.")]
 
 
 def _artifact_out(kind: str) -> object:
@@ -239,11 +235,30 @@ def _reads_path(hint: object) -> bool:
     return base is Path or Path in typing.get_args(base)
 
 
-def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 4) -> Callable:
-    """Register a compile command. The decorated function takes the command's own options (and `model` or `out`
-    if it needs them) and returns (recipe, settings); the options every compile command shares (--model, --out,
-    --resume, --device, --dtype, and for recipes that split their work --shard and --checkpoint-every) are declared
-    here once, and the command runs `compile_artifact` with them, refusing bad input in one line."""
+def settings_options(settings_type: type | None) -> list[inspect.Parameter]:
+    """The command-line options of a recipe's settings: one per field made by `kvcompile.settings.option`, its type
+    the field's (text for a choice's name or comma-separated values), its default and help the field's."""
+    if settings_type is None:
+        return []
+    kinds = typing.get_type_hints(settings_type)
+    options = []
+    for field in command_line_fields(settings_type):
+        default = command_line_default(field, kinds[field.name])
+        names = [field.metadata["flag"]] if field.metadata["flag"] else []
+        hint = Annotated[type(default), typer.Option(*names, help=field.metadata["help"])]
+        options.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint))
+    return options
+
+
+def compile_command(
+    kind: str, settings: type | None = None, shardable: bool = False, checkpoint_every: int = 4
+) -> Callable:
+    """Register a compile command. Its options are the `settings` dataclass's (`settings_options`: declared there
+    once), the decorated function's own (the recipe's inputs, e.g. a corpus or another artifact), and the ones
+    every compile command shares, declared here once (--model, --out, --resume, --device, --dtype, and for recipes
+    that split their work --shard and --checkpoint-every). The function takes its own options (and `model` or `out`
+    if it needs them) and returns the recipe, or (recipe, settings) where it has no settings dataclass to derive;
+    the command runs `compile_artifact`, refusing bad input in one line."""
     shared = {
         "model": (ModelOption, "default"),
         "out": (_artifact_out(kind), None),
@@ -256,6 +271,7 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
         "device": (DeviceOption, "cpu"),
         "dtype": (DtypeOption, "float32"),
     }
+    derived = settings_options(settings)
 
     def register(build: Callable) -> Callable:
         hints = typing.get_type_hints(build, include_extras=True)
@@ -266,14 +282,17 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
 
         def command(ctx: typer.Context, **params: object) -> None:
             job = {name: params.pop(name) for name in shared}
+            given = {option.name: params.pop(option.name) for option in derived}
             with clear_errors() as resources:
-                recipe_, settings = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
+                built = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
+                recipe_, settings_ = built if settings is None else (built, settings_from_command_line(settings, given))
                 rerun = command_line(ctx, leave_out=recipe.OUTPUT_OPTIONS)
-                compile_artifact(recipe_, settings, resources=resources, echo=typer.echo, command=rerun, **job)
+                compile_artifact(recipe_, settings_, resources=resources, echo=typer.echo, command=rerun, **job)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
         command.__signature__ = inspect.Signature(
-            [context, *own] + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
+            [context, *own, *derived]
+            + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
         )
         command.__name__, command.__doc__ = build.__name__, build.__doc__
         app.command()(command)
@@ -283,28 +302,15 @@ def compile_command(kind: str, shardable: bool = False, checkpoint_every: int = 
     return register
 
 
-@compile_command("srh_heads", shardable=True, checkpoint_every=8)
-def heads(
-    corpus: CorpusOption = None,
-    lengths: Annotated[str, typer.Option(help="Probe context lengths in tokens.")] = "512,1024,1536,2048",
-    depths: Annotated[
-        str, typer.Option(help="Needle depths (0 = start, 1 = end).")
-    ] = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1",
-    prompt_format: Annotated[str, typer.Option(help="chat (the model's chat template) or raw (base models).")] = "chat",
-    seed: SeedOption = 0,
-) -> tuple:
+@compile_command("srh_heads", HeadsSettings, shardable=True, checkpoint_every=8)
+def heads(corpus: CorpusOption = None) -> object:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
     from kvcompile.recipes.compresskv.recipe import HeadsRecipe
-    from kvcompile.recipes.compresskv.settings import HeadsSettings
 
-    if prompt_format not in ("chat", "raw"):
-        raise KVRuntimeError(f"--prompt-format {prompt_format!r}: use chat or raw")
-    return HeadsRecipe(corpus), HeadsSettings(
-        comma_separated(lengths, int), comma_separated(depths, float), seed, prompt_format == "chat"
-    )
+    return HeadsRecipe(corpus)
 
 
-@compile_command("layer_budgets", shardable=True)
+@compile_command("layer_budgets", BudgetsSettings, shardable=True)
 def budgets(
     model: str,
     heads_artifact: Annotated[
@@ -312,164 +318,47 @@ def budgets(
         typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors)."),
     ] = None,
     corpus: CorpusOption = None,
-    prompts: PromptsOption = 24,
-    prompt_tokens: PromptTokensOption = 1024,
-    new_tokens: Annotated[int, typer.Option(help="Greedy decoding steps measured per prompt.")] = 32,
-    seed: SeedOption = 0,
-) -> tuple:
+) -> object:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
     from kvcompile.recipes.compresskv.recipe import BudgetsRecipe
-    from kvcompile.recipes.compresskv.settings import BudgetsSettings
 
-    heads = heads_artifact or default_artifact(model, "srh_heads")
-    return BudgetsRecipe(corpus, heads), BudgetsSettings(prompts, prompt_tokens, new_tokens, seed)
+    return BudgetsRecipe(corpus, heads_artifact or default_artifact(model, "srh_heads"))
 
 
-@compile_command("compilerkv_tables")
+@compile_command("compilerkv_tables", TablesSettings)
 def tables(
-    budgets: Annotated[
-        str, typer.Option(help="Budgets (tokens per layer, window included) to compile tables for.")
-    ] = "256,512",
     corpus: CorpusOption = None,
-    rounds: Annotated[int, typer.Option(help="At most this many rounds of head then gate learning.")] = 2,
-    prompts: Annotated[int, typer.Option(help="Calibration prompts (context + continuation).")] = 32,
-    candidates: Annotated[
-        int,
-        typer.Option(
-            help="Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
-        ),
-    ] = 64,
-    context: Annotated[int, typer.Option(help="Tokens of context per calibration prompt.")] = 2048,
-    continuation: Annotated[int, typer.Option(help="Tokens of continuation whose NLL is the reward.")] = 128,
-    seed: SeedOption = 0,
-    elastic: Annotated[
-        bool,
-        typer.Option(
-            help="Learn for the paper's elastic gate (a layer keeps only tokens above its threshold) instead of the "
-            "ratio-honest runtime default (the layers share the budget)."
-        ),
-    ] = False,
-    utility: Annotated[
-        str,
-        typer.Option(
-            help="The stabilized utility the weights act on: global (the spec's: one attention mass for every head) "
-            "or head (each query head's own window attention averaged with it, so every head's weight matters; "
-            "the default: more signal per probe and a lower loss, benchmarks/compilerkv/compilerkv_reward_noise.md)."
-        ),
-    ] = "head",
-    design: Annotated[
-        str,
-        typer.Option(
-            help="The experience design: sampled (a few states per prompt, many actions: the paper's shape) or "
-            "every-state (every head and layer probed on every prompt with weights 1.0/1.5 and thresholds "
-            "0.8/0.9/1.0 from neutral tables: as many records per state as prompts)."
-        ),
-    ] = "sampled",
-    loss: Annotated[
-        str,
-        typer.Option(
-            help="The rollouts' loss: nll (the continuation's NLL, the paper's reward) or kl (its KL divergence "
-            "from the full cache's next-token distributions: the same expectation, about half the noise)."
-        ),
-    ] = "nll",
-    continuation_from: Annotated[
-        str,
-        typer.Option(help="Whose continuation is scored: corpus (the text's own) or greedy (the full-cache model's)."),
-    ] = "corpus",
-    entropy_bins: Annotated[
-        int, typer.Option(help="Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer).")
-    ] = 20,
-    perplexity_bins: Annotated[int, typer.Option(help="Window-perplexity bins of the risk gate.")] = 4,
     from_experience: Annotated[
         Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
     ] = None,
-) -> tuple:
+) -> object:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
     from kvcompile.recipes.compilerkv.recipe import TablesRecipe
-    from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 
-    if design not in DESIGNS:
-        raise KVRuntimeError(f"--design {design!r}: choose one of {', '.join(DESIGNS)}")
-    settings = TablesSettings(
-        budgets=comma_separated(budgets, int), prompts=prompts, candidates=candidates, context=context,
-        continuation=continuation, rounds=rounds, seed=seed, elastic=elastic, utility=utility, loss=loss,
-        continuation_from=continuation_from, entropy_bins=entropy_bins, perplexity_bins=perplexity_bins,
-        design=DESIGNS[design],
-    )  # fmt: skip
-    return TablesRecipe(corpus, from_experience), settings
+    return TablesRecipe(corpus, from_experience)
 
 
-@compile_command("kvcompose_stats", shardable=True)
+@compile_command("kvcompose_stats", StatsSettings, shardable=True)
 def stats(
     corpus: CorpusOption = None,
     task_set: Annotated[
         Path | None,
         typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic)."),
     ] = None,
-    ratios: Annotated[
-        str,
-        typer.Option(
-            help="Target compression ratios to compile the allocation for (others in between are interpolated)."
-        ),
-    ] = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.75,0.8,0.85,0.9,0.95",
-    prompts: PromptsOption = 24,
-    prompt_tokens: PromptTokensOption = 2048,
-    seed: SeedOption = 0,
-) -> tuple:
+) -> object:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
     from kvcompile.recipes.kvcompose.recipe import StatsRecipe
-    from kvcompile.recipes.kvcompose.settings import StatsSettings
 
-    settings = StatsSettings(
-        ratios=comma_separated(ratios, float), prompts=prompts, prompt_tokens=prompt_tokens, seed=seed
-    )
-    return StatsRecipe(corpus, task_set), settings
+    return StatsRecipe(corpus, task_set)
 
 
-@compile_command("distilled_scorer", shardable=True)
-def distill(
-    corpus: CorpusOption = None,
-    oracle: Annotated[
-        str,
-        typer.Option(
-            help="The second pass distilled: reconstruction (the context again), repeat (behind an instruction) "
-            "or kvzip_plus (KVzap's output-weighted attention, behind the instruction)."
-        ),
-    ] = "reconstruction",
-    student: Annotated[
-        str,
-        typer.Option(
-            help="The features the student reads: all (attention input, position, first token, likeness) or hidden "
-            "(KVzap's: the attention input and a bias; exportable to kvpress's KVzapModel)."
-        ),
-    ] = "all",
-    prompts: Annotated[
-        int, typer.Option(help="Calibration prompts (every 4th held out to choose the ridge strength).")
-    ] = 32,
-    prompt_tokens: PromptTokensOption = 2048,
-    seed: SeedOption = 0,
-    shares_from: Annotated[
-        str,
-        typer.Option(
-            help="The calibration prompts the compiled layer shares are averaged over: repeating (those whose text "
-            "repeats, a quarter of their 8-grams seen earlier in them; all when none does) or all."
-        ),
-    ] = "repeating",
-) -> tuple:
+@compile_command("distilled_scorer", DistillSettings, shardable=True)
+def distill(corpus: CorpusOption = None) -> object:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
     from kvcompile.calibration.corpus import REPEATING_CORPUS
     from kvcompile.recipes.distilled.recipe import DistillRecipe
-    from kvcompile.recipes.distilled.settings import DistillSettings
 
-    settings = DistillSettings(
-        prompts=prompts,
-        prompt_tokens=prompt_tokens,
-        oracle=oracle,
-        student=student,
-        seed=seed,
-        shares_from=shares_from,
-    )
-    return DistillRecipe(corpus or REPEATING_CORPUS), settings
+    return DistillRecipe(corpus or REPEATING_CORPUS)
 
 
 def command_line(ctx: typer.Context, leave_out: Collection[str] = ()) -> str:

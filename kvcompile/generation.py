@@ -121,14 +121,14 @@ def check_generation_inputs(
 
 @dataclasses.dataclass(frozen=True)
 class CompressionAsked:
-    """What `kvruntime.compress` gets for a `generate` run, checked before torch: the method (None: the tuned
-    default's), the request, the artifact files and the method's options."""
+    """What `kvruntime.compress` gets for a `generate` run, checked before torch: the method (named, a tuned
+    default's or the runtime's default), the request, the artifacts read and the method's options."""
 
-    method: str | None
+    method: str
     ratio: float | None
     budget: int | None
     memory: str
-    artifacts: list[Path | Any]  # the files, or the artifacts read once their method was checked (`read_artifact`)
+    artifacts: list[Any]  # the artifacts read once their method was checked (`read_artifact`)
     options: dict[str, object]
     prefill_chunk_size: int | None
     kv_bits: int | None = None  # the kept entries quantized to this many bits (checked by check_generation_inputs)
@@ -146,58 +146,56 @@ def compression_asked(
     prefill_chunk_size: int | None,
     positions: int | None,
 ) -> CompressionAsked:
-    """Resolve and check a generate request without torch: the method's options, its artifacts (given, a bundle's,
-    or the model's default ones), a tuned default when no method is named, and what the method can serve."""
+    """Resolve and check a generate request without torch: the method (named, else a tuned default's, else the
+    runtime's default), its options, its artifacts (given, a bundle's, or the model's default ones), and what the
+    method can serve."""
     from kvruntime import ARTIFACT_KINDS, Request
     from kvruntime.artifact_header import header_kind, header_params
-    from kvruntime.bundle import artifact_files, beside
+    from kvruntime.bundle import artifact_files
     from kvruntime.model_spec import check_positions
+    from kvruntime.registry import DEFAULT_METHOD
     from kvruntime.request import check_method_options, required_artifact_kinds
     from kvruntime.serving import check_serves
+    from kvruntime.tuned_defaults import TunedDefaults
 
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
     if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         options = {**options, "nearest_budget": True}
-    if method is not None:
-        options = check_method_options(method, options)
     paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
     if budget is not None:
         check_positions(budget, positions, f"--budget {budget} tokens per layer")
-    tuned: list[Path] = []
-    served = None  # (method, its artifacts, its options): what is checked before torch loads
     if method is None:
-        # A tuned_defaults artifact (given, or the model's default one) gives `compress` its method and ratio.
+        # A tuned_defaults artifact (given, or the model's default one) names the method, its options, its ratio
+        # and its artifacts; the options given join the tuned method's own (--nearest-budget).
         default = default_artifact(model, "tuned_defaults")
         paths = paths or ([default] if default.exists() else [])
         tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
-        recommended = header_params(tuned[0]).get("recommended") if tuned else None
-        if isinstance(recommended, dict) and isinstance(recommended.get("method"), str):
-            beside_tuned = beside(tuned[0], recommended.get("artifacts") or [], "its recommendation")
-            # --nearest-budget goes to the tuned method: checked against it here, as `compress` applies it.
-            served = recommended["method"], beside_tuned, {**(recommended.get("options") or {}), **options}
-    if not tuned and ratio is None and budget is None:
+        method = DEFAULT_METHOD
+        if tuned:
+            defaults = TunedDefaults.from_params(header_params(tuned[0]), tuned[0])
+            method, options = defaults.method, {**defaults.options, **options}
+            given = [p for p in paths if p not in tuned]
+            paths = given + [p for p in defaults.artifact_files if p not in given]
+            if ratio is None and budget is None:
+                ratio = defaults.ratio
+    options = check_method_options(method, options)
+    if ratio is None and budget is None:
         ratio = 0.5
-    if method is not None:
-        if not paths:  # the model's default artifacts of the kinds it needs (the ones given: check_serves checks)
-            kinds = required_artifact_kinds(method, options)
-            paths = [default_artifact(model, kind) for kind in kinds]
-            for kind, path in zip(kinds, paths):
-                if not path.exists():
-                    command = ARTIFACT_KINDS[kind].command
-                    raise KVRuntimeError(
-                        f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact"
-                    )
-        served = method, paths, options
-    request = Request(ratio, budget, memory) if ratio is not None or budget is not None else None
-    if served is not None:
-        # A request the method cannot serve is refused here, before torch loads.
-        check_serves(*served, [request] if request else [], prefill_chunk_size, memory)
-    if method is not None:
-        from kvruntime.methods import check_method_serves
+    if not paths:  # the model's default artifacts of the kinds it needs (the ones given: check_serves checks)
+        kinds = required_artifact_kinds(method, options)
+        paths = [default_artifact(model, kind) for kind in kinds]
+        for kind, path in zip(kinds, paths):
+            if not path.exists():
+                command = ARTIFACT_KINDS[kind].command
+                raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
+    # A request the method cannot serve is refused here, before torch loads; then the artifacts' tensors are checked
+    # too (torch, not the model), and `compress` takes them as read.
+    request = Request(ratio, budget, memory)
+    check_serves(method, paths, options, [request], prefill_chunk_size, memory)
+    from kvruntime.methods import check_method_serves
 
-        # The artifacts' tensors are checked too before the model loads, and `compress` takes them as read.
-        paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
+    paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
     return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size)
 
 

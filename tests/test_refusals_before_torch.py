@@ -102,6 +102,16 @@ def _tuned_naming(folder: Path, names: list[str]) -> str:
     return "tuned_defaults.safetensors"
 
 
+def _tuned_without_recommendation(folder: Path) -> str:
+    """The shipped tuned defaults as a tuning that found no method within its tolerance writes them."""
+    from kvruntime.artifact import read_artifact, save_artifact
+
+    artifact = read_artifact(ARTIFACTS / "tuned_defaults.safetensors")
+    artifact.params["recommended"] = None
+    save_artifact(artifact, folder / "tuned_defaults.safetensors")
+    return "tuned_defaults.safetensors"
+
+
 def _sized(folder: Path, name: str, size: int) -> str:
     (folder / name).write_text(json.dumps("x" * size) + "\n")
     return name
@@ -143,6 +153,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "nearest budget for a tuned method that is not compilerkv": (
         lambda d: [*GENERATE, "--nearest-budget"],
         "options ['nearest_budget']",  # the shipped tuned defaults recommend srh
+    ),
+    "nearest budget for the runtime's default method (no tuned default among the artifacts)": (
+        lambda d: [*GENERATE, "--nearest-budget", "--artifact", str(ARTIFACTS / "srh_heads.safetensors")],
+        "unknown kvcompress options ['nearest_budget']",
+    ),
+    "a tuned default that recommends nothing": (
+        lambda d: [*GENERATE, "--artifact", _tuned_without_recommendation(d)],
+        "tuning found no method within",
     ),
     "budget compilerkv did not compile": (
         lambda d: [*GENERATE, "--method", "compilerkv", "--budget", "300"],
@@ -387,8 +405,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         "--lengths 99999: 99999 positions, more than the model's 8192",
     ),
     "tables: budget below the window": (lambda d: ["tables", "--budgets", "0"], "--budgets must lie between"),
-    "tables: an unknown experience design": (lambda d: ["tables", "--design", "all"], "--design 'all': choose one of"),
-    "tables: an unknown loss": (lambda d: ["tables", "--loss", "mse"], "--loss 'mse': choose one of nll, kl"),
+    "tables: an unknown experience design": (lambda d: ["tables", "--design", "all"], "--design 'all': use one of"),
+    "tables: an unknown loss": (lambda d: ["tables", "--loss", "mse"], "--loss 'mse': use one of nll, kl"),
     "tables: the experience's name taken by another file": (
         lambda d: ["tables", "--out", _user_file(d, "t.experience.safetensors").replace(".experience", "")],
         "t.experience.safetensors exists and is not a compilerkv_experience artifact",

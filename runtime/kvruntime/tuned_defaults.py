@@ -1,5 +1,6 @@
 """The method and ratio `kvcompile tune` recommends for a model, read from its `tuned_defaults` artifact: the
-runtime's default when `compress` is given no method.
+runtime's default when `compress` is given no method, and `kvcompile generate`'s, resolved before torch loads from
+the artifact's header (`from_params`).
 
 The artifact also names the artifacts the recommended method needs (file names, looked up beside it, in its bundle
 if it is in one)."""
@@ -7,11 +8,15 @@ if it is in one)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .artifact import Artifact, check_kind
 from .bundle import beside
 from .errors import ArtifactError, KVRuntimeError
+
+if TYPE_CHECKING:
+    from .artifact import Artifact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,29 +25,34 @@ class TunedDefaults:
     options: dict
     ratio: float
     accuracy: float
-    full_accuracy: float
     tolerance: float
     artifact_files: tuple[Path, ...]
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact) -> TunedDefaults:
-        check_kind(artifact, "tuned_defaults")
-        recommended = artifact.params.get("recommended")
+    def from_params(cls, params: Mapping[str, Any], path: Path) -> TunedDefaults:
+        """The recommendation in a tuned_defaults artifact's params (torch-free: `artifact_header.header_params`);
+        `path` is the artifact's, beside which its method's artifacts are found."""
+        recommended = params.get("recommended")
         if recommended is None:
             raise KVRuntimeError(
-                f"{artifact.path}: tuning found no method within {artifact.params.get('tolerance')} of the full cache's "
+                f"{path}: tuning found no method within {params.get('tolerance')} of the full cache's "
                 "accuracy at any ratio tried; pass a method and ratio, or tune with a larger tolerance or smaller ratios"
             )
         try:
-            path = artifact.path if artifact.path is not None else Path("tuned_defaults")
             return cls(
                 method=str(recommended["method"]),
                 options=dict(recommended["options"]),
                 ratio=float(recommended["ratio"]),
                 accuracy=float(recommended["accuracy"]),
-                full_accuracy=float(artifact.tensors["full_accuracy"][0]),
-                tolerance=float(artifact.params["tolerance"]),
+                tolerance=float(params["tolerance"]),
                 artifact_files=tuple(beside(path, recommended["artifacts"], "its recommendation")),
             )
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ArtifactError(f"{artifact.path}: malformed tuned_defaults ({exc})") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ArtifactError(f"{path}: malformed tuned_defaults ({exc})") from None
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact) -> TunedDefaults:
+        from .artifact import check_kind
+
+        check_kind(artifact, "tuned_defaults")
+        return cls.from_params(artifact.params, artifact.path if artifact.path is not None else Path("tuned_defaults"))

@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from kvcompile.settings import Settings, option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.methods.compilerkv.operating_points import UTILITIES
 from kvruntime.registry import METHODS
 
 WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
-
-
 LOSSES = ("nll", "kl")  # the rollouts' loss: the continuation's NLL (the paper's) or its KL from the full cache
 CONTINUATIONS = ("corpus", "greedy")  # whose continuation is scored: the corpus's or the full-cache model's own
 
@@ -58,30 +57,57 @@ class CQLSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class TablesSettings:
-    budgets: tuple[int, ...] = (256, 512)
-    prompts: int = 32
-    candidates: int = 64  # prompts whose risk is measured; `prompts` of them are chosen across the risk strata
-    strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
-    context: int = 2048
-    continuation: int = 128
-    rounds: int = 2
-    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
-    entropy_bins: int = 20
-    perplexity_bins: int = 4
-    penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
-    elastic: bool = False  # collect under the paper's elastic rule instead of the ratio-honest one
-    utility: str = (
-        "head"  # the stabilized utility the tables weight (kvruntime.methods.compilerkv.operating_points.UTILITIES)
+class TablesSettings(Settings):
+    budgets: tuple[int, ...] = option((256, 512), "Budgets (tokens per layer, window included) to compile tables for.")
+    prompts: int = option(32, "Calibration prompts (context + continuation).")
+    candidates: int = option(
+        64, "Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
     )
-    loss: str = "nll"  # the rollouts' loss (LOSSES)
-    continuation_from: str = "corpus"  # whose continuation the loss is taken on (CONTINUATIONS)
-    design: ExperienceDesign = ExperienceDesign()
+    strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
+    context: int = option(2048, "Tokens of context per calibration prompt.")
+    continuation: int = option(128, "Tokens of continuation whose NLL is the reward.")
+    rounds: int = option(2, "At most this many rounds of head then gate learning.")
+    tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
+    entropy_bins: int = option(
+        20, "Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer)."
+    )
+    perplexity_bins: int = option(4, "Window-perplexity bins of the risk gate.")
+    penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
+    elastic: bool = option(
+        False,
+        "Learn for the paper's elastic gate (a layer keeps only tokens above its threshold) instead of the "
+        "ratio-honest runtime default (the layers share the budget).",
+    )
+    utility: str = option(
+        "head",
+        "The stabilized utility the weights act on: global (the spec's: one attention mass for every head) or head "
+        "(each query head's own window attention averaged with it, so every head's weight matters; the default: "
+        "more signal per probe and a lower loss, benchmarks/compilerkv/compilerkv_reward_noise.md).",
+        choices=UTILITIES,
+    )
+    loss: str = option(
+        "nll",
+        "The rollouts' loss: nll (the continuation's NLL, the paper's reward) or kl (its KL divergence from the full "
+        "cache's next-token distributions: the same expectation, about half the noise).",
+        choices=LOSSES,
+    )
+    continuation_from: str = option(
+        "corpus",
+        "Whose continuation is scored: corpus (the text's own) or greedy (the full-cache model's).",
+        choices=CONTINUATIONS,
+    )
+    design: ExperienceDesign = option(
+        DESIGNS["sampled"],
+        "The experience design: sampled (a few states per prompt, many actions: the paper's shape) or every-state "
+        "(every head and layer probed on every prompt with weights 1.0/1.5 and thresholds 0.8/0.9/1.0 from neutral "
+        "tables: as many records per state as prompts).",
+        choices=DESIGNS,
+    )
     cql: CQLSettings = CQLSettings()
-    seed: int = 0
+    seed: int = seed_option()
     batch_size: int = 8  # variants decoded together
 
-    def check(self) -> None:
+    def check_values(self) -> None:
         if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
             raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
         if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
@@ -101,13 +127,6 @@ class TablesSettings:
             )
         if self.entropy_bins < 1 or self.perplexity_bins < 1:
             raise KVRuntimeError("--entropy-bins and --perplexity-bins must be positive")
-        for option, value, choices in (
-            ("--utility", self.utility, UTILITIES),
-            ("--loss", self.loss, LOSSES),
-            ("--continuation-from", self.continuation_from, CONTINUATIONS),
-        ):
-            if value not in choices:
-                raise KVRuntimeError(f"{option} {value!r}: choose one of {', '.join(choices)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

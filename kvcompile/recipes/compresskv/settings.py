@@ -6,21 +6,29 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
 
 MIN_PROBE_TOKENS = 128  # a needle sentence, its question and some haystack around it
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadsSettings:
+class HeadsSettings(Settings):
     """The needle-probe grid: context lengths (tokens) x needle depths (0 = start, 1 = end) x needles."""
 
-    lengths: tuple[int, ...] = (512, 1024, 1536, 2048)
-    depths: tuple[float, ...] = (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1)
-    seed: int = 0
-    chat: bool = True  # probes in the model's chat template (instruct models), else raw text
+    lengths: tuple[int, ...] = option((512, 1024, 1536, 2048), "Probe context lengths in tokens.")
+    depths: tuple[float, ...] = option(
+        (0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1), "Needle depths (0 = start, 1 = end)."
+    )
+    chat: bool = option(  # probes in the model's chat template (instruct models), else raw text
+        True,
+        "chat (the model's chat template) or raw (base models).",
+        choices={"chat": True, "raw": False},
+        flag="--prompt-format",
+    )
+    seed: int = seed_option()
 
-    def check(self) -> None:
+    def check_values(self) -> None:
         if not self.lengths or not self.depths or any(not 0 <= d <= 1 for d in self.depths):
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
         if min(self.lengths) < MIN_PROBE_TOKENS:
@@ -30,12 +38,12 @@ class HeadsSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetsSettings:
-    prompts: int = 24  # calibration prompts
-    prompt_tokens: int = 1024  # tokens per calibration prompt
-    new_tokens: int = 32  # greedy decoding steps measured per prompt
-    seed: int = 0
+class BudgetsSettings(Settings):
+    prompts: int = option(24, "Calibration prompts.")
+    prompt_tokens: int = prompt_tokens_option(1024)
+    new_tokens: int = option(32, "Greedy decoding steps measured per prompt.")
+    seed: int = seed_option()
 
-    def check(self) -> None:
+    def check_values(self) -> None:
         if min(self.prompts, self.prompt_tokens, self.new_tokens) < 1:
             raise KVRuntimeError("--prompts, --prompt-tokens and --new-tokens must be positive")

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
+from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.registry import METHODS
 
@@ -40,13 +41,16 @@ def load_task_set(path: Path) -> TaskSet:
 
 
 @dataclasses.dataclass(frozen=True)
-class StatsSettings:
-    ratios: tuple[float, ...]
-    prompts: int = 24
-    prompt_tokens: int = 2048
-    seed: int = 0
+class StatsSettings(Settings):
+    ratios: tuple[float, ...] = option(
+        (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95),
+        "Target compression ratios to compile the allocation for (others in between are interpolated).",
+    )
+    prompts: int = option(24, "Calibration prompts.")
+    prompt_tokens: int = prompt_tokens_option(2048)
+    seed: int = seed_option()
 
-    def check(self) -> None:
+    def check_values(self) -> None:
         if not self.ratios or any(not 0 < r < 1 for r in self.ratios):
             raise KVRuntimeError(f"--ratios {list(self.ratios)}: give ratios strictly between 0 and 1")
         if any(b <= a for a, b in zip(self.ratios, self.ratios[1:])):

@@ -1,0 +1,86 @@
+"""A compile command's options declared once: its recipe's settings dataclass. A field made by `option` (its help,
+its choices) is a command-line option (`kvcompile.commands.compile_command` derives it); the other fields are
+settings the command line does not set. Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from kvruntime import KVRuntimeError
+
+
+def option(default: Any, help: str, *, choices: tuple | Mapping | None = None, flag: str | None = None) -> Any:
+    """A setting the command line sets. `choices`: the values allowed, or a mapping from the names the command line
+    takes to the values they stand for; `flag`: the option's name where it is not the field's (`--prompt-format`
+    for `chat`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+def seed_option() -> Any:
+    return option(0, "Seed of the probe/prompt sampling.")
+
+
+def prompt_tokens_option(default: int) -> Any:
+    return option(default, "Tokens per calibration prompt.")
+
+
+def command_line_fields(settings_type: type) -> list[dataclasses.Field]:
+    """The settings a command line sets, in their declared order."""
+    return [f for f in dataclasses.fields(settings_type) if "help" in f.metadata]
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata["flag"] or "--" + field.name.replace("_", "-")
+
+
+def command_line_default(field: dataclasses.Field, kind: Any) -> Any:
+    """The field's default as its option reads it: a choice's name, a tuple's values comma-separated."""
+    choices = field.metadata["choices"]
+    if isinstance(choices, Mapping):
+        return next(name for name, value in choices.items() if value == field.default)
+    if typing.get_origin(kind) is tuple:
+        return ",".join(str(value) for value in field.default)
+    return field.default
+
+
+def comma_separated(text: str, convert: type) -> tuple:
+    """The values of a comma-separated option, each as `convert` reads it (refused in one line otherwise)."""
+    try:
+        return tuple(convert(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise KVRuntimeError(f"expected comma-separated {convert.__name__} values, got {text!r}") from None
+
+
+def settings_from_command_line(settings_type: type, given: dict[str, Any]) -> Any:
+    """The settings whose command-line options were given as `given` (each field's option value by its name): a
+    choice's name becomes its value, a comma-separated text its values."""
+    kinds = typing.get_type_hints(settings_type)
+    values = {}
+    for field in command_line_fields(settings_type):
+        value, choices = given[field.name], field.metadata["choices"]
+        if isinstance(choices, Mapping):
+            if value not in choices:
+                raise KVRuntimeError(f"{flag_of(field)} {value!r}: use one of {', '.join(choices)}")
+            value = choices[value]
+        elif typing.get_origin(kinds[field.name]) is tuple:
+            value = comma_separated(value, typing.get_args(kinds[field.name])[0])
+        values[field.name] = value
+    return settings_type(**values)
+
+
+class Settings:
+    """A recipe's settings: `check` refuses a value outside its field's choices (a mapping's names are the command
+    line's shorthands: in Python the field takes any value of its type), then the recipe's own rules."""
+
+    def check(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            choices, value = field.metadata.get("choices"), getattr(self, field.name)
+            if isinstance(choices, tuple) and value not in choices:
+                raise KVRuntimeError(f"{flag_of(field)} {value!r}: use one of {', '.join(choices)}")
+        self.check_values()
+
+    def check_values(self) -> None:
+        """The recipe's own rules on its values (none by default)."""
