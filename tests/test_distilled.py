@@ -34,6 +34,7 @@ from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
 from kvruntime.allocation import apportion, error_aware_budgets, refloored_shares
 from kvruntime.methods import Distilled, get_method
+from kvruntime.methods.base import LayerPrefill
 from kvruntime.methods.distilled import (
     DistilledScorer,
     feature_count,
@@ -45,8 +46,8 @@ from kvruntime.methods.distilled import (
     with_leverage,
 )
 from kvruntime.methods.distilled.spec import SPEC
-from kvruntime.repetition import repeated_ngram_fraction, repeats
-from kvruntime.request import kept_per_head
+from kvruntime.repetition import later_occurrences, repeated_ngram_fraction, repeats
+from kvruntime.request import Request, kept_per_head
 
 runner = CliRunner()
 
@@ -321,6 +322,55 @@ def test_a_prompt_that_repeats_gets_the_repeating_floor_when_one_is_given(tiny, 
         assert counts == expected(1.0) and "the prompt repeats: 0.73 of its 8-grams" in note
         counts, note = slots(tokens, chunk)
         assert counts == expected(0.25) != expected(1.0) and "repeats" not in note
+
+
+def test_later_occurrences_count_the_copies_of_each_8gram_still_to_come():
+    ids = torch.randint(0, 3, (200,), generator=torch.Generator().manual_seed(0))  # 3 symbols: 8-grams recur
+    grams = [tuple(ids[i - 7 : i + 1].tolist()) for i in range(7, 200)]
+    expected = [0] * 7 + [grams[k + 1 :].count(grams[k]) for k in range(len(grams))]
+    assert later_occurrences(ids).tolist() == expected
+    assert later_occurrences(ids[:5]).tolist() == [0] * 5
+
+
+def test_the_copy_penalty_lowers_each_token_by_the_later_copies_of_its_8gram_in_one_piece_or_streamed(tiny):
+    """The earlier copies of a repeated text give way to the last: a token's log-score drops by `copy_penalty` per
+    doubling of the times the 8-gram ending at it occurs again later (a naive count here), streamed or not."""
+    hidden = tiny.config.hidden_size
+    scorer = DistilledScorer.from_artifact(scorer_that_prefers(tiny, hidden + 1, sign=-1.0))
+    ids = torch.randint(3, 90, (20,), generator=torch.Generator().manual_seed(1)).repeat(4)  # 4 copies
+    grams = [tuple(ids[i - 7 : i + 1].tolist()) for i in range(7, 80)]
+    later = torch.tensor([0] * 7 + [grams[k + 1 :].count(grams[k]) for k in range(len(grams))], dtype=torch.float32)
+    plan = Request(ratio=0.5).plan(80, 8, ids)
+    states = torch.randn(1, 80, hidden, generator=torch.Generator().manual_seed(2))
+
+    def scores(penalty: float, chunk: int) -> torch.Tensor:
+        method, held, carry = Distilled(scorer=scorer, window=8, copy_penalty=penalty), None, None
+        for start in range(0, 80, chunk):
+            part = states[:, start : start + chunk]
+            layer = LayerPrefill(0, None, None, None, 1.0, part, start=start, final=start + chunk >= 80, plan=plan)
+            held, carry = method.stream_scores(layer, held, carry)
+        return held
+
+    plain = scores(0.0, 80)
+    free = plain[0, 0].isfinite()  # the sink and the window keep their infinite scores
+    for chunk in (80, 32):
+        penalised = scores(0.25, chunk)
+        torch.testing.assert_close(penalised[..., free], (plain - 0.25 * torch.log2(1 + later))[..., free])
+        assert torch.equal(penalised[..., ~free], plain[..., ~free])
+    assert later[60:].max() == 0 and later[10] == 3 and later[27] == 2  # the last copy keeps its score
+
+
+def test_a_prefill_keeps_the_last_copy_of_a_repeated_text_under_the_copy_penalty(tiny, tmp_path):
+    """Through `compress`: a scorer that prefers the oldest tokens keeps the first copy without the penalty, and with
+    a large one only tokens whose 8-gram does not occur again (the first 7 tokens and the last copy), oldest first."""
+    path = save_artifact(scorer_that_prefers(tiny, tiny.config.hidden_size + 1, sign=-1.0), tmp_path / "s.safetensors")
+    prompt = torch.randint(3, 90, (1, 20), generator=torch.Generator().manual_seed(3)).repeat(1, 4)  # 80 tokens
+    window = [*range(72, 80)]
+    for penalty, expected in ((0.0, [*range(16), *window]), (10.0, [*range(7), *range(60, 69), *window])):
+        options = {"allocation": "uniform", "window": 8, "copy_penalty": penalty}
+        with kvruntime.compress(tiny, "distilled", budget=24, artifacts=[path], options=options) as session:
+            session.prefill(prompt)
+        assert all(p.tolist() == expected for layer in session.kept_positions for p in layer[0])
 
 
 def uniform_shares(rows: int, layers: int) -> torch.Tensor:

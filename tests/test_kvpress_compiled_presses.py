@@ -24,7 +24,7 @@ from kvruntime.integrations.kvpress import DistilledPress, SRHPress  # noqa: E40
 LENGTH, RATIO = 160, 0.5
 # Each press and the kvruntime method (name, options) whose selection it must reproduce.
 PRESSES = {
-    "distilled": (DistilledPress, "distilled", {"allocation": "uniform"}),
+    "distilled": (DistilledPress, "distilled", {"allocation": "uniform", "copy_penalty": 0.0}),
     "srh": (SRHPress, "srh", {}),
 }
 
@@ -184,6 +184,8 @@ def test_a_folder_without_the_artifact_and_a_bad_option_are_refused(artifacts, t
         DistilledPress.from_artifact(tmp_path)
     with pytest.raises(kvruntime.KVRuntimeError, match="window"):
         DistilledPress.from_artifact(artifacts, window="wide")
+    with pytest.raises(kvruntime.KVRuntimeError, match="copy_penalty counts the prompt's token ids"):
+        DistilledPress.from_artifact(artifacts, copy_penalty=0.25)
     with pytest.raises(kvruntime.KVRuntimeError, match="from_artifact"):
         DistilledPress(compression_ratio=0.5)
 

@@ -411,6 +411,7 @@ class CompressionSession:
                 hidden_states,
                 start=state.chunk_start,
                 final=state.final_chunk,
+                plan=state.plan,
             )
             state.peak_bytes = max(state.peak_bytes, cache_bytes(hooked_cache(kwargs)))
             if state.budgets is None:

@@ -21,3 +21,18 @@ def repeated_ngram_fraction(ids: torch.Tensor, n: int = NGRAM) -> float:
 
 def repeats(fraction: float) -> bool:
     return fraction >= REPEATING_FRACTION
+
+
+def later_occurrences(ids: torch.Tensor, n: int = NGRAM) -> torch.Tensor:
+    """Per token of `ids` [N], how many times the `n`-gram ending at it occurs again later in `ids` (0 for the first
+    n - 1 tokens and for a last copy): read from the prompt's ids, known before the prefill, so a streamed prompt
+    gets the counts it has in one piece."""
+    counts = torch.zeros(ids.numel(), dtype=torch.long, device=ids.device)
+    if ids.numel() < n:
+        return counts
+    _, group = torch.unique(ids.reshape(-1).unfold(0, n, 1), dim=0, return_inverse=True)
+    order = torch.argsort(group, stable=True)  # each n-gram's occurrences together, in the order they came
+    sizes = torch.bincount(group)
+    last = torch.cumsum(sizes, 0) - 1  # where each n-gram's run ends in `order`
+    counts[n - 1 :][order] = last[group[order]] - torch.arange(group.numel(), device=ids.device)
+    return counts

@@ -75,6 +75,16 @@ class KeepPlan:
 
         return repeated_ngram_fraction(self.input_ids)
 
+    @functools.cached_property
+    def later_occurrences(self) -> Any:
+        """Per token [N], how often the 8-gram ending at it occurs again later in the prompt (`repetition.py`), None
+        without its ids: counted when a method asks, once per prompt."""
+        if self.input_ids is None:
+            return None
+        from .repetition import later_occurrences
+
+        return later_occurrences(self.input_ids)
+
     @property
     def ratio(self) -> float:
         """The share of the prompt's entries removed: the request's ratio, or its budget's share of this prompt."""

@@ -9,7 +9,8 @@ kvpress`); imported only on request.
 Each press scores the prefill's tokens exactly as kvruntime's method of the same name does, and kvpress's
 ScorerPress keeps each KV head's top tokens, the same count in every layer and head. Against kvruntime's methods:
 - `DistilledPress`: the student's scores, the first `sinks` and the last `window` tokens kept, as `distilled`; its
-  layers all keep the same count, which is kvruntime's `distilled:allocation=uniform` (kvruntime's default,
+  layers all keep the same count and it has no copy penalty (a hook never sees the prompt's ids), which is
+  kvruntime's `distilled:allocation=uniform,copy_penalty=0` (kvruntime's default,
   `allocation=compiled`, takes the artifact's compiled layer shares, which kvpress's `PerLayerCompressionPress` can
   take too; `allocation=dynamic` ranks the layers in one pool). Under DMSPress with `decoding=True` each generated token is scored on
   its own: its likeness to the earlier tokens (a feature) reads 0, as for the prompt's first two tokens.
@@ -91,6 +92,18 @@ class DistilledPress(CompiledScorerPress):
     """kvruntime's `distilled` scores (a `distilled_scorer` artifact) as a kvpress press."""
 
     method_name: ClassVar[str] = "distilled"
+
+    @classmethod
+    def from_artifact(
+        cls, path: str | os.PathLike, compression_ratio: float = 0.0, force: bool = False, **options: object
+    ) -> CompiledScorerPress:
+        # A kvpress hook sees hidden states, never the prompt's ids, which the copy penalty counts.
+        if options.get("copy_penalty", 0.0):
+            raise KVRuntimeError(
+                "DistilledPress: copy_penalty counts the prompt's token ids, which a kvpress hook does not see "
+                "(the press is kvruntime's distilled with copy_penalty=0)"
+            )
+        return super().from_artifact(path, compression_ratio, force, **{**options, "copy_penalty": 0.0})
 
     def layer_scores(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict

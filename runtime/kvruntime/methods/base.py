@@ -67,6 +67,7 @@ class LayerPrefill:
     # kept from the earlier chunks, then the chunk's own), and whether it is the prompt's last chunk.
     start: int = 0
     final: bool = True
+    plan: KeepPlan | None = None  # what the prompt keeps (its ids among it)
 
 
 @dataclasses.dataclass

@@ -10,8 +10,9 @@ every layer; `distilled+budgets`, CompressKV's error-aware budgets from a `layer
 The last `window` tokens and the first `sinks` always stay: a second pass that weighs what a token adds to the
 output scores the attention sink low, and dropping it shifts every layer's attention. `leverage` mixes each key's
 leverage among the layer's keys into the student's scores (`leverage.py`). A token's predicted score depends only on
-its own inputs and the tokens before it, so with budgets known in advance a prompt streamed in chunks gets the scores
-it would have had in one piece (given the same hidden states).
+its own inputs, the tokens before it and the prompt's ids (`copy_penalty`: the earlier copies of a repeated text
+give way to the last), so with budgets known in advance a prompt streamed in chunks gets the scores it would have had
+in one piece (given the same hidden states).
 
 `scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) under the
 same selection rule, to measure what the student could reach. What each choice costs and gains:
@@ -111,11 +112,14 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
     def stream_scores(
         self, layer: LayerPrefill, held: torch.Tensor | None, carry: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact in chunks: a token's score depends on its own inputs and, through `carry` (the running sum of the
-        earlier states, `running_state_sum`), on the tokens before it; the held entries keep their scores. With
-        `leverage`, the chunk's keys' leverage among the keys held (`with_leverage`)."""
+        """Exact in chunks: a token's score depends on its own inputs, through `carry` (the running sum of the
+        earlier states, `running_state_sum`) on the tokens before it, and through `copy_penalty` on the prompt's ids
+        (known before the prefill); the held entries keep their scores. With `leverage`, the chunk's keys' leverage
+        among the keys held (`with_leverage`)."""
         scores = self.token_scores(layer.index, layer.hidden_states, layer.start, carry)
         fresh = scores.shape[-1]
+        if self.copy_penalty and layer.plan is not None and layer.plan.later_occurrences is not None:
+            scores = with_copy_penalty(scores, layer.plan.later_occurrences, layer.start, self.copy_penalty)
         if held is not None:
             scores = torch.cat([held, scores], dim=-1)
         if layer.final:
@@ -172,6 +176,13 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             )
             for m in maxima
         ]
+
+
+def with_copy_penalty(scores: torch.Tensor, later: torch.Tensor, start: int, penalty: float) -> torch.Tensor:
+    """The log-scores [B, Hkv, n] of a chunk starting at `start`, each lowered by `penalty` per doubling of the
+    times its 8-gram occurs again later in the prompt (`later` [N], `repetition.later_occurrences`)."""
+    again = later[start : start + scores.shape[-1]].to(device=scores.device, dtype=scores.dtype)
+    return scores - penalty * torch.log2(1.0 + again)
 
 
 def dynamic_layer_counts(log_scores: torch.Tensor, keep: int, floor: float) -> torch.Tensor:

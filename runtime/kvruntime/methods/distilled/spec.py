@@ -39,6 +39,15 @@ SPEC = MethodSpec(
             "weight of the keys' leverage (unlike the other keys) mixed into the predicted scores",
             minimum=0.0,
         ),
+        # The student ranks the copies of a repeated text alike; the last copy, the one read last, is worth the most
+        # (docs/methods/distilled.md).
+        "copy_penalty": Option(
+            float,
+            0.25,
+            "log-score taken from a token per doubling of the times the 8-gram ending at it occurs again later in "
+            "the prompt (the earlier copies of a repeated text give way to the last)",
+            minimum=0.0,
+        ),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
     },
     streams=lambda options: (
