@@ -174,11 +174,9 @@ def compression_asked(
         method = DEFAULT_METHOD
         if tuned:
             defaults = TunedDefaults.from_params(header_params(tuned[0]), tuned[0])
-            method, options = defaults.method, {**defaults.options, **options}
+            method, options, ratio = defaults.completed(options, ratio, budget)
             given = [p for p in paths if p not in tuned]
             paths = given + [p for p in defaults.artifact_files if p not in given]
-            if ratio is None and budget is None:
-                ratio = defaults.ratio
     options = check_method_options(method, options)
     if ratio is None and budget is None:
         ratio = 0.5

@@ -748,9 +748,7 @@ def compress(
     tuned = [a for a in loaded if a.kind == "tuned_defaults"]
     if method is None and tuned:
         defaults = TunedDefaults.from_artifact(tuned[0])
-        method, options = defaults.method, {**defaults.options, **options}
-        if ratio is None and budget is None:
-            ratio = defaults.ratio
+        method, options, ratio = defaults.completed(options, ratio, budget)
         present = {a.path.resolve() for a in loaded if a.path is not None}
         loaded += [
             load_artifact(p, model=model, force=force) for p in defaults.artifact_files if p.resolve() not in present

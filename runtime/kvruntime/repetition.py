@@ -1,6 +1,7 @@
 """How much a prompt repeats itself: the share of its 8-grams that occurred earlier in it. The compile stage averages
 the distilled scorer's layer shares over the calibration prompts that repeat, and the runtime gives a prompt that
-repeats its own floor (`distilled`'s `repeating_floor`): one measure and one threshold for both."""
+repeats its own floor (`distilled`'s `repeating_floor`): one measure and one threshold for both. Per token, how often
+its 8-gram occurs again later (`later_occurrences`): `distilled`'s `copy_penalty`, and the count both come from."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ REPEATING_FRACTION = 0.25  # a prompt repeats when this share of its 8-grams occ
 
 
 def repeated_ngram_fraction(ids: torch.Tensor, n: int = NGRAM) -> float:
-    """The share of the `n`-grams of `ids` [N] that occurred earlier in it (0 when `ids` is shorter than `n`): every
-    occurrence of an n-gram after its first counts, so the share is one minus the distinct n-grams over all."""
-    if ids.numel() < n:
+    """The share of the `n`-grams of `ids` [N] that occurred earlier in it (0 when `ids` is shorter than `n`)."""
+    return repeated_share(later_occurrences(ids, n), n)
+
+
+def repeated_share(later: torch.Tensor, n: int = NGRAM) -> float:
+    """`repeated_ngram_fraction` from the prompt's `later_occurrences` [N]: every occurrence of an n-gram after its
+    first counts, so the share is one minus the distinct n-grams (each has one last occurrence) over all."""
+    grams = later.numel() - n + 1
+    if grams < 1:
         return 0.0
-    grams = ids.reshape(-1).unfold(0, n, 1)
-    return 1.0 - torch.unique(grams, dim=0).shape[0] / grams.shape[0]
+    return 1.0 - int((later[n - 1 :] == 0).sum()) / grams
 
 
 def repeats(fraction: float) -> bool:

@@ -68,12 +68,12 @@ class KeepPlan:
     @functools.cached_property
     def repeated(self) -> float | None:
         """The share of the prompt's 8-grams seen earlier in it (`repetition.py`), None without its ids: counted when
-        a method asks (0.2 s for 128k tokens on a CPU), once per prompt."""
-        if self.input_ids is None:
+        a method asks (0.2 s for 128k tokens on a CPU), once per prompt, from the same count as `later_occurrences`."""
+        if self.later_occurrences is None:
             return None
-        from .repetition import repeated_ngram_fraction  # torch: this module stays importable without it
+        from .repetition import repeated_share  # torch: this module stays importable without it
 
-        return repeated_ngram_fraction(self.input_ids)
+        return repeated_share(self.later_occurrences)
 
     @functools.cached_property
     def later_occurrences(self) -> Any:

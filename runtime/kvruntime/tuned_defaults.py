@@ -50,6 +50,14 @@ class TunedDefaults:
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ArtifactError(f"{path}: malformed tuned_defaults ({exc})") from None
 
+    def completed(
+        self, options: Mapping[str, object], ratio: float | None, budget: int | None
+    ) -> tuple[str, dict, float | None]:
+        """The method, options and ratio of a request that named no method: the options given join the tuned
+        method's own (the given ones win), and the tuned ratio applies unless a ratio or a budget was given."""
+        given = ratio is not None or budget is not None
+        return self.method, {**self.options, **options}, ratio if given else self.ratio
+
     @classmethod
     def from_artifact(cls, artifact: Artifact) -> TunedDefaults:
         from .artifact import check_kind
