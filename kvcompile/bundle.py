@@ -24,6 +24,7 @@ from typing import Any
 
 from kvcompile import __version__
 from kvcompile.evaluation.published import PICTURE, results_lines
+from kvcompile.markdown import markdown_code, markdown_text
 from kvcompile.recipe import OUTPUT_OPTIONS, PARTIAL_KIND, picture_path, read_run_record, run_record_path
 from kvruntime import KVRuntimeError
 from kvruntime.artifact_header import ARTIFACT_SUFFIX, read_header
@@ -36,10 +37,11 @@ from kvruntime.bundle import (
     file_sha256,
     is_hub_id,
     is_plain_name,
+    manifest_problem,
     read_bundle,
 )
 from kvruntime.default_model import DEFAULT_MODEL
-from kvruntime.errors import printable
+from kvruntime.errors import printable, short_repr
 
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `--model default` is, for the card's base_model
 CARD_TAGS = ("kvcompile", "kv-cache-compression", "kv-cache", "kvpress", "long-context")
@@ -84,13 +86,12 @@ def write_bundle(
     files: Sequence[Path],
     out: Path,
     base_model: str | None = None,
-    results: str | None = None,
     measured: tuple[dict[str, Any], Path] | None = None,
 ) -> dict[str, Any]:
-    """Check the artifacts (readable, of one model), then write the bundle folder `out` in a staging folder and
-    move it into place whole. `results`: a markdown text for the card; `measured`: an eval run's results
-    (`evaluation.published.eval_results`) and its folder, carried in the manifest and the card with its plot.
-    Returns the manifest."""
+    """Check the artifacts (readable, of one model), then write the bundle folder `out` in a staging folder, read
+    it back as a bundle there, and only then move it into place whole: a refusal leaves `out` as it was.
+    `measured`: an eval run's results (`evaluation.published.eval_results`) and its folder, carried in the manifest
+    and the card with its plot. Returns the manifest."""
     from kvruntime import read_artifact
     from kvruntime.artifact import check_tensors
     from kvruntime.files import replace_folder
@@ -129,7 +130,10 @@ def write_bundle(
         "artifacts": entries,
         **({"results": measured[0]} if measured else {}),
     }
-    card = model_card(manifest, artifacts, results)
+    problem = manifest_problem(manifest)  # the runtime's reading of a manifest, before anything is written
+    if problem:
+        raise KVRuntimeError(f"the bundle's manifest would be refused ({problem}): nothing written")
+    card = model_card(manifest, artifacts)
 
     def write(folder: Path) -> None:
         for source, entry in zip(files, entries):
@@ -147,9 +151,9 @@ def write_bundle(
         (folder / CARD_NAME).write_text(card, encoding="utf-8")
         written = {path.name: file_sha256(path) for path in sorted(folder.iterdir())}
         (folder / MARKER_NAME).write_text(json.dumps({"files": written}, indent=1) + "\n", encoding="utf-8")
+        read_bundle(folder)  # what was written reads back as a bundle, before it replaces anything
 
     replace_folder(out, write)
-    read_bundle(out)  # what was written reads back as a bundle
     return manifest
 
 
@@ -175,6 +179,12 @@ def published(run: dict[str, Any]) -> dict[str, Any]:
     return clean(run)
 
 
+def check_base_model(base_model: str | None) -> None:
+    """Refuse a --base-model that is not a hub repo id (`org/name`): the card's metadata names the model by it."""
+    if base_model is not None and not is_hub_id(base_model):
+        raise KVRuntimeError(f"--base-model {short_repr(base_model)}: give the model's hub repo id (org/name)")
+
+
 def guess_base_model(artifacts: Sequence[Any]) -> str | None:
     """The hub id of the model the artifacts' commands compiled (`--model`): the default model's, or a hub id given
     as it is; None for a local folder."""
@@ -188,32 +198,37 @@ def guess_base_model(artifacts: Sequence[Any]) -> str | None:
     return None
 
 
-def model_card(manifest: dict[str, Any], artifacts: Sequence[Any], results: str | None) -> str:
-    """The bundle's README.md: hub metadata (YAML front matter), what each artifact is and how it was made, how to
-    apply the bundle, and the measured results it carries (a tuned_defaults artifact's validation) or is given."""
+def model_card(manifest: dict[str, Any], artifacts: Sequence[Any]) -> str:
+    """The bundle's README.md: hub metadata (YAML front matter, written by a YAML emitter), what each artifact is and
+    how it was made, how to apply the bundle, and the measured results it carries (a tuned_defaults artifact's
+    validation, an eval run's table). Every value taken from an artifact or a record is escaped for Markdown and
+    HTML (`kvcompile.markdown`): they may come from anyone."""
+    import yaml
+
     base = manifest["base_model"]
-    front = ["---", *([f"base_model: {base}"] if base else []), "library_name: kvcompile", "tags:"]
-    front += [f"- {tag}" for tag in CARD_TAGS] + ["---", ""]
+    metadata = {**({"base_model": base} if base else {}), "library_name": "kvcompile", "tags": list(CARD_TAGS)}
+    front = ["---", yaml.safe_dump(metadata, sort_keys=False, allow_unicode=False).rstrip("\n"), "---", ""]
     model = manifest["model"]
-    title = base.split("/")[-1] if base else model["architecture"]
+    title = markdown_text(base.split("/")[-1] if base else model["architecture"])
     lines = [
         f"# kvcompile artifacts for {title}",
         "",
         "KV-cache compression statistics compiled offline by kvcompile for "
-        f"{base or 'a local model'} ({model['architecture']}, {model['num_layers']} layers, "
-        f"{model['num_query_heads']} query heads, {model['num_kv_heads']} KV heads, weights hash "
-        f"`{model['weights_hash']}`). The runtime (`pip install kvruntime`) applies them inside `model.generate`; "
-        "it refuses them for any other model.",
+        f"{markdown_text(base or 'a local model')} ({markdown_text(model['architecture'])}, {model['num_layers']} "
+        f"layers, {model['num_query_heads']} query heads, {model['num_kv_heads']} KV heads, weights hash "
+        f"{markdown_code(model['weights_hash'])}). The runtime (`pip install kvruntime`) applies them inside "
+        "`model.generate`; it refuses them for any other model.",
         "",
         "| file | kind | calibration data (sha256) | command |",
         "| --- | --- | --- | --- |",
     ]
     for entry in manifest["artifacts"]:
         provenance = entry["provenance"]
-        corpus = provenance.get("calibration_data", "-")
-        digest = str(provenance.get("calibration_sha256", ""))[:12]
+        corpus = markdown_text(provenance.get("calibration_data", "-"))
+        digest = markdown_text(str(provenance.get("calibration_sha256", ""))[:12])
+        command = markdown_code(provenance.get("command", "-"))
         lines.append(
-            f"| `{entry['file']}` | {entry['kind']} | {corpus} ({digest}) | `{provenance.get('command', '-')}` |"
+            f"| {markdown_code(entry['file'])} | {markdown_text(entry['kind'])} | {corpus} ({digest}) | {command} |"
         )
     lines += [
         "",
@@ -233,10 +248,8 @@ def model_card(manifest: dict[str, Any], artifacts: Sequence[Any], results: str 
         lines += tuned_validation_table(tuned[0])
     if "results" in manifest:
         lines += results_lines(manifest["results"])
-    if results:
-        lines += [results.strip(), ""]
-    if not tuned and not results and "results" not in manifest:
-        lines += ["None carried: this bundle holds no tuned_defaults artifact and was given no results.", ""]
+    if not tuned and "results" not in manifest:
+        lines += ["None carried: this bundle holds no tuned_defaults artifact and was given no eval results.", ""]
     return "\n".join(front + lines)
 
 
@@ -271,27 +284,29 @@ def usage(base: str | None, kinds: set[str]) -> list[str]:
 
 
 def tuned_validation_table(artifact: Any) -> list[str]:
-    """A tuned_defaults artifact's validation accuracy per method and ratio, as markdown."""
+    """A tuned_defaults artifact's validation accuracy per method and ratio, as markdown (its text escaped)."""
     from kvcompile.recipes.tuned_defaults.tuning import UNMEASURED  # a ratio not tried (past the tolerance)
 
     params, tensors = artifact.params, artifact.tensors
     ratios = [f"{r:g}" for r in tensors["ratios"].tolist()]
-    prompts = artifact.provenance.get("validation_prompts", "?")
+    prompts = markdown_text(artifact.provenance.get("validation_prompts", "?"))
+    tasks = markdown_text(", ".join(map(str, params.get("tasks", []))))
     lines = [
-        f"Validation accuracy (`kvcompile tune`: {prompts} prompts of tasks {', '.join(params.get('tasks', []))}, "
+        f"Validation accuracy (`kvcompile tune`: {prompts} prompts of tasks {tasks}, "
         f"{'question-aware' if params.get('question_aware') else 'question-agnostic'}; calibration data "
-        f"{artifact.provenance.get('calibration_data')}); full cache {tensors['full_accuracy'].item():.3f}:",
+        f"{markdown_text(artifact.provenance.get('calibration_data'))}); full cache "
+        f"{tensors['full_accuracy'].item():.3f}:",
         "",
         "| method | " + " | ".join(ratios) + " |",
         "| --- |" + " --- |" * len(ratios),
     ]
     for method, row in zip(params.get("methods", []), tensors["accuracy"].tolist()):
         cells = [f"{value:.3f}" if value != UNMEASURED else "-" for value in row]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_text(method)} | " + " | ".join(cells) + " |")
     recommended = params.get("recommended") or {}
     if recommended:
-        lines += ["", f"Recommended (the runtime's default with this bundle): {recommended.get('method')} at ratio "
-                  f"{recommended.get('ratio')}."]  # fmt: skip
+        lines += ["", "Recommended (the runtime's default with this bundle): "
+                  f"{markdown_text(recommended.get('method'))} at ratio {markdown_text(recommended.get('ratio'))}."]  # fmt: skip
     return lines + [""]
 
 
@@ -468,7 +483,8 @@ def describe_bundle(bundle: Bundle) -> list[str]:
         )
         lines.append(f"    made by: {provenance.get('command', '-')}")
     if "results" in bundle.manifest:
-        lines += ["measured results:", *(f"  {line}" for line in results_lines(bundle.manifest["results"]) if line)]
+        shown = results_lines(bundle.manifest["results"], printable, printable)
+        lines += ["measured results:", *(f"  {line}" for line in shown if line)]
     return [printable(line) for line in lines]
 
 

@@ -108,28 +108,23 @@ def bundle(
     results: Annotated[
         Path | None,
         typer.Option(
-            help="A kvcompile eval --out folder (its measured table, source, command and plot go into the manifest "
-            "and the model card), or a markdown file of results for the card."
+            help="A kvcompile eval --out folder: its measured table, source, command and plot go into the manifest "
+            "and the model card."
         ),
     ] = None,
 ) -> None:
     """Write a bundle: the artifacts of one model, a manifest (sha256, command, calibration data, library versions
     of each) and a model card (README.md with hub metadata), loadable by its folder or as a hub repo."""
     with clear_errors() as resources:
-        from kvcompile.bundle import bundle_sources, check_bundle_output, write_bundle
-        from kvcompile.generation import read_text
+        from kvcompile.bundle import bundle_sources, check_base_model, check_bundle_output, write_bundle
+        from kvcompile.evaluation.published import eval_results
 
         files = bundle_sources(sources)
         check_bundle_output(out, sources)
+        check_base_model(base_model)
+        measured = None if results is None else (eval_results(results), results)
         claim_output(resources, out, folder=True)
-        text, measured = None, None
-        if results is not None and results.is_dir():
-            from kvcompile.evaluation.published import eval_results
-
-            measured = (eval_results(results), results)
-        elif results is not None:
-            text = read_text(results, "--results")
-        manifest = write_bundle(files, out, base_model, text, measured)
+        manifest = write_bundle(files, out, base_model, measured)
         kinds = ", ".join(entry["kind"] for entry in manifest["artifacts"])
         typer.echo(f"wrote {out}: {kinds}, manifest.json, README.md")
 
@@ -170,7 +165,8 @@ def reproduce(
 ) -> None:
     """Rerun the compile command recorded for each of a bundle's artifacts and compare the bytes with the bundle's.
     It shows the commands and asks first; each reads only the bundle's files, the data shipped with kvcompile, the
-    default model or a cached hub model, and what --model and --corpus name. Exit code 1 when one differs."""
+    default model or a cached hub model, and what --model and --corpus name. Exit code 1 when one differs or when
+    none could be reproduced."""
     with clear_errors():
         from kvcompile.bundle import check_kinds
         from kvcompile.bundle import reproduce as rerun
@@ -194,7 +190,9 @@ def reproduce(
             return
         for file, verdict in verdicts:
             typer.echo(printable(f"{file}: {verdict}"))
-    if any(verdict.startswith("differs") for _, verdict in verdicts):
+    if any(verdict.startswith("differs") for _, verdict in verdicts) or not any(
+        verdict.startswith("reproduced") for _, verdict in verdicts
+    ):
         raise typer.Exit(1)
 
 

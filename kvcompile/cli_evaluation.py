@@ -110,13 +110,12 @@ def _suite_settings(
     by `scoring`."""
     from kvcompile.evaluation.settings import SuiteSettings
     from kvcompile.tasks.grid import parse_lengths, parse_tasks
-    from kvcompile.tasks.own_suite import suite_digest
+    from kvcompile.tasks.own_suite import read_suite
 
     task_names, task_samples = parse_tasks(tasks)
     own = {}
-    if suite is not None:  # SuiteSettings.check refuses a missing suite in one line
-        digest = suite_digest(suite) if suite.exists() else None
-        own = dict(suite=str(suite), suite_sha256=digest, scoring=scoring)
+    if suite is not None:  # every row checked here, before torch loads
+        own = dict(suite=str(suite), suite_sha256=read_suite(suite).sha256, scoring=scoring)
     return SuiteSettings(
         ratios=ratios,
         tasks=task_names,
@@ -254,6 +253,7 @@ def eval_(
 
 @compile_command("tuned_defaults")
 def tune(
+    ctx: typer.Context,
     model: str,
     out: Path | None,
     tolerance: Annotated[
@@ -280,6 +280,7 @@ def tune(
     from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 
+    check_suite_alone(ctx, suite)
     validation = _suite_settings(
         tuple(sorted(comma_separated(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format,
         suite, scoring,

@@ -256,8 +256,8 @@ def compile_command(
     """Register a compile command. Its options are the `settings` dataclass's (`settings_options`: declared there
     once), the decorated function's own (the recipe's inputs, e.g. a corpus or another artifact), and the ones
     every compile command shares, declared here once (--model, --out, --resume, --device, --dtype, and for recipes
-    that split their work --shard and --checkpoint-every). The function takes its own options (and `model` or `out`
-    if it needs them) and returns the recipe, or (recipe, settings) where it has no settings dataclass to derive;
+    that split their work --shard and --checkpoint-every). The function takes its own options (and `model`, `out`
+    or the click context `ctx` if it needs them) and returns the recipe, or (recipe, settings) where it has no settings dataclass to derive;
     the command runs `compile_artifact`, refusing bad input in one line."""
     shared = {
         "model": (ModelOption, "default"),
@@ -278,13 +278,14 @@ def compile_command(
         wanted = inspect.signature(build).parameters
         keyword = inspect.Parameter.KEYWORD_ONLY
         own = [inspect.Parameter(n, keyword, default=p.default, annotation=hints[n]) for n, p in wanted.items()]
-        own = [p for p in own if p.name not in shared]
+        own = [p for p in own if p.name not in shared and p.name != "ctx"]
 
         def command(ctx: typer.Context, **params: object) -> None:
             job = {name: params.pop(name) for name in shared}
             given = {option.name: params.pop(option.name) for option in derived}
             with clear_errors() as resources:
-                built = build(**params, **{name: job[name] for name in ("model", "out") if name in wanted})
+                context = {"ctx": ctx} if "ctx" in wanted else {}
+                built = build(**params, **context, **{name: job[name] for name in ("model", "out") if name in wanted})
                 recipe_, settings_ = built if settings is None else (built, settings_from_command_line(settings, given))
                 rerun = command_line(ctx, leave_out=recipe.OUTPUT_OPTIONS)
                 compile_artifact(recipe_, settings_, resources=resources, echo=typer.echo, command=rerun, **job)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import KVRuntimeError
 from kvruntime.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
+from kvruntime.errors import short_repr
 
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
@@ -204,12 +205,27 @@ def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
 
 
 def check_device_name(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> None:
-    """Refuse a --device that is no device name, or a kind the command does not run on (torch-free)."""
+    """Refuse a --device that is no device name, a kind the command does not run on, or one this machine plainly
+    lacks (torch-free: `resolve_device` asks torch for the rest once it is imported)."""
     kind, _, index = text.partition(":")
     if kind not in DEVICE_KINDS or (index and not index.isdigit()) or (index and kind != "cuda"):
-        raise KVRuntimeError(f"--device {text!r}: use cpu, cuda, cuda:N or mps")
+        raise KVRuntimeError(f"--device {short_repr(text)}: use cpu, cuda, cuda:N or mps")
     if kind not in supported:
         raise KVRuntimeError(f"--device {text!r}: this command runs on {', '.join(supported)} only")
+    if not device_kind_possible(kind):
+        raise KVRuntimeError(f"--device {text!r}: this machine has no {'CUDA' if kind == 'cuda' else 'MPS'} device")
+
+
+def device_kind_possible(kind: str, system: str | None = None, root: Path = Path("/")) -> bool:
+    """Whether this machine may have a device of `kind`, read from the system alone: MPS on macOS only; CUDA on Linux
+    only where an NVIDIA driver (/proc/driver/nvidia, /dev/nvidiactl) or ROCm's (/dev/kfd) is there. Elsewhere (a
+    Windows machine) it may: torch says."""
+    system = system or platform.system()
+    if kind == "mps":
+        return system == "Darwin"
+    if kind == "cuda" and system == "Linux":
+        return any((root / where).exists() for where in ("proc/driver/nvidia", "dev/nvidiactl", "dev/kfd"))
+    return True
 
 
 def resolve_device(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> str:

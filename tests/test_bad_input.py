@@ -234,3 +234,16 @@ def test_compile_commands_refuse_bad_corpora_in_one_line_and_write_nothing(tmp_p
 def _written(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_a_device_the_system_plainly_lacks_is_known_without_torch(tmp_path):
+    from kvcompile.recipe import device_kind_possible
+
+    assert device_kind_possible("mps", "Darwin") and not device_kind_possible("mps", "Linux")
+    assert not device_kind_possible("cuda", "Linux", tmp_path)  # no driver: no CUDA device
+    for driver in ("dev/nvidiactl", "proc/driver/nvidia", "dev/kfd"):  # NVIDIA's, or ROCm's (torch.cuda too)
+        root = tmp_path / driver.replace("/", "_")
+        (root / driver).parent.mkdir(parents=True)
+        (root / driver).touch()
+        assert device_kind_possible("cuda", "Linux", root)
+    assert device_kind_possible("cuda", "Windows", tmp_path) and device_kind_possible("cpu", "Linux", tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -247,7 +248,7 @@ def test_reproduce_imports_no_code_from_the_current_folder(compiled, bundle, tmp
 )  # fmt: skip
 def test_reproduce_runs_only_compile_commands_whose_inputs_are_the_bundles_or_named(bundle, command, verdict):
     result = runner.invoke(cli.app, ["reproduce", str(_recorded(bundle, command)), "--yes"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # nothing was reproduced
     assert f"kvcompose_stats.safetensors: not reproducible: {verdict}" in result.output
     assert "--out <scratch>" not in result.output  # nothing shown to run, nothing ran
 
@@ -402,7 +403,9 @@ def test_reproduce_only_reruns_the_kinds_asked_and_says_which_carry_no_full_comm
     old = kvruntime.Artifact("srh_heads", scores, fingerprint, {"libraries": {"torch": "2.13.0"}}, {})  # no command
     save_artifact(old, heads)
     invoke(["bundle", str(heads.parent), "--out", str(tmp_path / "two")])
-    only_heads = invoke(["reproduce", str(tmp_path / "two"), "--only", "srh_heads", "--yes"])
+    nothing = runner.invoke(cli.app, ["reproduce", str(tmp_path / "two"), "--only", "srh_heads", "--yes"])
+    assert nothing.exit_code == 1  # nothing could be reproduced
+    only_heads = nothing.output
     assert "srh_heads.safetensors: not reproducible: compiled before kvcompile recorded its full command" in only_heads
     assert "kvcompose_stats" not in only_heads and "--out <scratch>" not in only_heads
     only_stats = invoke(["reproduce", str(tmp_path / "two"), "--only", "kvcompose_stats", "--model", str(model_folder),
@@ -417,16 +420,16 @@ def test_the_card_names_the_base_model_given_or_guessed_and_carries_the_results_
 
     card = (bundle / "README.md").read_text()  # compiled from a local folder: no hub id to name, no results
     assert "base_model:" not in card and read_bundle(bundle).manifest["base_model"] is None
-    assert "None carried: this bundle holds no tuned_defaults artifact and was given no results." in card
-    results = tmp_path / "results.md"
-    results.write_text("| ratio | answers |\n| --- | --- |\n| 0.5 | 31 of 72 |\n")
+    assert "None carried: this bundle holds no tuned_defaults artifact and was given no eval results." in card
     out = tmp_path / "named"
-    invoke(["bundle", str(compiled[1]), "--out", str(out), "--base-model", "org/tiny-llama", "--results", str(results)])
+    invoke(
+        ["bundle", str(compiled[1]), "--out", str(out), "--base-model", "org/tiny-llama", "--results", str(EVAL_RUN)]
+    )
     card = (out / "README.md").read_text()
     assert card.startswith("---\nbase_model: org/tiny-llama\n") and read_bundle(out).manifest["base_model"] == (
         "org/tiny-llama"
     )
-    assert "## Measured results" in card and "| 0.5 | 31 of 72 |" in card and "None carried" not in card
+    assert "## Measured results" in card and "| distilled | 0.9 | " in card and "None carried" not in card
 
     def compiled_by(command: str) -> object:
         return kvruntime.Artifact("srh_heads", {}, None, {"command": command}, {})
@@ -493,8 +496,9 @@ def test_a_bundle_of_the_shipped_scorer_carries_an_eval_runs_table_into_its_mani
     assert results["command"].startswith("kvcompile eval --model default --methods full,distilled,distilled:floor=0.5")
     assert (out / results["picture"]).read_bytes() == (EVAL_RUN / "accuracy_vs_ratio.png").read_bytes()
     card = (out / "README.md").read_text()
-    assert "| distilled:floor=0.5 | 0.75 | " in card and f"Rerun: `{results['command']}`" in card
-    assert f"![accuracy against the bytes removed]({results['picture']})" in card and "None carried" not in card
+    assert "| distilled\\:floor\\=0\\.5 | 0.75 | " in card and f"Rerun: `{results['command']}`" in card
+    assert "![accuracy against the bytes removed](eval\\_accuracy\\_vs\\_ratio\\.png)" in card
+    assert "None carried" not in card
     shown = invoke(["info", str(out)])
     assert "measured results:" in shown and "36 prompts of kvcompile's suite" in shown
     assert "| distilled | 0.9 | " in shown
@@ -552,3 +556,114 @@ def test_a_manifest_whose_results_are_not_results_is_refused_never_printed(tmp_p
     result = runner.invoke(cli.app, ["info", str(out)])
     assert result.exit_code == 2 and "\x1b" not in result.output
     assert f"malformed manifest ({problem}" in result.output
+
+
+# Issue #61: a refused bundle run keeps the good bundle; nothing from a record reaches the card as markup.
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _hostile_eval_run(tmp_path: Path, method: str) -> Path:
+    """The shipped eval run with one method renamed `method` in its records and settings."""
+    folder = tmp_path / "hostile_run"
+    shutil.copytree(EVAL_RUN, folder)
+    runs = (EVAL_RUN / "runs.jsonl").read_text().replace('"method": "distilled"', json.dumps({"method": method})[1:-1])
+    (folder / "runs.jsonl").write_text(runs)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (lambda d: ["--base-model", "x/y\nlicense: evil\n---"], "--base-model 'x/y\\nlicense: evil\\n---': give the"),
+        (lambda d: ["--base-model", "<img src=x>"], "give the model's hub repo id (org/name)"),
+        (lambda d: ["--results", str(_hostile_eval_run(d, "distilled\x1b]0;owned\x07"))],
+         "its results' table holds a cell that is not text"),
+        (lambda d: ["--results", "/etc/passwd"], "--results /etc/passwd: not a folder"),
+        (lambda d: ["--results", str(EVAL_RUN / "results.md")], "not a folder (give the --out folder of a kvcompile eval"),
+    ],
+)  # fmt: skip
+def test_a_refused_bundle_run_leaves_the_good_bundle_byte_for_byte(tmp_path, extra, message):
+    out = tmp_path / "bundle"
+    invoke(["bundle", str(SHIPPED / "srh_heads.safetensors"), "--out", str(out)])
+    before = _snapshot(out)
+    result = runner.invoke(
+        cli.app, ["bundle", str(SHIPPED / "srh_heads.safetensors"), "--out", str(out), *extra(tmp_path)]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1 and "\x1b" not in result.output
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging folder left
+    read_bundle(out)
+
+
+def test_a_manifest_the_reader_would_refuse_is_never_put_in_place(tmp_path, monkeypatch):
+    """The last guard: should a value slip past the checks at the edge, the staged bundle is read back before it
+    replaces the good one."""
+    from kvcompile import bundle as bundle_module
+
+    out = tmp_path / "bundle"
+    invoke(["bundle", str(SHIPPED / "srh_heads.safetensors"), "--out", str(out)])
+    before = _snapshot(out)
+    monkeypatch.setattr(bundle_module, "check_base_model", lambda base: None)
+    monkeypatch.setattr(bundle_module, "manifest_problem", lambda manifest: None)
+    result = runner.invoke(
+        cli.app, ["bundle", str(SHIPPED / "srh_heads.safetensors"), "--out", str(out), "--base-model", "x\ny"]
+    )
+    assert result.exit_code == 2 and "malformed manifest (base_model is not a line of printable text)" in result.output
+    assert _snapshot(out) == before
+
+
+HOSTILE = [
+    "<img src=x onerror=alert(1)>",
+    "<iframe src=//evil>",
+    "<script>alert(1)</script>",
+    "[x](javascript:alert(1))",
+]
+
+
+def _rendered_text(markdown: str) -> str:
+    """What a reader of the rendered card sees (CommonMark with tables, markdown-it: an independent renderer)."""
+    import html
+
+    from markdown_it import MarkdownIt
+
+    rendered = MarkdownIt("commonmark").enable("table").render(markdown)
+    tags = set(re.findall(r"</?([a-zA-Z][\w-]*)", rendered))
+    assert tags <= {"p", "h1", "h2", "table", "thead", "tbody", "tr", "th", "td", "code", "pre", "img", "hr"}, tags
+    return html.unescape(rendered)
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_text_from_a_record_renders_as_itself_never_as_markup(value):
+    from kvcompile.markdown import markdown_code, markdown_text
+
+    assert _rendered_text(markdown_text(value)) == f"<p>{value}</p>\n"
+    assert _rendered_text(f"| a |\n| --- |\n| {markdown_code(value + ' | `x`')} |").count("<code>") == 1
+
+
+def test_no_card_holds_raw_html_or_a_link_from_a_record(tmp_path):
+    """Method names, the suite's name, its scoring and tasks from an eval folder's records, and an artifact's
+    recorded command and calibration data, all hostile: the card shows each as text."""
+    run = tmp_path / "run"
+    shutil.copytree(EVAL_RUN, run)
+    settings = json.loads((run / "run.json").read_text())
+    settings.update(suite=f"/x/{HOSTILE[3]}", suite_sha256=HOSTILE[1], scoring=HOSTILE[2])
+    (run / "run.json").write_text(json.dumps(settings))
+    runs = (
+        (EVAL_RUN / "runs.jsonl").read_text().replace('"method": "distilled"', json.dumps({"method": HOSTILE[0]})[1:-1])
+    )
+    (run / "runs.jsonl").write_text(runs)
+    artifact = read_artifact(SHIPPED / "srh_heads.safetensors")
+    artifact.provenance.update(command=f"kvcompile heads {HOSTILE[1]}", calibration_data=HOSTILE[3])
+    source = tmp_path / "src" / "srh_heads.safetensors"
+    save_artifact(artifact, source)
+    invoke(["bundle", str(source), "--out", str(tmp_path / "b"), "--results", str(run)])
+    card = (tmp_path / "b" / "README.md").read_text()
+    from markdown_it import MarkdownIt
+
+    rendered = MarkdownIt("commonmark").enable("table").render(card.split("---\n", 2)[2])
+    shown = _rendered_text(card.split("---\n", 2)[2])  # the markup the renderer makes is only the card's own
+    for value in HOSTILE:  # shown as the text it is, never as markup (no tag of its, no link: _rendered_text)
+        assert value in shown and (value not in rendered or not value.startswith("<"))
+    assert "href" not in rendered

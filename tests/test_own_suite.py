@@ -6,6 +6,10 @@ test_refusals_before_torch.py's."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvcompile import recipe
 from kvcompile.cli import app
-from kvcompile.tasks.own_suite import length_bucket, read_suite, suite_digest, suite_prompt
+from kvcompile.tasks.own_suite import FIELDS, length_bucket, read_suite, suite_prompt
 from kvcompile.tasks.scoring import normalized_words, score_answer, token_f1
 from kvruntime import KVRuntimeError
 
@@ -22,7 +26,7 @@ ROWS = [
     {"id": "capital", "context": "Ada lives in Lyon. " * 6, "question": "Where does Ada live?", "answers": ["Lyon"]},
     {"context": "The code is 4417. " * 5, "question": "What is the code?", "answers": ["4417", "four four"]},
     {"context": "Bo has a red kite. " * 7, "question": "What does Bo have?", "answers": ["a red kite"],
-     "answer_prefix": "Answer:", "length": 12},  # a column the suite does not read is left alone
+     "answer_prefix": "Answer:"},
 ]  # fmt: skip
 
 
@@ -49,11 +53,16 @@ def test_token_f1_and_exact_match_follow_squad_worked_by_hand():
 
 def test_rows_are_read_from_json_lines_with_ids_and_answer_prefixes(tmp_path):
     path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
-    rows = read_suite(path)
+    rows = read_suite(path).rows
     assert [r.id for r in rows] == ["capital", "line 2", "line 3"]
     assert rows[1].answers == ("4417", "four four") and rows[2].answer_prefix == "Answer:"
     assert rows[0].where == "mine.jsonl line 1"
-    assert suite_digest(path) != suite_digest(write_jsonl(tmp_path / "other.jsonl", ROWS[:2]))
+    assert read_suite(path).sha256 != read_suite(write_jsonl(tmp_path / "other.jsonl", ROWS[:2])).sha256
+
+
+def test_answers_are_kept_stripped_so_that_a_scoring_can_match_them(tmp_path):
+    row = {**ROWS[0], "answers": [" Lyon\n", "\tthe city of Lyon "]}
+    assert read_suite(write_jsonl(tmp_path / "mine.jsonl", [row])).rows[0].answers == ("Lyon", "the city of Lyon")
 
 
 @pytest.mark.parametrize(
@@ -69,6 +78,15 @@ def test_rows_are_read_from_json_lines_with_ids_and_answer_prefixes(tmp_path):
         ('{"context": "c", "question": "q", "answers": ["a"], "id": "capital"}', "line 2: id 'capital' is also"),
         ('["c", "q"]', "line 2: not an object"),
         ('{"context": "c",', "line 2: not JSON"),
+        (
+            '{"context": "c", "question": "q", "answers": ["a"], "answer_prefx": "A:"}',
+            "line 2: unknown field 'answer_prefx' (known: context, question, answers, answer_prefix, id)",
+        ),
+        (
+            '{"context": "c", "question": "q", "answers": ["a"], "id": ' + "7" * 5000 + "}",
+            "line 2: holds a number too long to read",
+        ),
+        ('{"context": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 2: nested too deep to read"),
     ],
 )
 def test_a_bad_line_is_refused_in_one_line_naming_it(tmp_path, line, message):
@@ -103,7 +121,7 @@ def test_a_suite_that_is_not_one_is_refused(tmp_path, make, message):
 def test_a_datasets_folder_reads_the_same_rows_as_the_json_lines(tmp_path):
     import datasets
 
-    expected = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS))
+    expected = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS)).rows
     columns = {key: [row.get(key) for row in ROWS] for key in ("id", "context", "question", "answers")}
     columns["answer_prefix"] = [row.get("answer_prefix", "") for row in ROWS]
     datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "saved"))
@@ -115,7 +133,7 @@ def test_a_datasets_folder_reads_the_same_rows_as_the_json_lines(tmp_path):
         return [(r.context, r.question, r.answers, r.answer_prefix) for r in rows]
 
     for folder in ("saved", "splits", "files"):
-        rows = read_suite(tmp_path / folder)
+        rows = read_suite(tmp_path / folder).rows
         assert content(rows) == content(expected), folder
         assert rows[0].id == "capital" and rows[1].where == f"{folder} row 2"
     datasets.DatasetDict(
@@ -133,7 +151,7 @@ def test_a_row_becomes_a_prompt_whose_context_is_compressed_before_its_question(
 
     save_char_tokenizer(tmp_path / "tok")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
-    row = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS))[2]
+    row = read_suite(write_jsonl(tmp_path / "mine.jsonl", ROWS)).rows[2]
     prompt = suite_prompt(row, tokenizer, chat=False, name="mine", scoring="f1")
     assert prompt.prompt[: prompt.question_start].startswith(row.context)
     assert prompt.prompt[prompt.question_start :].startswith(row.question) and prompt.prompt.endswith("Answer:")
@@ -157,7 +175,7 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
     assert [r["id"] for r in records if r["method"] == "full"] == ["capital", "line 2", "line 3"]
     assert all(0 <= r["correct"] <= 1 and r["depth"] is None for r in records)
     assert all(r["cache_kept"] == pytest.approx(0.5, abs=0.05) for r in records if r["method"] == "snapkv")
-    assert json.loads(Path("run/run.json").read_text())["suite_sha256"] == suite_digest(tmp_path / "mine.jsonl")
+    assert json.loads(Path("run/run.json").read_text())["suite_sha256"] == read_suite(tmp_path / "mine.jsonl").sha256
     assert "3 prompts of the suite mine (sha256 " in Path("run/results.md").read_text()
     assert "scored by f1" in Path("run/results.md").read_text()
     rerun = next(line for line in Path("run/results.md").read_text().splitlines() if line.startswith("Command: "))
@@ -208,3 +226,142 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
 
     params = read_artifact(tmp_path / "tuned.safetensors").params
     assert params["suite"] == "mine" and params["scoring"] == "substring"
+
+
+def _saved(folder: Path, rows: list[dict] = ROWS) -> Path:
+    """`rows` saved as datasets saves them (state.json naming its Arrow file, dataset_info.json)."""
+    import datasets
+
+    columns = {key: [row.get(key, "") for row in rows] for key in FIELDS}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(folder))
+    return folder
+
+
+def _state(folder: Path, **changes: object) -> Path:
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, **changes}))
+    return folder
+
+
+def _arrow_name(folder: Path) -> str:
+    return json.loads((folder / "state.json").read_text())["_data_files"][0]["filename"]
+
+
+def _split_outside(d: Path) -> Path:
+    _saved(d / "outside"), _saved(d / "s" / "test")
+    (d / "s" / "dataset_dict.json").write_text('{"splits": ["../outside"]}')
+    return d / "s"
+
+
+def _split_linked_out(d: Path) -> Path:
+    _saved(d / "outside"), (d / "s").mkdir()
+    (d / "s" / "test").symlink_to(d / "outside")
+    (d / "s" / "dataset_dict.json").write_text('{"splits": ["test"]}')
+    return d / "s"
+
+
+def _arrow_linked_out(d: Path) -> Path:
+    _saved(d / "outside"), _saved(d / "s")
+    (d / "s" / _arrow_name(d / "s")).unlink()
+    (d / "s" / _arrow_name(d / "s")).symlink_to(d / "outside" / _arrow_name(d / "outside"))
+    return d / "s"
+
+
+def _folder_with(d: Path, name: str, make: object) -> Path:
+    (d / "s").mkdir()
+    make(d / "s" / name)
+    return d / "s"
+
+
+def _fifo_suite(d: Path) -> Path:
+    os.mkfifo(d / "pipe.jsonl")
+    return d / "pipe.jsonl"
+
+
+def _metadata(d: Path, text: str) -> Path:
+    (_saved(d / "s") / "state.json").write_text(text)
+    return d / "s"
+
+
+def _odd_column(folder: Path) -> Path:
+    import datasets
+
+    columns = {"context": ["c"], "question": ["q"], "answers": [["a"]], "lenght": [3]}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(folder))
+    return folder
+
+
+def _outside_state(d: Path, name: str) -> Path:
+    _saved(d / "outside")
+    return _state(_saved(d / "s"), _data_files=[{"filename": name}])
+
+
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        # The metadata names a file outside the folder (a good suite there: its rows must not be read).
+        (lambda d: _outside_state(d, "../outside/data-00000-of-00001.arrow"),
+         "state.json names '../outside/data-00000-of-00001.arrow': a suite's data files are .arrow files inside"),
+        (lambda d: _outside_state(d, "/etc/passwd"), "names '/etc/passwd'"),
+        (lambda d: _outside_state(d, "state.json"), "names 'state.json'"),
+        (_split_outside, "dataset_dict.json lists no splits that are folders inside it"),
+        # A link out of the folder, in place of a split or of a data file.
+        (_split_linked_out, "test is not a folder of the suite"),
+        (_arrow_linked_out, "data-00000-of-00001.arrow: a symbolic link"),
+        (lambda d: _folder_with(d, "rows.jsonl", lambda p: p.symlink_to("/etc/passwd")), "rows.jsonl: a symbolic link"),
+        # Special files: never read (a FIFO would block, /dev/zero never ends).
+        (_fifo_suite, "not a file or a folder"),
+        (lambda d: Path("/dev/zero"), "not a file or a folder"),
+        (lambda d: _folder_with(d, "rows.jsonl", os.mkfifo), "rows.jsonl is not a plain file"),
+        # Metadata that is not JSON, or nested past what a parser can read, is one line.
+        (lambda d: _metadata(d, "{oops"), "state.json is not JSON"),
+        (lambda d: _metadata(d, NESTED), "state.json is nested too deep to read"),
+        (lambda d: _folder_with(d, "r.jsonl", lambda p: p.write_text(NESTED)), "r.jsonl line 1: nested too deep"),
+        # A table's columns are checked before its rows are read.
+        (lambda d: _odd_column(d / "s"), "unknown column 'lenght' (known: context, question, answers, answer_prefix, id)"),
+    ],
+)  # fmt: skip
+def test_a_suite_folder_reads_only_its_own_plain_files(tmp_path, make, message):
+    with pytest.raises(KVRuntimeError, match=re.escape(message)):
+        read_suite(make(tmp_path))
+
+
+def test_a_suite_folders_digest_covers_exactly_the_bytes_it_reads(tmp_path):
+    folder = _saved(tmp_path / "s")
+    first = read_suite(folder).sha256
+    (folder / "notes.txt").write_text("the user's notes, not read")
+    assert read_suite(folder).sha256 == first
+    (folder / "dataset_info.json").write_text('{"description": "not read either"}')
+    assert read_suite(folder).sha256 == first
+    _saved(tmp_path / "other", [{**ROWS[0], "question": "Where does Ada work?"}, *ROWS[1:]])
+    (folder / _arrow_name(folder)).write_bytes((tmp_path / "other" / _arrow_name(folder)).read_bytes())
+    assert read_suite(folder).sha256 != first
+
+
+def test_a_suite_folder_is_read_without_torch_or_a_cache_outside_it(tmp_path):
+    """A state.json asking for torch tensors is read as the plain rows it holds; nothing is written to the
+    datasets cache (HOME is an empty folder here, and stays one)."""
+    folder = _state(_saved(tmp_path / "s"), _format_type="torch", _format_columns=["answers"])
+    home = tmp_path / "home"
+    home.mkdir()
+    script = (
+        "import importlib.abc, sys\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('torch', 'datasets'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from pathlib import Path\n"
+        "from kvcompile.tasks.own_suite import read_suite\n"
+        f"print([row.id for row in read_suite(Path({str(folder)!r})).rows])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_"))}
+    ran = subprocess.run(
+        [sys.executable, "-P", "-c", script], env={**env, "HOME": str(home)}, capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "['capital', 'row 2', 'row 3']"
+    assert list(home.iterdir()) == []

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompile.recipe import artifact_folder
+from kvcompile.recipe import artifact_folder, device_kind_possible
 
 ARTIFACTS = artifact_folder("default")
 PROMPT = str(Path(__file__).resolve().parent.parent / "calibration_data" / "prompts" / "passkey_2k.txt")
@@ -351,6 +351,61 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["tune", "--suite", _text(d, "mine.jsonl", '{"context": "c", "answers": ["a"]}')],
         "mine.jsonl line 1: no 'question'",
     ),
+    # Issue #61: a suite is read as a folder of the user's files (tests/test_own_suite.py has every shape).
+    "eval --suite: a FIFO": (lambda d: ["eval", "--suite", _fifo(d)], "--suite pipe: not a file or a folder"),
+    "eval --suite: /dev/zero": (lambda d: ["eval", "--suite", "/dev/zero"], "--suite /dev/zero: not a file or a"),
+    "eval --suite: a folder whose state.json names a file outside it": (
+        lambda d: ["eval", "--suite", _text(d, "s/state.json", '{"_data_files": [{"filename": "/etc/passwd"}]}')[:1]],
+        "state.json names '/etc/passwd': a suite's data files are .arrow files inside its folder",
+    ),
+    "eval --suite: a folder whose dataset_dict.json names a split outside it": (
+        lambda d: ["eval", "--suite", _text(d, "s/dataset_dict.json", '{"splits": ["../../outside/ds2"]}')[:1]],
+        "dataset_dict.json lists no splits that are folders inside it",
+    ),
+    "eval --suite: a line nested 100,000 deep": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", '{"context": ' + "[" * 100_000 + "]" * 100_000 + "}")],
+        "mine.jsonl line 1: nested too deep to read",
+    ),
+    "eval --suite: a folder holding a line nested 100,000 deep": (
+        lambda d: ["eval", "--suite", _text(d, "s/rows.jsonl", "[" * 100_000)[:1]],
+        "rows.jsonl line 1: nested too deep to read",
+    ),
+    "eval --suite: a 5,000-digit id": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE[:-2] + ', "id": ' + "9" * 5000 + "}")],
+        "mine.jsonl line 1: holds a number too long to read",
+    ),
+    "eval --suite: a misspelled field": (
+        lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE[:-2] + ', "answer_prefx": "A:"}')],
+        "mine.jsonl line 1: unknown field 'answer_prefx' (known: context, question, answers, answer_prefix, id)",
+    ),
+    "tune --suite with the built-in suite's --seed": (
+        lambda d: ["tune", "--suite", _text(d, "mine.jsonl", SUITE_LINE), "--seed", "3"],
+        "--seed picks the built-in suite's prompts: it does not apply with --suite",
+    ),
+    "tune --scoring without a suite": (lambda d: ["tune", "--scoring", "f1"], "--scoring scores a --suite of your own"),
+    "generate: an --option given twice": (
+        lambda d: [*GENERATE, "--method", "snapkv", "--option", "window=8", "--option", "window=16"],
+        "--option 'window' is given twice: give each option once",
+    ),
+    "bundle: a --base-model that would write YAML": (
+        lambda d: ["bundle", str(ARTIFACTS / "srh_heads.safetensors"), "--out", "b", "--base-model", "x/y\nlicense: a"],
+        "--base-model 'x/y\\nlicense: a': give the model's hub repo id (org/name)",
+    ),
+    "bundle: --results a file": (
+        lambda d: ["bundle", str(ARTIFACTS / "srh_heads.safetensors"), "--out", "b", "--results", "/etc/passwd"],
+        "--results /etc/passwd: not a folder (give the --out folder of a kvcompile eval run)",
+    ),
+    **(
+        {
+            "eval on CUDA where the machine has no driver for it": (
+                lambda d: ["eval", "--device", "cuda"],
+                "--device 'cuda': this machine has no CUDA device",
+            )
+        }
+        if not device_kind_possible("cuda")
+        else {}
+    ),
+    "eval on MPS off a Mac": (lambda d: ["eval", "--device", "mps"], "--device 'mps': this machine has no MPS device"),
     "eval: unknown task": (lambda d: ["eval", "--tasks", "foo"], "unknown tasks ['foo']"),
     "eval: a length past the model's positions": (
         lambda d: ["eval", "--lengths", "20k", "--methods", "snapkv"],

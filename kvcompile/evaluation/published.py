@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from kvcompile.evaluation import store
 from kvcompile.evaluation.contestants import FULL
 from kvcompile.evaluation.report import summary_table
 from kvcompile.evaluation.store import BUNDLING, read_saved_records, read_saved_settings
+from kvcompile.markdown import markdown_code, markdown_text
 from kvruntime import KVRuntimeError
+from kvruntime.bundle import results_problem
 from kvruntime.errors import printable
 
 NUMBER = ((int, float), "a number")
@@ -36,7 +39,7 @@ _COMMAND = re.compile(r"^Command: `(kvcompile eval [^`]*)`", re.MULTILINE)
 def eval_results(folder: Path) -> dict[str, Any]:
     """The manifest's `results` object from an eval run's `folder`; one line saying why not."""
     if not folder.is_dir():
-        raise KVRuntimeError(f"--results {folder}: no such folder (give a kvcompile eval --out folder or a .md file)")
+        raise KVRuntimeError(f"--results {folder}: not a folder (give the --out folder of a kvcompile eval run)")
     settings = read_saved_settings(folder / "run.json", BUNDLING)
     records = read_saved_records(folder / "runs.jsonl", BUNDLING, RECORD_KEYS)
     if not any(r["method"] == FULL for r in records) or not all(
@@ -57,6 +60,9 @@ def eval_results(folder: Path) -> dict[str, Any]:
     picture = folder / PICTURE
     if picture.is_file() and not picture.is_symlink() and picture.stat().st_size <= PICTURE_MAX_BYTES:
         results["picture"] = "eval_" + PICTURE
+    problem = results_problem(results)  # what a bundle's reader would refuse (a method name that is not text)
+    if problem:
+        raise KVRuntimeError(f"--results {folder}: {problem}; give the --out folder of a kvcompile eval run")
     return results
 
 
@@ -75,26 +81,29 @@ def prompts_source(settings: dict[str, Any]) -> str:
     )
 
 
-def results_lines(results: dict[str, Any]) -> list[str]:
-    """The carried results as the model card's markdown: where the prompts came from, the table, the plot."""
+def results_lines(
+    results: dict[str, Any],
+    text: Callable[[object], str] = markdown_text,
+    code: Callable[[object], str] = markdown_code,
+) -> list[str]:
+    """The carried results as the model card's markdown (`text` and `code` escape what the records hold; `printable`
+    for a terminal): where the prompts came from, the table, the plot."""
     asked = "question-aware" if results["question_aware"] else "question-agnostic"
     lines = [
-        f"`kvcompile eval` on {results['prompts']} prompts of {results['source']}, {asked}; equal ratios are equal "
+        f"`kvcompile eval` on {results['prompts']} prompts of {text(results['source'])}, {asked}; equal ratios are equal "
         "bytes removed as measured (`cache_kept`: the bytes held over the full cache's). `answer_kl`: the KL from the "
         "full cache over its answer's tokens; `answer_logprob`: the expected answer's log-probability.",
         "",
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "| --- |" + " --- |" * (len(TABLE_COLUMNS) - 1),
     ]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in TABLE_COLUMNS) + " |" for row in results["table"]]
+    lines += ["| " + " | ".join(_cell(row.get(c), text) for c in TABLE_COLUMNS) + " |" for row in results["table"]]
     if results.get("command"):
-        lines += ["", f"Rerun: `{results['command']}`"]
+        lines += ["", f"Rerun: {code(results['command'])}"]
     if results.get("picture"):
-        lines += ["", f"![accuracy against the bytes removed]({results['picture']})"]
+        lines += ["", f"![accuracy against the bytes removed]({text(results['picture'])})"]
     return [*lines, ""]
 
 
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return printable(value).replace("|", "\\|")
+def _cell(value: object, text: Callable[[object], str]) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else text(value)

@@ -33,7 +33,7 @@ class SuiteSettings:
     prompt_format: str = "auto"
     task_samples: dict[str, int] = dataclasses.field(default_factory=dict)  # tasks given a count of their own
     suite: str | None = None  # a user's suite (a JSON Lines file or a datasets folder) instead of the tasks
-    suite_sha256: str | None = None  # its bytes' digest (`suite_digest`): a resumed run reads the same prompts
+    suite_sha256: str | None = None  # the digest of the bytes its rows come from: a resumed run reads the same rows
     scoring: str = "all"  # how its answers are scored (`scoring.SCORINGS`); the built-in tasks' is "all"
 
     @property
@@ -55,13 +55,14 @@ class SuiteSettings:
                 corpus, tokenizer, self.tasks, self.lengths, self.samples_per_task, self.seed, self.prompt_format
             )
         from kvcompile.prompt_format import uses_chat
-        from kvcompile.tasks.own_suite import read_suite, suite_digest, suite_prompt
+        from kvcompile.tasks.own_suite import read_suite, suite_prompt
 
-        if self.suite_sha256 != suite_digest(Path(self.suite)):  # what runs is what the run's settings name
+        suite = read_suite(Path(self.suite))
+        if self.suite_sha256 != suite.sha256:  # what runs is what the run's settings name
             raise KVRuntimeError(f"--suite {self.suite}: changed since the run's settings were made")
         chat = uses_chat(tokenizer, self.prompt_format)
         prompts = []
-        for row in read_suite(Path(self.suite)):
+        for row in suite.rows:
             prompt = suite_prompt(row, tokenizer, chat, self.suite_name, self.scoring)
             tokens = len(tokenizer(prompt.prompt, add_special_tokens=False).input_ids)
             check_positions(tokens + self.new_tokens, limit, f"{row.where}: {tokens} tokens and {self.new_tokens} new")
@@ -76,12 +77,8 @@ class SuiteSettings:
             raise KVRuntimeError("--samples and --new-tokens must be at least 1")
         if self.scoring not in SCORINGS:
             raise KVRuntimeError(f"--scoring {self.scoring!r}: use one of {', '.join(SCORINGS)}")
-        if self.suite is None:
+        if self.suite is None:  # a user's suite: its rows were checked when its digest was made (read_suite)
             check_tasks(self.tasks)
-            return
-        from kvcompile.tasks.own_suite import read_suite
-
-        read_suite(Path(self.suite))  # every row checked before torch loads
 
     def check_positions(self, limit: int | None) -> None:
         """Refuse lengths the model cannot hold with the answer after them (`limit`: its positions; None: not

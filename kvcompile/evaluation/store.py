@@ -47,18 +47,30 @@ def _unreadable(path: Path, problem: str, reading: tuple[str, str] = RESUMING) -
     return KVRuntimeError(f"{failed.format(path=path)}: {problem}; {hint}")
 
 
-def _parse_json(path: Path, text: str, where: str = "", reading: tuple[str, str] = RESUMING) -> object:
-    """`text` parsed, or one line naming `path` (and `where` in it) and the problem. A deeply nested value raises
-    RecursionError and a number past Python's digit limit a plain ValueError: both are a damaged file, not a bug."""
+class NotJSON(ValueError):
+    """Text that `parse_json` cannot read, its message the problem in words."""
+
+
+def parse_json(text: str, one_line: bool = False) -> object:
+    """`text` parsed, or NotJSON saying why not (where: the column alone in `one_line` text). A deeply nested value raises RecursionError and a number past
+    Python's digit limit a plain ValueError in `json.loads`: both are a damaged (or hostile) file, not a bug."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        at = f"column {exc.colno}" if where else f"line {exc.lineno} column {exc.colno}"
-        problem = f"{where}is not JSON ({exc.msg} at {at})"
+        at = f"column {exc.colno}" if one_line else f"line {exc.lineno} column {exc.colno}"
+        raise NotJSON(f"is not JSON ({exc.msg} at {at})") from None
     except RecursionError:
-        problem = f"{where}is nested too deep to read"
+        raise NotJSON("is nested too deep to read") from None
     except ValueError:
-        problem = f"{where}holds a number too long to read"
+        raise NotJSON("holds a number too long to read") from None
+
+
+def _parse_json(path: Path, text: str, where: str = "", reading: tuple[str, str] = RESUMING) -> object:
+    """`text` parsed, or one line naming `path` (and `where` in it) and the problem."""
+    try:
+        return parse_json(text, one_line=bool(where))
+    except NotJSON as exc:
+        problem = f"{where}{exc}"
     raise _unreadable(path, problem, reading)  # outside the handler: the parser's traceback adds nothing to the line
 
 

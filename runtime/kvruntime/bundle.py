@@ -150,13 +150,13 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"{path}: bundle format version {short_repr(manifest.get('format_version'))}, this kvruntime reads "
             f"version {BUNDLE_FORMAT_VERSION}"
         )
-    problem = _manifest_problem(manifest)
+    problem = manifest_problem(manifest)
     if problem:
         raise ArtifactError(f"{path}: malformed manifest ({problem})")
     return manifest
 
 
-def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
     """What is wrong with a manifest's fields, or None."""
     from .fingerprint import ModelFingerprint
 
@@ -189,10 +189,10 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
         libraries = provenance.get("libraries", {})
         if not isinstance(libraries, dict) or not all(isinstance(v, str) for v in libraries.values()):
             return f"{entry['file']}'s libraries are not names and versions"
-    return None if manifest.get("results") is None else _results_problem(manifest["results"])
+    return None if manifest.get("results") is None else results_problem(manifest["results"])
 
 
-def _results_problem(results: object) -> str | None:
+def results_problem(results: object) -> str | None:
     """What is wrong with the measured results a bundle carries (`kvcompile bundle --results`), or None: a source
     and a command of printable text, a count, a table of rows whose cells are text, finite numbers or empty, and a
     picture that is a file of the bundle."""

@@ -196,12 +196,15 @@ def check_option_value(method: str, key: str, option: Option, value: object) -> 
 
 def parse_option_pairs(pairs: Iterable[str], where: str = "--option") -> dict[str, object]:
     """`key=value` strings (the command line's) to option values: true/false are booleans, numbers are numbers,
-    anything else a word. `check_method_options` then checks them against the method."""
+    anything else a word. `check_method_options` then checks them against the method. A key given twice is refused
+    (which value was meant is not for us to guess)."""
     options: dict[str, object] = {}
     for pair in pairs:
         key, separator, text = pair.partition("=")
         if not separator or not key.strip():
-            raise KVRuntimeError(f"{where} {pair!r}: write it as key=value")
+            raise KVRuntimeError(f"{where} {short_repr(pair)}: write it as key=value")
+        if key.strip() in options:
+            raise KVRuntimeError(f"{where} {short_repr(key.strip())} is given twice: give each option once")
         options[key.strip()] = _option_value(text.strip())
     return options
 
