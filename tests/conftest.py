@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from hypothesis import settings
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import kvruntime
 import kvruntime.model_loading
@@ -41,16 +41,35 @@ TINY = dict(
 )
 
 
+HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
+# Sliding windows shorter than the tests' prompts (80 tokens): the band is exercised.
+HYBRID = dict(head_dim=HEAD_DIM, sliding_window=16, query_pre_attn_scalar=HEAD_DIM, pad_token_id=0)
+# kind -> (config class, model class, settings beside TINY): decoders transformers runs through its attention
+# interface, each doing something of its own to its queries (or its cache).
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=HEAD_DIM)),  # per-head q/k norms before RoPE
+    # Hybrid: sliding-window layers between full-attention ones, per-head norms, a query scalar.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **HYBRID, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
+    # Hybrid, three sliding layers to one full, q/k norms over the whole projection.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {**HYBRID, "layer_types": [
+        "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),  # one fused qkv projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),  # q/k norms over the whole projection
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.3)),  # its own query scaling
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(pad_token_id=0)),  # some layers without RoPE
+}  # fmt: skip
+
+
 def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**TINY))
-    elif kind == "qwen3":  # per-head q/k norms before RoPE
-        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=TINY["hidden_size"] // TINY["num_attention_heads"]))
-    else:
+    if kind not in ARCHITECTURES:
         raise ValueError(kind)
+    config_class, model_class, settings = ARCHITECTURES[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**{**TINY, **settings})
+    model = getattr(transformers, model_class)(config)
     model.config.architectures = [type(model).__name__]
     return model.eval()
 

@@ -6,6 +6,8 @@ model with its cache and hooks. Tiny Llama, Qwen2 and Qwen3 models with 8 query 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import CharTokenizer
@@ -26,6 +28,7 @@ from kvcompile.recipes.compresskv.attention_capture import generate_with_attenti
 from kvcompile.recipes.compresskv.budgets import PROBE_BUDGET, layer_errors_of_prompt
 from kvcompile.recipes.kvcompose.attention_stats import RANK_QUANTILES, compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet
+from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads
 
 NEW_TOKENS = 6
@@ -68,9 +71,12 @@ def layer_projections(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[t
     query/key norms where the model has them), rebuilt from the layer's input on a forward without a cache."""
     positions = torch.arange(ids.shape[1])[None]
     result = []
-    for layer, inputs in zip(model.model.layers, attention_inputs(model, ids)):
-        attention, states = layer.self_attn, inputs.float()[None]  # back to the model's float32, exactly
-        cos, sin = model.model.rotary_emb(states, positions)
+    for attention, inputs in zip(attention_modules(model), attention_inputs(model, ids)):
+        states = inputs.float()[None]  # back to the model's float32, exactly
+        # Gemma 3's rotary embedding has one set of frequencies per layer kind, and must be told which.
+        rope = inspect.signature(model.model.rotary_emb.forward).parameters.get("layer_type")
+        kind = {"layer_type": attention.layer_type} if rope is not None and rope.default is rope.empty else {}
+        cos, sin = model.model.rotary_emb(states, positions, **kind)
         with torch.no_grad():
             queries = rotated(
                 heads(attention.q_proj(states), attention.head_dim, getattr(attention, "q_norm", None)), cos, sin

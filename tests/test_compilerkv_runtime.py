@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 import kvruntime
 from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import CompilerKV, Prefill, get_method
@@ -33,7 +34,7 @@ def table_tensors(layers: int = 4, query_heads: int = 4) -> dict[str, torch.Tens
 
 
 def save_tables(model, folder, **params):
-    tensors = table_tensors(model.config.num_hidden_layers, model.config.num_attention_heads)
+    tensors = table_tensors(model_fingerprint(model).num_layers, model.config.num_attention_heads)
     artifact = Artifact("compilerkv_tables", tensors, model_fingerprint(model), {"command": "test"}, params)
     return save_artifact(artifact, folder / "compilerkv_tables.safetensors")
 
@@ -58,14 +59,15 @@ def reference_kept(
     each layer keeps its tokens at or above its threshold, at most the budget. Ratio-honest: the layers share
     budget x layers entries, ranked by score over their layer's threshold (ties: earlier layer, earlier token)."""
     query_heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    t = table_tensors(model.config.num_hidden_layers, query_heads)
+    growing = [module.layer_idx for module in attention_modules(model)]  # what the runtime cuts (no sliding layer)
+    t = table_tensors(len(growing), query_heads)
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True, output_attentions=True)
     model.set_attn_implementation("sdpa")
     n, w = ids.shape[1], 64
-    rows = torch.cat([a[0, :, -w:, :] for a in out.attentions])  # [L * Hq, w, n]
+    rows = torch.cat([out.attentions[index][0, :, -w:, :] for index in growing])  # [L * Hq, w, n]
     alpha = (n / w) * rows.double().mean(dim=0).sum(dim=0)
     p = alpha / alpha.sum()
     entropy = float(-(p * p.log()).sum())
@@ -75,12 +77,12 @@ def reference_kept(
     p_bin = int((PERPLEXITY_EDGES <= perplexity).sum())
     budget = BUDGETS[budget_index]
     scores, thresholds = [], []
-    for layer, cached in enumerate(cache.layers):
-        norms = cached.values[0].double().norm(dim=-1)  # [Hkv, n]
+    for layer, index in enumerate(growing):
+        norms = cache.layers[index].values[0].double().norm(dim=-1)  # [Hkv, n]
         rho = norms / norms.mean(dim=-1, keepdim=True)
         weights = torch.ones(query_heads) if uniform_heads else t["head_reliability"][budget_index, layer]
         weights = weights / weights.max()  # relative to the layer's largest weight
-        own = (n / w) * out.attentions[layer][0, :, -w:, :].double().sum(dim=1)  # [Hq, n]
+        own = (n / w) * out.attentions[index][0, :, -w:, :].double().sum(dim=1)  # [Hq, n]
         attention = [alpha if utility == "global" else (alpha + own[h]) / 2 for h in range(query_heads)]
         layer_scores = torch.stack(
             [weights[h] * attention[h] * rho[h // (query_heads // kv_heads)] for h in range(query_heads)]

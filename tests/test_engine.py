@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, GPT2Config, GPT2LMHeadModel
+import transformers
+from conftest import TINY
+from transformers import AttentionInterface, DynamicCache
 
 import kvruntime
 from kvruntime.cache_ops import cache_argument
@@ -152,10 +154,21 @@ def test_hooks_and_attention_are_removed_after_the_block(tiny, tokens):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in tiny.modules())
 
 
-def test_unsupported_architecture_is_named():
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(UnsupportedModelError, match="gpt2.*supported: llama"):
-        with kvruntime.compress(gpt2, "snapkv", ratio=0.5):
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (transformers.Gemma2Config(**TINY, head_dim=16, pad_token_id=0), "'gemma2' does not run its attention as sdpa"),
+        (transformers.GptOssConfig(**TINY, head_dim=16, num_local_experts=2, pad_token_id=0), "'gpt_oss' does not run"),
+        (transformers.LlamaConfig(**TINY, layer_types=["full_attention", "chunked_attention"] * 2),
+         "'llama' has chunked_attention layers: kvruntime compresses full-attention layers"),
+        (transformers.Olmo3Config(**TINY, sliding_window=8, layer_types=["sliding_attention"] * 4, pad_token_id=0),
+         "every layer of model type 'olmo3' is a sliding window"),
+    ],
+)  # fmt: skip
+def test_a_model_the_runtime_cannot_compress_is_refused_naming_why(config, message):
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=message):
+        with kvruntime.compress(model, "snapkv", ratio=0.5):
             pass
 
 

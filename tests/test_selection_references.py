@@ -1,8 +1,10 @@
 """Which entries each method keeps, against an eager reference written here from the method's definition (issue
 #37): per layer, per KV head, the positions kept. The reference reads attention from the model's own eager
 attention weights (`output_attentions`), not from the runtime's window queries, and scores, pools, pools over
-layers and picks the top entries with its own code. Tiny Llama, Qwen2 and Qwen3 models with 8 query heads over 2
-KV heads, so that SRH's choice of 4 query heads out of 8 matters and a KV group has 4 query heads to combine."""
+layers and picks the top entries with its own code. Tiny Llama, Qwen2, Qwen3 and hybrid Gemma 3 models with 8 query
+heads over 2 KV heads, so that SRH's choice of 4 query heads out of 8 matters and a KV group has 4 query heads to
+combine; the Gemma 3 model has a sliding-window layer among its three full-attention ones, which every method leaves
+to the model (the references read the full-attention layers alone, issue #62)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 from test_compilerkv_runtime import BUDGETS, reference_kept, save_tables
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import kvruntime
+from kvruntime.cache_ops import attention_modules
 
 CONFIG = dict(
     vocab_size=96,
@@ -25,19 +37,24 @@ CONFIG = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+# Hybrid: a sliding-window layer (window 16, shorter than the prompt) among the three full-attention ones, which are
+# the three layers every method scores and cuts; the sliding one is left as the model holds it.
+HYBRID = dict(num_hidden_layers=4, head_dim=8, sliding_window=16, query_pre_attn_scalar=8, pad_token_id=0,
+              layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"])  # fmt: skip
 MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, HYBRID),
 }
 LENGTH = 120
 
 
 def eight_head_model(kind: str) -> torch.nn.Module:
-    """A tiny model of `kind` (one of MODELS) with 8 query heads over 2 KV heads, 3 layers."""
-    config_type, model_type = MODELS[kind]
+    """A tiny model of `kind` (one of MODELS) with 8 query heads over 2 KV heads, 3 layers whose cache grows."""
+    config_type, model_type, settings = MODELS[kind]
     torch.manual_seed(3)
-    config = config_type(**CONFIG, **({"head_dim": 8} if kind == "qwen3" else {}))
+    config = config_type(**{**CONFIG, **settings})
     built = model_type(config).eval()
     built.config.architectures = [model_type.__name__]
     return built
@@ -63,7 +80,8 @@ def eager_window_attention(model: torch.nn.Module, ids: torch.Tensor, window: in
             attentions = model(ids, output_attentions=True).attentions
     finally:
         model.set_attn_implementation(implementation)
-    return [layer[0, :, -window:, :].double() for layer in attentions]
+    growing = [module.layer_idx for module in attention_modules(model)]  # the layers the methods cut
+    return [attentions[index][0, :, -window:, :].double() for index in growing]
 
 
 def max_pool(row: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -103,9 +121,10 @@ def runtime_kept(
     """What the runtime keeps per layer and KV head (positions; in masked memory, only those its mask shows)."""
     with kvruntime.compress(model, method, memory=memory, **kwargs) as session:
         context = session.prefill(ids)
-    masks = context.keep_masks
+    masks = context.keep_masks  # by the cache's layer index; the kept positions by the methods' layer order
+    assert session.report.layers == [module.layer_idx for module in attention_modules(model)]
     result = []
-    for layer, positions in enumerate(session.kept_positions):
+    for layer, positions in zip(session.report.layers, session.kept_positions):
         heads = []
         for head in range(positions.shape[1]):
             shown = positions[0, head]
@@ -261,14 +280,15 @@ def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Te
     def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[module.layer_idx] = kwargs["hidden_states"][0].double()
 
-    handles = [layer.self_attn.register_forward_pre_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    modules = attention_modules(model)  # the layers the methods score (no sliding-window layer)
+    handles = [module.register_forward_pre_hook(keep, with_kwargs=True) for module in modules]
     try:
         with torch.no_grad():
             model(ids)
     finally:
         for handle in handles:
             handle.remove()
-    return [inputs[layer] for layer in range(len(inputs))]
+    return [inputs[module.layer_idx] for module in modules]
 
 
 def distilled_features(states: torch.Tensor) -> torch.Tensor:
@@ -340,12 +360,13 @@ def test_the_default_distilled_keeps_each_heads_best_in_every_layer_whole_and_st
     weights[:, -1] *= 10
     shares = {"layer_shares": torch.tensor([[0.2, 0.3, 0.5]]), "share_ratios": torch.tensor([0.5])}
     scorer = saved(tmp_path, model, "distilled_scorer", weights=weights, **shares)
+    modules = attention_modules(model)  # the three layers the methods score (no sliding-window layer)
     inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(3)}
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs[module.layer_idx].append(kwargs["hidden_states"][0].double())
+        inputs[modules.index(module)].append(kwargs["hidden_states"][0].double())
 
-    handles = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    handles = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
         got = runtime_kept(model, ids, "distilled", "padded", ratio=0.5, artifacts=[scorer], prefill_chunk_size=chunk)
     finally:

@@ -1,33 +1,59 @@
+"""Window attention from the queries the model computed (captured where its attention runs), on every decoder
+architecture of the tests: the last rows of the model's own eager attention weights, whatever the architecture
+does to its queries (Qwen3's and Gemma's per-head norms, OLMo 2's norm over the whole projection, Phi-3's fused
+projection, Granite's attention multiplier, SmolLM3's layers without RoPE, Gemma's query scalar); and kvruntime's
+attention function gives the model's own outputs, sliding-window layers included."""
+
+import pytest
 import torch
+from conftest import ARCHITECTURES, tiny_model
 
-from kvruntime.cache_ops import output_cache
-from kvruntime.window import window_attention, window_queries
+from kvruntime.attention import per_layer_attention
+from kvruntime.cache_ops import attention_modules, output_cache
+from kvruntime.window import query_hooks, window_attention
 
 
-def test_window_attention_equals_eager_rows(tiny, tokens):
-    """The recomputed window attention is the last rows of the model's own (eager) attention weights."""
-    captured = {}
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_window_attention_equals_eager_rows(kind, tokens):
+    """The window attention of the captured queries is the last rows of the model's own eager attention weights."""
+    model = tiny_model(kind)
+    window, captured = 8, {}
 
-    def capture(module, args, kwargs, output):
-        captured[module.layer_idx] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+    def keep(layer, module, queries, keys, values, *_):
+        captured[layer] = (queries.clone(), keys.clone(), module.scaling)
 
-    layers = tiny.model.layers
-    handles = [layer.self_attn.register_forward_hook(capture, with_kwargs=True) for layer in layers]
-    tiny.set_attn_implementation("eager")
+    with query_hooks(model, keep, window=window), torch.no_grad():
+        model(tokens, use_cache=True)
+    model.set_attn_implementation("eager")
     with torch.no_grad():
-        output = tiny(tokens, output_attentions=True, use_cache=True)
-    for handle in handles:
-        handle.remove()
-    window = 8
-    for index, layer in enumerate(layers):
-        queries = window_queries(layer.self_attn, *captured[index], window)
-        keys = output_cache(output).layers[index].keys
-        got = window_attention(queries, keys, layer.self_attn.scaling)
-        expected = output.attentions[index][:, :, -window:, :]
+        output = model(tokens, output_attentions=True, use_cache=True)
+    modules = attention_modules(model)
+    assert sorted(captured) == list(range(len(modules))) and modules
+    for position, module in enumerate(modules):
+        queries, keys, scaling = captured[position]
+        torch.testing.assert_close(keys, output_cache(output).layers[module.layer_idx].keys, atol=1e-5, rtol=1e-4)
+        got = window_attention(queries, keys, scaling)
+        expected = output.attentions[module.layer_idx][:, :, -window:, :]
         batch, kv_heads, groups, _, length = got.shape
         torch.testing.assert_close(
             got.reshape(batch, kv_heads * groups, window, length), expected, atol=1e-5, rtol=1e-4
         )
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_kvruntimes_attention_gives_the_models_own_outputs(kind, tokens):
+    """Its masks built per layer (a sliding-window layer's band included, the prompt longer than the window) give
+    the logits of transformers' own sdpa, over a prefill and a question after it in the same cache."""
+    model = tiny_model(kind)
+    question = tokens[:, :7] + 1
+    outputs = []
+    for ours in (False, True):
+        with per_layer_attention(model) if ours else torch.no_grad(), torch.no_grad():
+            first = model(tokens, use_cache=True)
+            after = model(question, past_key_values=output_cache(first), use_cache=True)
+        outputs.append((first.logits, after.logits))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outputs[1][1], outputs[0][1], atol=1e-5, rtol=1e-4)
 
 
 def test_window_attention_is_causal_inside_window():

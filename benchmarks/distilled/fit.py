@@ -53,9 +53,9 @@ def window_scores(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """kvcompose's compiled-mode token scores from one prefill: [L, Hkv, N]."""
     method, layers = KVCompose(mode="dynamic"), {}
 
-    def keep(module, queries, keys, values, *_):
+    def keep(layer, module, queries, keys, values, *_):
         attention = window_attention(queries, keys, module.scaling)
-        layers[module.layer_idx] = method.token_scores(attention, module.layer_idx)[0]
+        layers[layer] = method.token_scores(attention, layer)[0]
 
     with query_hooks(model, keep, window=method.window), torch.no_grad():
         model.base_model(input_ids=ids, use_cache=True)

@@ -58,7 +58,7 @@ def compressed_prefill(
     measured; answer inside the block. Cut from the `shared` prefill unless it streams: timed as the shared forward
     plus its hooks, peak memory not measured."""
     with compressing as session:
-        replayed = shared is not None and not session.streams(context_ids.shape[1])
+        replayed = shared is not None and session.replays(context_ids.shape[1])
         with PeakMemory(context_ids.device) as peak:
             started = time.perf_counter()
             context = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)

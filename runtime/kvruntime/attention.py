@@ -1,19 +1,28 @@
-"""Attention that stays correct when layers hold caches of different lengths.
+"""Attention that stays correct when layers hold caches of different lengths, and that hands the methods the
+queries the model computed.
 
 transformers builds one attention mask for all layers from layer 0's cache length. After compression the
 layers' lengths differ, and a multi-token query (a question) needs each layer's own causal mask. We register an
 attention implementation whose name has no entry in the mask registry, so transformers passes no mask, and the
 function builds the right mask per layer from the key length it receives: every cached entry precedes the new
-queries in the original sequence, so causality is aligned at the right edge. Entries attention must not see come in
-as the keyword `KEEP_MASK_KEYWORD` [B, Hkv, N], injected by the engine (and by the compile stage's rollouts, which
-run layers by hand): evicted-but-kept entries (the `masked` memory mode) and a batch's padding (the slots after a
-row's own entries, a padded question's padding), since transformers' own padding mask is not passed here.
+queries in the original sequence, so causality is aligned at the right edge. A sliding-window layer (the model
+passes its `sliding_window`) is never cut: its keys are the last positions in order, so its band is aligned at the
+right edge too. Entries attention must not see come in as the keyword `KEEP_MASK_KEYWORD` [B, Hkv, N], injected by
+the engine (and by the compile stage's rollouts, which run layers by hand): evicted-but-kept entries (the `masked`
+memory mode) and a batch's padding (the slots after a row's own entries, a padded question's padding), since
+transformers' own padding mask is not passed here.
+
+The queries a scoring method reads are the ones this function receives, after the model's own projections, norms,
+RoPE and whatever else its architecture does: an attention module given a `QueryCapture` (`capturing_queries`)
+keeps its last queries there. Nothing is rebuilt by hand, so any decoder transformers runs through its attention
+interface is scored on what it computes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -25,9 +34,27 @@ ATTENTION_NAME = "kvruntime_sdpa"
 KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
 
 
-def right_aligned_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] boolean mask: query i sees every key up to kv_len - q_len + i."""
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+# Attribute of an attention module while its queries are captured (`capturing_queries`).
+_CAPTURE = "_kvruntime_query_capture"
+
+
+@dataclasses.dataclass
+class QueryCapture:
+    """The last `window` queries [B, Hq, w, D] an attention module computed in its latest call (None before one)."""
+
+    window: int
+    queries: torch.Tensor | None = None
+
+
+def right_aligned_causal_mask(
+    q_len: int, kv_len: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """[q_len, kv_len] boolean mask: query i sees every key up to kv_len - q_len + i, and with a `sliding_window`
+    only the `sliding_window` latest of them (transformers' band: query position minus key position below it)."""
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
+    if sliding_window is not None:
+        mask &= torch.ones_like(mask).triu(diagonal=kv_len - q_len - sliding_window + 1)
+    return mask
 
 
 def per_layer_sdpa(
@@ -42,7 +69,12 @@ def per_layer_sdpa(
 ) -> tuple[torch.Tensor, None]:
     # `args`: a caller may pass dropout and scaling by position (kvpress's attention wrapper does), so the keep mask
     # is keyword-only and the rest goes through to sdpa as it came.
+    capture = getattr(module, _CAPTURE, None)
+    if capture is not None:
+        capture.queries = query[:, :, -capture.window :]
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    window = kwargs.get("sliding_window")
+    window = window if window is not None and kv_len > window else None  # a band that hides nothing is no band
     mask = None
     if kvruntime_keep_mask is not None:
         # [B, Hkv, N_ctx] -> [B, Hq, 1, kv_len]; entries appended after compression are always visible.
@@ -50,12 +82,43 @@ def per_layer_sdpa(
         keep = kvruntime_keep_mask.repeat_interleave(groups, dim=1)
         appended = torch.ones(*keep.shape[:2], kv_len - keep.shape[-1], dtype=torch.bool, device=keep.device)
         mask = torch.cat([keep, appended], dim=-1)[:, :, None, :]
-        if q_len > 1:
-            mask = mask & right_aligned_causal_mask(q_len, kv_len, query.device)
-    elif q_len > 1 and q_len != kv_len:
-        mask = right_aligned_causal_mask(q_len, kv_len, query.device)[None, None]
+        if q_len > 1 or window is not None:
+            mask = mask & right_aligned_causal_mask(q_len, kv_len, query.device, window)
+    elif (q_len > 1 and q_len != kv_len) or window is not None:
+        mask = right_aligned_causal_mask(q_len, kv_len, query.device, window)[None, None]
     # With no mask, sdpa_attention_forward uses is_causal for q_len > 1 (here q_len == kv_len: plain prefill).
     return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def capturing_queries(modules: Sequence[nn.Module], window: int) -> Iterator[list[QueryCapture]]:
+    """Inside the block (and `per_layer_attention`), each of `modules` keeps the last `window` queries of its
+    latest call in its `QueryCapture` (`captured_queries`); the captures of an enclosing block are back after it."""
+    captures = [QueryCapture(window) for _ in modules]
+    outer = [getattr(module, _CAPTURE, None) for module in modules]  # a second pass inside a compressed prefill
+    for module, capture in zip(modules, captures):
+        setattr(module, _CAPTURE, capture)
+    try:
+        yield captures
+    finally:
+        for module, capture in zip(modules, outer):
+            if capture is None:
+                delattr(module, _CAPTURE)
+            else:
+                setattr(module, _CAPTURE, capture)
+
+
+def captured_queries(module: nn.Module, window: int) -> torch.Tensor:
+    """The last `window` queries of the module's latest call (`capturing_queries` must be around it)."""
+    capture = getattr(module, _CAPTURE, None)
+    if capture is None or capture.queries is None:
+        raise RuntimeError(
+            f"no queries captured for {type(module).__name__} {getattr(module, 'layer_idx', '?')}: its attention did "
+            "not run through kvruntime's attention function (per_layer_attention, capturing_queries)"
+        )
+    if window > capture.window:
+        raise RuntimeError(f"{window} queries asked, {capture.window} captured")
+    return capture.queries[:, :, -window:]
 
 
 @contextlib.contextmanager

@@ -14,20 +14,45 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
+from .model_spec import ATTENTION_REFUSAL, BOUNDED, GROWING, check_layer_kinds, loaded_layer_kinds
 from .quantized_cache import layer_bytes
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules in layer order, checked to be a supported architecture."""
-    model_type = getattr(model.config, "model_type", type(model).__name__)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    """The self-attention modules whose cache grows with the prompt (full-attention layers), in layer order: the
+    layers every method scores and cuts, a method's layer i being the i-th of them. A sliding-window layer is bounded
+    by the model itself and left to it. Refuses a model the runtime cannot compress (`check_compressible`)."""
+    kinds = check_compressible(model)
+    modules = sorted(_self_attention(model), key=lambda m: m.layer_idx)
+    if len(modules) != len(kinds):
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"{_model_type(model)}: found {len(modules)} self-attention modules for {len(kinds)} layers"
         )
-    modules = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
-    return sorted(modules, key=lambda m: m.layer_idx)
+    return [module for module in modules if kinds[module.layer_idx] == GROWING]
+
+
+def sliding_layers(model: nn.Module) -> list[int]:
+    """The indices of the model's sliding-window layers, which the runtime leaves to the model."""
+    return [index for index, kind in enumerate(check_compressible(model)) if kind == BOUNDED]
+
+
+def check_compressible(model: nn.Module) -> list[str]:
+    """Each layer's kind (`layer_kinds`), once the model is one the runtime compresses: one whose attention goes
+    through transformers' attention interface as sdpa (kvruntime's attention function, where the queries are taken,
+    is sdpa with masks of its own), whose layers are full-attention or sliding-window ones, at least one of them
+    full."""
+    if not (getattr(model, "_supports_attention_backend", False) and getattr(model, "_supports_sdpa", False)):
+        raise UnsupportedModelError(f"model type {_model_type(model)!r} {ATTENTION_REFUSAL}")
+    return check_layer_kinds(loaded_layer_kinds(model.config), _model_type(model))
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(model.config, "model_type", type(model).__name__)
+
+
+def _self_attention(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of the decoder layers: those that know their layer (transformers' `layer_idx`)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
 def cache_argument(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
@@ -54,16 +79,12 @@ def output_cache(output: object) -> Cache | None:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def check_full_attention_cache(cache: Cache) -> None:
-    for index, layer in enumerate(cache.layers):
-        check_full_attention_layer(layer, index)
-
-
-def check_full_attention_layer(layer: object, index: int) -> None:
+def check_growing_layer(layer: object, index: int) -> None:
+    """Refuse to cut a cache layer that is not a plain growing one (a static, offloaded or quantized layer)."""
     if type(layer) is not DynamicLayer:
         raise UnsupportedModelError(
             f"cache layer {index} is a {type(layer).__name__}; only full-attention DynamicLayer caches are "
-            "compressed (no sliding-window, static or quantized caches)"
+            "compressed (no static, offloaded or quantized caches)"
         )
 
 
@@ -74,11 +95,30 @@ def cache_bytes(cache: Cache) -> int:
 
 
 def uncompressed_bytes(cache: Cache, length: int) -> int:
-    """Bytes the cache's layers hold with `length` entries per KV head (what the full cache of the prompt holds)."""
-    return length * sum(
-        (layer.keys[..., :1, :].numel() * layer.keys.element_size())
-        + (layer.values[..., :1, :].numel() * layer.values.element_size())
-        for layer in cache.layers
+    """Bytes the cache's layers hold with the prompt's `length` entries per KV head where they grow (what the full
+    cache of the prompt holds); a sliding-window layer, never cut, holds what it holds."""
+    total = 0
+    for layer in cache.layers:
+        entries = layer.keys.shape[-2] if getattr(layer, "is_sliding", False) else length
+        per_entry = layer.keys[..., :1, :].numel() * layer.keys.element_size()
+        total += entries * (per_entry + layer.values[..., :1, :].numel() * layer.values.element_size())
+    return total
+
+
+def own_window_storage(cache: Cache) -> None:
+    """Give each sliding-window layer storage of its window alone: after a prefill it is a view of the whole
+    prompt's keys and values, which it would hold until its first update (as a cut layer's gather does)."""
+    for layer in cache.layers:
+        if not (getattr(layer, "is_sliding", False) and layer.is_initialized):
+            continue
+        if layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size():
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+
+def bounded_bytes(cache: Cache) -> int:
+    """Bytes the cache's sliding-window layers hold: bounded by the model, left as they are."""
+    return sum(
+        layer_bytes(layer) for layer in cache.layers if layer.is_initialized and getattr(layer, "is_sliding", False)
     )
 
 
@@ -87,14 +127,6 @@ def keep_entries(layer: DynamicLayer, indices: torch.Tensor) -> None:
     expanded = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]).to(layer.keys.device)
     layer.keys = layer.keys.gather(2, expanded)
     layer.values = layer.values.gather(2, expanded)
-
-
-def truncate(cache: Cache, length: int) -> None:
-    """Keep each layer's first `length` entries (views: the storage is freed when the layer is next rebuilt).
-    DynamicCache.crop would do this, but its argument changed meaning between transformers 5.2 and 5.23."""
-    for layer in cache.layers:
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
 
 
 def replace_output(output: object, hidden_states: torch.Tensor, cache: Cache) -> object:

@@ -34,27 +34,29 @@ from transformers import Cache, DynamicCache
 
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
-from .attention import KEEP_MASK_KEYWORD, per_layer_attention
+from .attention import KEEP_MASK_KEYWORD, capturing_queries, per_layer_attention
 from .batch_rows import row_starts, stack_rows, stacked_visibility, with_appended
 from .bundle import artifact_files
 from .cache_ops import (
     attention_modules,
+    bounded_bytes,
     cache_argument,
     cache_bytes,
-    check_full_attention_cache,
-    check_full_attention_layer,
+    check_growing_layer,
     hooked_cache,
     keep_entries,
     output_cache,
+    own_window_storage,
     replace_output,
     restored_after,
+    sliding_layers,
     uncompressed_bytes,
 )
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
 from .model_spec import check_positions
 from .quantized_cache import KV_BITS, check_kv_bits, quantize_cache, quantized_layer
-from .recording import PrefillRecording
+from .recording import RECORDED_QUERIES, PrefillRecording
 from .registry import DEFAULT_METHOD
 from .report import BatchReport, CompressionReport
 from .request import KeepPlan, Request
@@ -124,6 +126,15 @@ class CompressionSession:
         check_prefill_chunk_size(method, prefill_chunk_size)
         check_memory(method.name, method.required_memory(), memory)
         check_kv_bits(kv_bits)
+        # The layers every method scores and cuts (a method's layer i is the i-th), and the sliding-window ones,
+        # which the model bounds itself and which are left to it.
+        self._attention = attention_modules(model)
+        self._bounded = sliding_layers(model)
+        if kv_bits is not None and self._bounded:
+            raise KVRuntimeError(
+                "kv_bits quantizes the cache's growing layers and would turn the sliding-window ones into plain "
+                "layers: not on a model with sliding-window layers"
+            )
         if kv_bits is not None:
             quantized_layer(kv_bits)  # refuses a transformers without that layer before any prefill
         self.kv_bits = kv_bits  # the kept entries are quantized to this many bits once cut (`quantized_cache`)
@@ -134,7 +145,7 @@ class CompressionSession:
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
         self.kept_positions: list[torch.Tensor] = []
-        self._attention = attention_modules(model)
+        self._position = {module: position for position, module in enumerate(self._attention)}
         self.prefill_chunk_size = prefill_chunk_size
         # The prefill going through the model now (set and cleared by `_forward`): what the attention hooks feed.
         self._prefill: _Prefill | None = None
@@ -222,15 +233,25 @@ class CompressionSession:
         """Whether a prompt of `length` tokens goes in chunks (`prefill_chunk_size`)."""
         return self.prefill_chunk_size is not None and length > self.prefill_chunk_size
 
+    def replays(self, length: int) -> bool:
+        """Whether a recorded plain prefill of `length` tokens can be compressed as this session would compress
+        it (`compress_recording`)."""
+        return not self.streams(length) and self.method.window <= RECORDED_QUERIES
+
     def compress_recording(self, recording: PrefillRecording) -> CompressedContext:
         """The context of a recorded plain prefill, compressed as `prefill` compresses it, without a forward of its
         own: the hooks run on the recorded calls (`PrefillRecording.replay`). Its report's prefill time is the
-        hooks' alone: the forward is the recording's. Not for a prompt this session streams in chunks."""
+        hooks' alone: the forward is the recording's. Not for a prompt this session streams in chunks, nor for a
+        method whose window is longer than the queries recorded (`replays`)."""
         if not self.active:
             raise KVRuntimeError("compress inside the `with kvruntime.compress(...)` block: the block has ended")
         if self.streams(recording.length):
             raise KVRuntimeError(
                 f"a prompt streamed in chunks of {self.prefill_chunk_size} tokens is not a recorded prefill of one piece"
+            )
+        if self.method.window > RECORDED_QUERIES:
+            raise KVRuntimeError(
+                f"a window of {self.method.window} queries is longer than a recording's {RECORDED_QUERIES}: prefill"
             )
         state = self._new_prefill(recording.input_ids)
         with torch.no_grad(), self._feeding(state):
@@ -254,7 +275,8 @@ class CompressionSession:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
         try:
-            yield self
+            with capturing_queries(self._attention, self.method.window):
+                yield self
         finally:
             for handle in self._handles:
                 handle.remove()
@@ -322,6 +344,10 @@ class CompressionSession:
         batch, length = tokens.shape[:2]
         if self.kv_bits is not None:
             raise KVRuntimeError("kv_bits quantizes one prompt at a time: give the prompts one by one")
+        if self._bounded:  # a row's sliding layers would be padded out of the order their band relies on
+            raise KVRuntimeError(
+                "a batch (or a padded prompt) on a model with sliding-window layers: give the prompts one by one"
+            )
         starts = row_starts(kwargs.get("attention_mask"), batch, length)
         alone = {
             key: value
@@ -403,7 +429,7 @@ class CompressionSession:
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
             hidden_states = hooked_input(args, kwargs)
             layer = LayerPrefill(
-                module.layer_idx,
+                self._position[module],
                 queries,
                 cache_layer.keys,
                 cache_layer.values,
@@ -415,15 +441,15 @@ class CompressionSession:
             )
             state.peak_bytes = max(state.peak_bytes, cache_bytes(hooked_cache(kwargs)))
             if state.budgets is None:
-                state.statistics[module.layer_idx] = self.method.layer_statistics(layer)
+                state.statistics[layer.index] = self.method.layer_statistics(layer)
             else:
+                check_growing_layer(cache_layer, module.layer_idx)
                 self._cut_layer(cache_layer, layer, state)
         state.scoring_seconds += time.perf_counter() - started
 
     def _cut_layer(self, cache_layer: object, layer: LayerPrefill, state: _Prefill) -> None:
         """Keep the layer's best entries under its budget, right after its attention (one chunk of the prompt went
         in: the whole prompt when it is not streamed)."""
-        check_full_attention_layer(cache_layer, layer.index)
         earlier = state.held.get(layer.index)
         if earlier is None:
             scores, carry = self.method.stream_scores(layer, None, None)
@@ -461,6 +487,7 @@ class CompressionSession:
         )
         with torch.no_grad():  # a prefill run outside no_grad must not build graphs through the selection
             slots, entries, notes = self._compress_cache(cache, state, prefill)
+            own_window_storage(cache)
             num_kv_heads, full_bytes = cache.layers[0].keys.shape[1], uncompressed_bytes(cache, state.length)
             if self.kv_bits is not None:
                 quantize_cache(cache, self.kv_bits)
@@ -481,6 +508,9 @@ class CompressionSession:
             compress_seconds=state.scoring_seconds + ended - started,
             cut=state.path(),
             notes=notes,
+            layers=[module.layer_idx for module in self._attention],
+            bounded_layers=self._bounded,
+            bounded_bytes=bounded_bytes(cache),
         )
         self.reports.append(report)
 
@@ -504,10 +534,17 @@ class CompressionSession:
         return task_attention_maxima(self.model, cache, task, state.length, target=target)
 
     # -- selection -----------------------------------------------------------------------------------------
+    def _growing_layers(self, cache: Cache) -> list[object]:
+        """The cache layers the method cuts, in its order (`attention_modules`)."""
+        layers = [cache.layers[module.layer_idx] for module in self._attention]
+        for module, layer in zip(self._attention, layers):
+            check_growing_layer(layer, module.layer_idx)
+        return layers
+
     def _compress_cache(
         self, cache: Cache, state: _Prefill, prefill: Prefill
     ) -> tuple[list[int], list[int], list[str]]:
-        check_full_attention_cache(cache)
+        layers = self._growing_layers(cache)
         plan = state.plan
         window, keep = plan.window, plan.keep
         # Why the cache held may differ from the request: the report says it rather than hide it.
@@ -518,15 +555,15 @@ class CompressionSession:
         )
         self.kept_positions = []
         if state.budgets is not None:
-            return self._layers_cut(cache, state, notes)
+            return self._layers_cut(cache, layers, state, notes)
         if keep >= state.length:
-            full = [state.length] * len(cache.layers)
-            return full, [state.length * layer.keys.shape[1] for layer in cache.layers], notes
-        if len(state.statistics) != len(cache.layers):
+            full = [state.length] * len(layers)
+            return full, [state.length * layer.keys.shape[1] for layer in layers], notes
+        if len(state.statistics) != len(layers):
             raise UnsupportedModelError(
-                f"scored {len(state.statistics)} attention layers but the cache has {len(cache.layers)}"
+                f"scored {len(state.statistics)} attention layers but the cache has {len(layers)}"
             )
-        statistics = [state.statistics[i] for i in range(len(cache.layers))]
+        statistics = [state.statistics[i] for i in range(len(layers))]
         selection = self.method.select(statistics, plan, prefill)
         counts = selection.counts
         if int(counts.max()) > state.length:
@@ -540,7 +577,7 @@ class CompressionSession:
                 "padded              each layer's slots are its share of the selection, spread over its KV heads"
             )
         slots, entries, masks = [], [], {}
-        for index, (layer, scores) in enumerate(zip(cache.layers, selection.scores)):
+        for index, (layer, scores) in enumerate(zip(layers, selection.scores)):
             slot_count = int(counts[index].max())
             indices = top_indices(scores, slot_count)
             keep_entries(layer, indices)
@@ -550,18 +587,20 @@ class CompressionSession:
             entries.append(int(head_counts.sum()))
             if self.memory == "masked" and bool((head_counts < slot_count).any()):
                 # Slots beyond a head's own count are hidden from attention: the method's exact selection.
-                masks[index] = top_mask(scores.gather(-1, indices), head_counts)
+                masks[self._attention[index].layer_idx] = top_mask(scores.gather(-1, indices), head_counts)
         self._keep_masks[cache] = masks
         return slots, entries, notes + selection.notes
 
-    def _layers_cut(self, cache: Cache, state: _Prefill, notes: list[str]) -> tuple[list[int], list[int], list[str]]:
+    def _layers_cut(
+        self, cache: Cache, layers: list[object], state: _Prefill, notes: list[str]
+    ) -> tuple[list[int], list[int], list[str]]:
         """What the layers cut inside the prefill hold: slots and entries per layer (every head the same count)."""
-        if len(state.held) != len(cache.layers):
-            raise UnsupportedModelError(f"cut {len(state.held)} attention layers but the cache has {len(cache.layers)}")
-        self.kept_positions = [state.held[i].positions for i in range(len(cache.layers))]
+        if len(state.held) != len(layers):
+            raise UnsupportedModelError(f"cut {len(state.held)} attention layers but the cache has {len(layers)}")
+        self.kept_positions = [state.held[i].positions for i in range(len(layers))]
         self._keep_masks[cache] = {}
         slots = [int(positions.shape[-1]) for positions in self.kept_positions]
-        entries = [count * layer.keys.shape[1] for count, layer in zip(slots, cache.layers)]
+        entries = [count * layer.keys.shape[1] for count, layer in zip(slots, layers)]
         how = self.method.budgets_note(state.plan)
         note = f"{self.method.name:<19} {f'{how}; ' if how else ''}tokens kept per layer {min(slots)}-{max(slots)} of {state.length}"
         return slots, entries, [*notes, note]

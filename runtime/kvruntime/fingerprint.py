@@ -7,6 +7,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from .errors import short_repr
+from .model_spec import GROWING, loaded_layer_kinds
 
 if TYPE_CHECKING:  # torch only where a model is fingerprinted: a manifest's fingerprint is checked without it
     import torch
@@ -86,7 +87,8 @@ def model_fingerprint(model: nn.Module) -> ModelFingerprint:
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return ModelFingerprint(
         architecture=architectures[0],
-        num_layers=config.num_hidden_layers,
+        # The layers an artifact describes: those whose cache grows (a sliding-window layer is left to the model).
+        num_layers=sum(kind == GROWING for kind in loaded_layer_kinds(config)) or config.num_hidden_layers,
         num_query_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,

@@ -1,16 +1,30 @@
-"""What `--model` names, checked without torch: that it exists, and how many positions it has. The command line
-refuses a missing model folder and a length past the model's positions with these before it imports anything heavy;
-`load_model` makes the same check."""
+"""What `--model` names, checked without torch: that it exists, that the runtime can compress it (its layers' kinds
+and its attention, from its config), and how many positions it has. The command line refuses a missing model
+folder, a model it cannot compress and a length past the model's positions with these before it imports anything
+heavy; `load_model` and the engine make the same checks on the loaded model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from .default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, INSTALL_HINT
-from .errors import KVRuntimeError
+from .errors import KVRuntimeError, UnsupportedModelError
 
 DEFAULT_MODEL_POSITIONS = 8192  # SmolLM2-135M-Instruct's max_position_embeddings (a test checks the loaded config)
+# Layer kinds (transformers' `layer_types`): a full-attention layer's cache grows with the prompt and is what the
+# methods cut; a sliding-window layer's is bounded by the model and left to it. Any other kind (chunked, linear,
+# shared) is refused.
+GROWING, BOUNDED = "full_attention", "sliding_attention"
+# What transformers says of a model class whose attention kvruntime's attention function (sdpa with masks of its own,
+# where the queries are taken) can run: through the attention interface, and as sdpa.
+ATTENTION_FLAGS = ("_supports_attention_backend", "_supports_sdpa")
+ATTENTION_REFUSAL = (
+    "does not run its attention as sdpa through transformers' attention interface (where kvruntime takes the queries "
+    "it scores with): it needs eager attention (logit soft-capping, attention sinks) or has its own"
+)
 # A model folder has at least one of these when its tokenizer was saved with it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -33,6 +47,90 @@ def check_model_spec(model: str) -> None:
         raise KVRuntimeError(
             f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model"
         )
+    config = model_config(model)
+    if config is not None:
+        check_config_compressible(config)
+
+
+def model_config(model: str) -> dict | None:
+    """The model's config.json (a folder's, or a cached hub snapshot's), without loading it; None when there is none
+    to read (the default model, a GGUF file: the load decides)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        cache = hub_cache() if not Path(model).exists() and model.count("/") == 1 else None
+        snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots" if cache is not None else None
+        found = sorted(snapshots.glob("*/config.json")) if snapshots is not None and snapshots.is_dir() else []
+        if not found:
+            return None
+        path = found[-1]
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None  # the load says what is wrong with it
+    return config if isinstance(config, dict) else None
+
+
+def check_config_compressible(config: Mapping) -> None:
+    """Refuse, from a config alone, a model whose layers are of kinds the runtime does not handle, or whose attention
+    transformers does not run as sdpa through its attention interface (`ATTENTION_FLAGS`, read from transformers' own
+    source of the model type, without importing it)."""
+    model_type = str(config.get("model_type", "?"))
+    check_layer_kinds(layer_kinds(config), model_type)
+    source = _modeling_source(model_type)
+    if source is not None and not all(f"{flag} = True" in source for flag in ATTENTION_FLAGS):
+        raise UnsupportedModelError(f"model type {model_type!r} {ATTENTION_REFUSAL}")
+
+
+def _modeling_source(model_type: str) -> str | None:
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations or not model_type.replace("_", "").isalnum():
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "models" / model_type / f"modeling_{model_type}.py"
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None  # a model type this transformers does not know: loading it says so
+
+
+def layer_kinds(config: Mapping) -> list[str]:
+    """Each layer's kind from a config (its text config's, for a multimodal one): its `layer_types`, else every
+    layer sliding where the config sets a window it uses, chunked where it sets a chunk size, full otherwise."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    count = text.get("num_hidden_layers")
+    kinds = text.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return [str(kind) for kind in kinds]
+    if text.get("sliding_window") is not None and text.get("use_sliding_window") is not False:
+        kind = BOUNDED
+    elif text.get("attention_chunk_size") is not None:
+        kind = "chunked_attention"
+    else:
+        kind = GROWING
+    return [kind] * (count if isinstance(count, int) and count > 0 else 1)
+
+
+def loaded_layer_kinds(config: object) -> list[str]:
+    """`layer_kinds` of a loaded model's config (its text config's): its attributes, which transformers' attribute
+    maps resolve (GPT-2's `n_layer` is `num_hidden_layers`)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    keys = ("layer_types", "num_hidden_layers", "sliding_window", "use_sliding_window", "attention_chunk_size")
+    return layer_kinds({key: getattr(text, key, None) for key in keys})
+
+
+def check_layer_kinds(kinds: list[str], model_type: str) -> list[str]:
+    """`kinds` when every layer is full-attention or sliding-window and at least one is full; else one line."""
+    other = sorted(set(kinds) - {GROWING, BOUNDED})
+    if other:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has {', '.join(other)} layers: kvruntime compresses full-attention layers "
+            "and leaves sliding-window ones to the model, and handles no other kind"
+        )
+    if GROWING not in kinds:
+        raise UnsupportedModelError(
+            f"every layer of model type {model_type!r} is a sliding window: its cache never grows past what the "
+            "model bounds it to, so there is nothing to compress"
+        )
+    return kinds
 
 
 def _not_found(model: str, cache: Path | None = None) -> str:
@@ -84,4 +182,4 @@ def position_limit(model: str) -> int | None:
 def check_positions(tokens: int, limit: int | None, what: str) -> None:
     """Refuse `tokens` positions past the model's `limit` (None: not known, nothing refused)."""
     if limit is not None and tokens > limit:
-        raise KVRuntimeError(f"{what}: {tokens} positions, more than the model's {limit}")
+        raise UnsupportedModelError(f"{what}: {tokens} positions, more than the model's {limit}")

@@ -4,12 +4,15 @@ In a prefill of one piece, a layer whose cache is cut right after its attention 
 states as the full cache does (the cut changes what later tokens will see, not this pass), so every layer's call
 is the same with or without compression. Recording those calls and the full cache once, a compression hook (the
 engine's, a kvpress press's) can be run on them afterwards, layer by layer, over a cache rebuilt as the prefill
-held it at that layer, and cuts what it would have cut in the forward. A prompt streamed in chunks is not a
-prefill of one piece: its later chunks see what the earlier ones kept."""
+held it at that layer, and cuts what it would have cut in the forward. Each layer's last `RECORDED_QUERIES` queries
+are recorded as the model computed them (`attention.capturing_queries`): a method whose window is longer prefills
+for itself. A prompt streamed in chunks is not a prefill of one piece: its later chunks see what the earlier ones
+kept."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -18,7 +21,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from .attention import capturing_queries, per_layer_attention
 from .cache_ops import attention_modules, cache_argument, hooked_cache
+
+RECORDED_QUERIES = 64  # the longest window of the shipped methods (compilerkv's)
 
 # Called as an attention module's forward hook: (module, args, kwargs, output).
 AttentionHook = Callable[[nn.Module, tuple, dict, tuple], object]
@@ -26,17 +32,19 @@ AttentionHook = Callable[[nn.Module, tuple, dict, tuple], object]
 
 @dataclasses.dataclass
 class RecordedCall:
-    """What an attention module was called with (its cache left out) and the attention weights it returned."""
+    """What an attention module was called with (its cache left out), its last queries and the attention weights it
+    returned."""
 
     args: tuple
     kwargs: dict
     attentions: torch.Tensor | None
+    queries: torch.Tensor
 
 
 @dataclasses.dataclass
 class PrefillRecording:
-    """One prompt's plain prefill: its ids [1, N], every attention layer's call, the full cache and the model's
-    final hidden states."""
+    """One prompt's plain prefill: its ids [1, N], the call of every attention layer whose cache grows, the full
+    cache and the model's final hidden states."""
 
     input_ids: torch.Tensor
     calls: list[RecordedCall]
@@ -50,12 +58,20 @@ class PrefillRecording:
     def replay(self, model: nn.Module, hook: AttentionHook) -> tuple[DynamicCache, BaseModelOutputWithPast]:
         """Call `hook` after each attention layer as the prefill would have, over a new cache that holds, when
         layer i's hook runs, what the prefill's did: the earlier layers as their hooks left them, layer i's full
-        entries, nothing beyond. Returns that cache and the base model's output over it."""
+        entries, nothing beyond (its sliding-window layers, never cut, as the prefill left them). The layer's recorded
+        queries are its captured ones while its hook runs. Returns that cache and the base model's output over it."""
         cache = DynamicCache(config=model.config)
-        for module, call, layer in zip(attention_modules(model), self.calls, self.cache.layers):
-            cache.update(layer.keys, layer.values, module.layer_idx)
-            kwargs = {**call.kwargs, **cache_argument(model, cache)}
-            hook(module, call.args, kwargs, (None, call.attentions))
+        for index, layer in enumerate(self.cache.layers):
+            if getattr(layer, "is_sliding", False):
+                cache.layers[index] = copy.copy(layer)  # its own object: answering moves its window on
+        modules = attention_modules(model)
+        with capturing_queries(modules, RECORDED_QUERIES) as captures:
+            for module, call, capture in zip(modules, self.calls, captures):
+                layer = self.cache.layers[module.layer_idx]
+                cache.update(layer.keys, layer.values, module.layer_idx)
+                capture.queries = call.queries
+                kwargs = {**call.kwargs, **cache_argument(model, cache)}
+                hook(module, call.args, kwargs, (None, call.attentions))
         return cache, BaseModelOutputWithPast(last_hidden_state=self.last_hidden_state, past_key_values=cache)
 
 
@@ -66,7 +82,8 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
     def record(module: nn.Module, args: tuple, kwargs: dict, output: tuple) -> None:
         cache = hooked_cache(kwargs)
         kept = {key: value for key, value in kwargs.items() if value is not cache}
-        calls.append(RecordedCall(args, kept, output[1] if isinstance(output, tuple) and len(output) > 1 else None))
+        attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        calls.append(RecordedCall(args, kept, attentions, captures[positions[module]].queries))
 
     def record_output(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         outputs.append(output.last_hidden_state)
@@ -74,8 +91,12 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
     calls: list[RecordedCall] = []
     outputs: list[torch.Tensor] = []
     cache = DynamicCache(config=model.config)
+    modules = attention_modules(model)
+    positions = {module: position for position, module in enumerate(modules)}
     with contextlib.ExitStack() as hooks, torch.no_grad():
-        for module in attention_modules(model):
+        hooks.enter_context(per_layer_attention(model))
+        captures = hooks.enter_context(capturing_queries(modules, RECORDED_QUERIES))
+        for module in modules:
             hooks.callback(module.register_forward_hook(record, with_kwargs=True).remove)
         hooks.callback(model.base_model.register_forward_hook(record_output, with_kwargs=True).remove)
         model(input_ids=input_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)

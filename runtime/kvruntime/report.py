@@ -14,6 +14,9 @@ class CompressionReport:
     `bytes_before` is what the uncompressed cache of the prompt holds, `bytes_after` the storage the cache's tensors
     hold after compression, `peak_bytes` the largest cache held during the prefill (measured after every attention
     layer: the full cache when the cut waits for the end of the prefill). `cut` says where the cache was cut.
+    On a model with sliding-window layers only the full-attention ones are cut: `layers` are the model's indices of
+    the layers the per-layer lists describe (the ratio is of their entries), `bounded_layers` the sliding ones, left
+    to the model's window, holding `bounded_bytes` (counted in `bytes_before` and `bytes_after` alike).
     """
 
     method: str
@@ -30,6 +33,9 @@ class CompressionReport:
     compress_seconds: float
     cut: str
     notes: list[str] = dataclasses.field(default_factory=list)
+    layers: list[int] = dataclasses.field(default_factory=list)
+    bounded_layers: list[int] = dataclasses.field(default_factory=list)
+    bounded_bytes: int = 0
 
     @property
     def bytes_freed(self) -> int:
@@ -65,15 +71,34 @@ class CompressionReport:
             f"  KV cache peak       {self.peak_bytes / mib:.2f} MiB during the prefill; cut {self.cut}",
             f"  time                prefill {self.prefill_seconds * 1e3:.0f} ms, compression "
             f"{self.compress_seconds * 1e3:.0f} ms ({self._overhead():.1%} of prefill)",
-            "  kept per layer      layer: slots per head / entries attended (all heads)",
         ]
-        cells = [f"{i:>2}: {s:>5}/{e:<6}" for i, (s, e) in enumerate(zip(self.slots_per_layer, self.entries_per_layer))]
+        if self.bounded_layers:
+            lines.append(
+                f"  sliding layers      {len(self.bounded_layers)} ({_ranges(self.bounded_layers)}) bounded by their "
+                f"window, left to it: {self.bounded_bytes / mib:.2f} MiB; the ratio is of the {len(self.layers)} "
+                f"full-attention layers ({_ranges(self.layers)}), {(self.bytes_before - self.bounded_bytes) / mib:.2f} "
+                f"MiB -> {(self.bytes_after - self.bounded_bytes) / mib:.2f} MiB"
+            )
+        lines.append("  kept per layer      layer: slots per head / entries attended (all heads)")
+        indices = self.layers or list(range(len(self.slots_per_layer)))
+        cells = [f"{i:>2}: {s:>5}/{e:<6}" for i, s, e in zip(indices, self.slots_per_layer, self.entries_per_layer)]
         lines += ["    " + "  ".join(cells[i : i + 5]) for i in range(0, len(cells), 5)]
         lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
     def _overhead(self) -> float:
         return self.compress_seconds / self.prefill_seconds if self.prefill_seconds else 0.0
+
+
+def _ranges(indices: list[int]) -> str:
+    """'0-4, 6-10, 12' for [0, 1, 2, 3, 4, 6, ...]: layer indices as runs."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][-1] + 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
 @dataclasses.dataclass

@@ -2,10 +2,10 @@
 right after it in the same cache, and each context token's largest attention from it. KVCompose scores this way
 (the runtime's dynamic mode through `Prefill.second_pass_attention`, the compile stage's `kvcompile stats`).
 
-The task goes through the model a chunk at a time; after every attention layer the chunk's queries are rebuilt
-from the layer's input (as for window attention) and attended against the cached keys: the largest probability
-any task token gives each context token is kept, and nothing quadratic in the context is held. The cache is cut
-back to the context afterwards.
+The task goes through the model a chunk at a time; after every attention layer whose cache grows the chunk's
+queries (as the model computed them, `window.query_hooks`) are attended against the cached keys: the largest
+probability any task token gives each context token is kept, and nothing quadratic in the context is held. The
+cache is restored as it was afterwards (a sliding-window layer, which the task moved on, included).
 
 Two targets: `attention`, the probability itself (KVCompose, KVzip), and `kvzip_plus` (KVzap, arXiv 2601.07891):
 what the token adds to the attending token's residual stream, relative to its size, max_j a_ji / |h_j| x
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from .cache_ops import cache_argument, truncate
+from .cache_ops import cache_argument, restored_after
 from .window import query_hooks
 
 TARGETS = ("attention", "kvzip_plus")
@@ -94,30 +94,31 @@ def task_attention_maxima(
     """Per layer, [B, Hq, context_length]: each context token's largest `target` score (`TARGETS`) from a token
     of `task_ids` [B, m], fed after the `context_length` tokens held in `cache` (the task-agnostic mode feeds the
     context again). The task goes in `chunk` tokens at a time, so that no attention layer ever holds a (task x
-    context) score matrix. The cache holds only the context again on return."""
+    context) score matrix. The cache holds what it held before on return."""
     if target not in TARGETS:
         raise ValueError(f"unknown second-pass target {target!r} (use one of {', '.join(TARGETS)})")
     maxima: dict[int, torch.Tensor] = {}
     factors: dict[int, torch.Tensor] = {}  # kvzip_plus: |W_O^h v_i|, one factor per context token, after the max
 
     def keep_maxima(
-        module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, _: int, inputs: torch.Tensor
+        layer: int,
+        module: nn.Module,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        _: int,
+        inputs: torch.Tensor,
     ) -> None:
         weights = inputs.float().norm(dim=-1).reciprocal() if target == "kvzip_plus" else None
         layer_max = context_attention_max(queries, keys, module.scaling, context_length, query_weights=weights)
-        seen = maxima.get(module.layer_idx)
-        maxima[module.layer_idx] = layer_max if seen is None else torch.maximum(seen, layer_max)
-        if target == "kvzip_plus" and module.layer_idx not in factors:
-            factors[module.layer_idx] = output_norms(
-                values[:, :, :context_length], module.o_proj.weight, queries.shape[1]
-            )
+        seen = maxima.get(layer)
+        maxima[layer] = layer_max if seen is None else torch.maximum(seen, layer_max)
+        if target == "kvzip_plus" and layer not in factors:
+            factors[layer] = output_norms(values[:, :, :context_length], module.o_proj.weight, queries.shape[1])
 
-    try:
-        with query_hooks(model, keep_maxima, window=chunk), torch.no_grad():
-            for start in range(0, task_ids.shape[1], chunk):
-                model.base_model(
-                    input_ids=task_ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True
-                )
-    finally:
-        truncate(cache, context_length)
+    with restored_after(cache), query_hooks(model, keep_maxima, window=chunk), torch.no_grad():
+        for start in range(0, task_ids.shape[1], chunk):
+            model.base_model(
+                input_ids=task_ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True
+            )
     return [maxima[layer] * factors[layer] if factors else maxima[layer] for layer in sorted(maxima)]

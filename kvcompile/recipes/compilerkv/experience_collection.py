@@ -59,9 +59,11 @@ def prefill_with_signals(
     ids = ids.to(model.device)
     layers: dict[int, LayerSignals] = {}
 
-    def gather(module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object) -> None:
+    def gather(
+        layer: int, module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object
+    ) -> None:
         signals = layer_signals(queries, keys, values, module.scaling)
-        layers[module.layer_idx] = tuple(signal.cpu() for signal in signals)  # type: ignore[assignment]
+        layers[layer] = tuple(signal.cpu() for signal in signals)  # type: ignore[assignment]
 
     cache = DynamicCache(config=model.config)
     with query_hooks(model, gather, window=WINDOW):

@@ -27,9 +27,11 @@ def generate_with_attention_rows(
     prompt_length = prompt_ids.shape[1]
     rows: dict[int, list[torch.Tensor]] = {}
 
-    def keep_row(module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object) -> None:
+    def keep_row(
+        layer: int, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object
+    ) -> None:
         probs = window_attention(query, keys, module.scaling)[0, :, :, -1, :prompt_length]  # [Hkv, G, N]
-        rows.setdefault(module.layer_idx, []).append(probs.reshape(-1, prompt_length))
+        rows.setdefault(layer, []).append(probs.reshape(-1, prompt_length))
 
     with query_hooks(model, keep_row), torch.no_grad():
         greedy = dict(max_new_tokens=max_new_tokens, do_sample=False)

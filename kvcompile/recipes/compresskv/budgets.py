@@ -19,6 +19,7 @@ from kvcompile.recipes.compresskv.attention_capture import attention_output
 from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.artifact import tensors_checksum
+from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads
 from kvruntime.selection import top_indices
 from kvruntime.window import query_hooks
@@ -44,12 +45,17 @@ def layer_errors_of_prompt(
     """Summed relative output error per layer over the decoding steps of one prompt: [layers]."""
     length = prompt_ids.shape[1]
     kept: dict[int, torch.Tensor] = {}
-    errors = torch.zeros(model.config.num_hidden_layers, dtype=torch.float64)  # on the CPU, with the sums
+    errors = torch.zeros(len(attention_modules(model)), dtype=torch.float64)  # on the CPU, with the sums
 
     def measure(
-        module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int, _: object
+        layer: int,
+        module: nn.Module,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q_len: int,
+        _: object,
     ) -> None:
-        layer = module.layer_idx
         if q_len > 1:  # prefill: remember what the SRH selection keeps at the probe budget
             scores = selection.window_scores(queries, keys, module.scaling, layer)
             kept[layer] = top_indices(scores, min(PROBE_BUDGET, length))

@@ -21,8 +21,10 @@ A press checks its artifact against the model it is applied to (`post_init_from_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -31,14 +33,15 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..artifact import Artifact, check_artifact_matches_model, load_artifact
+from ..attention import captured_queries, capturing_queries, per_layer_attention
 from ..bundle import resolve_artifact_path
+from ..cache_ops import attention_modules, sliding_layers
 from ..errors import KVRuntimeError
 from ..fingerprint import model_fingerprint
 from ..methods import Method, get_method
 from ..methods.distilled import with_leverage
 from ..registry import method_spec
 from ..selection import protect_window
-from ..window import window_queries
 
 
 @dataclasses.dataclass
@@ -67,7 +70,20 @@ class CompiledScorerPress(ScorerPress):
         return cls(compression_ratio=compression_ratio, method=method, artifact=artifact, force=force)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
+        if sliding_layers(model):
+            raise KVRuntimeError(
+                f"{type(self).__name__}: kvpress compresses every layer, sliding-window ones included, and this model "
+                "has some; kvruntime.compress cuts its full-attention layers and leaves the sliding ones to the model"
+            )
         check_artifact_matches_model(self.artifact, model_fingerprint(model), force=self.force)
+
+    @contextlib.contextmanager
+    def __call__(self, model: PreTrainedModel) -> Iterator[None]:
+        """kvpress's hooks, with the model's queries captured where its attention runs (kvruntime's attention
+        function) for the scores to read."""
+        with per_layer_attention(model), capturing_queries(attention_modules(model), self.method.window):
+            with super().__call__(model):
+                yield
 
     def score(
         self,
@@ -131,6 +147,5 @@ class SRHPress(CompiledScorerPress):
     def layer_scores(
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
-        window = min(self.method.window, hidden_states.shape[1])
-        queries = window_queries(module, hidden_states, kwargs["position_embeddings"], window)
+        queries = captured_queries(module, min(self.method.window, hidden_states.shape[1]))
         return self.method.window_scores(queries, keys, module.scaling, module.layer_idx)

@@ -1,0 +1,94 @@
+"""A hybrid cache (issue #62): tiny Gemma 3 and OLMo 3 models whose sliding-window layers (window 16) sit between
+full-attention ones. Only the full-attention layers are cut; each sliding layer holds exactly what the plain prefill
+leaves in it; the report says what was compressible and what was left, in bytes; nothing kept, nothing changed: a
+context kept whole answers as the plain model does; streamed, the cache held stays bounded; what cannot apply
+(batches, quantized caches) is refused in one line. Which entries each method keeps on a hybrid cache is
+test_selection_references.py's (its gemma3_text model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+import kvruntime
+from kvruntime.cache_ops import attention_modules, cache_argument, sliding_layers
+from kvruntime.errors import KVRuntimeError
+
+HYBRIDS = ["gemma3_text", "olmo3"]
+GREEDY = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
+
+
+@pytest.fixture(params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def prompt() -> torch.Tensor:
+    return torch.randint(3, 96, (1, 90), generator=torch.Generator().manual_seed(7))
+
+
+def plain_cache(model: torch.nn.Module, ids: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **cache_argument(model, cache), use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("method, options", [("snapkv", {}), ("kvcompress", {}), ("kvcompose", {"mode": "dynamic"})])
+def test_only_the_full_attention_layers_are_cut_and_the_report_says_so(hybrid, prompt, method, options):
+    plain = plain_cache(hybrid, prompt)
+    with kvruntime.compress(hybrid, method, ratio=0.5, options=options) as session:
+        context = session.prefill(prompt)
+    report, cache = context.report, context.cache
+    growing = [module.layer_idx for module in attention_modules(hybrid)]
+    sliding = sliding_layers(hybrid)
+    assert sliding and growing and sorted(sliding + growing) == list(range(hybrid.config.num_hidden_layers))
+    assert report.layers == growing and report.bounded_layers == sliding
+    for index in sliding:  # as the plain prefill left it (a second pass moved it on, and it was put back)
+        assert torch.equal(cache.layers[index].keys, plain.layers[index].keys)
+        assert cache.layers[index].keys.shape[2] == 15  # the window's last 15 entries: what the model keeps
+    assert [cache.layers[index].keys.shape[2] for index in growing] == report.slots_per_layer
+    assert sum(report.slots_per_layer) == 45 * len(growing)  # half of what the full-attention layers held
+    per_entry = 2 * plain.layers[0].keys[..., :1, :].numel() * 4  # keys and values, float32
+    assert report.bounded_bytes == len(sliding) * 15 * per_entry  # the window's storage alone, not the prompt's
+    assert report.bytes_before == (len(sliding) * 15 + len(growing) * 90) * per_entry
+    assert report.bytes_after == (len(sliding) * 15 + len(growing) * 45) * per_entry
+    assert report.entries_removed_fraction == pytest.approx(0.5)  # of the full-attention layers' entries
+    text = str(report)
+    assert f"sliding layers      {len(sliding)} (" in text and f"ratio is of the {len(growing)} full-attention" in text
+
+
+def test_a_context_kept_whole_answers_as_the_plain_model_does(hybrid, prompt):
+    """Nothing cut: kvruntime's attention (its sliding band at the prefill, the question and every decoding step)
+    and question mode give the plain model's greedy answer, token for token."""
+    question = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = hybrid.generate(torch.cat([prompt, question], dim=1), **GREEDY)[:, prompt.shape[1] :]
+    with kvruntime.compress(hybrid, "snapkv", budget=prompt.shape[1]) as session:
+        got = session.prefill(prompt).generate(question, **GREEDY)
+    assert torch.equal(got, expected)
+
+
+def test_a_streamed_prefill_holds_the_budgets_plus_one_chunk_and_the_windows(hybrid):
+    prompt = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(9))
+    with kvruntime.compress(hybrid, "snapkv", budget=40, prefill_chunk_size=32) as session:
+        context = session.prefill(prompt)
+    report = context.report
+    per_entry = report.bytes_before // (len(report.bounded_layers) * 15 + len(report.layers) * 200)
+    assert report.slots_per_layer == [40] * len(report.layers) and "chunks" in report.cut
+    # At most: every growing layer at its budget plus one chunk, every sliding one its window and one chunk.
+    bound = (len(report.layers) * (40 + 32) + len(report.bounded_layers) * (15 + 32)) * per_entry
+    assert report.peak_bytes <= bound
+
+
+def test_what_cannot_apply_to_a_hybrid_cache_is_refused_in_one_line(hybrid, prompt):
+    batch = torch.cat([prompt, prompt.flip(1)])
+    with pytest.raises(KVRuntimeError, match="a batch .* on a model with sliding-window layers: give the prompts"):
+        with kvruntime.compress(hybrid, "snapkv", ratio=0.5) as session:
+            session.prefill(batch)
+    with pytest.raises(KVRuntimeError, match="kv_bits .* not on a model with sliding-window layers"):
+        with kvruntime.compress(hybrid, "snapkv", ratio=0.5, kv_bits=8):
+            pass
