@@ -40,10 +40,9 @@ from kvruntime.bundle import (
     manifest_problem,
     read_bundle,
 )
-from kvruntime.default_model import DEFAULT_MODEL
+from kvruntime.default_model import DEFAULT_MODEL, SHIPPED_MODELS
 from kvruntime.errors import printable, short_repr
 
-DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what `--model default` is, for the card's base_model
 CARD_TAGS = ("kvcompile", "kv-cache-compression", "kv-cache", "kvpress", "long-context")
 # What `kvcompile reproduce` needs in an artifact's provenance: written by kvcompile since commands were recorded
 # in full (every setting spelled out) and the library versions with them.
@@ -186,13 +185,13 @@ def check_base_model(base_model: str | None) -> None:
 
 
 def guess_base_model(artifacts: Sequence[Any]) -> str | None:
-    """The hub id of the model the artifacts' commands compiled (`--model`): the default model's, or a hub id given
+    """The hub id of the model the artifacts' commands compiled (`--model`): a shipped model's, or a hub id given
     as it is; None for a local folder."""
     for artifact in artifacts:
         words = shlex.split(str(artifact.provenance.get("command", "")))
         model = words[words.index("--model") + 1] if "--model" in words[:-1] else DEFAULT_MODEL
-        if model == DEFAULT_MODEL:
-            return DEFAULT_MODEL_HUB_ID
+        if model in SHIPPED_MODELS:
+            return SHIPPED_MODELS[model].hub_id
         if is_hub_id(model) and not Path(model).exists():
             return model
     return None
@@ -429,7 +428,7 @@ def _input(name: str, value: str, bundle: Bundle, known: CompileCommand, named: 
     from kvcompile.calibration.corpus import SHIPPED_CORPORA
 
     if name == "model":
-        return value if value == DEFAULT_MODEL or is_hub_id(value) else named.get("model")
+        return value if value in SHIPPED_MODELS or is_hub_id(value) else named.get("model")
     if name == "corpus":
         return value if value in SHIPPED_CORPORA else _inside(value, bundle) or named.get("corpus")
     return _inside(value, bundle) if name in known.paths else value

@@ -38,7 +38,11 @@ app = typer.Typer(
 )
 
 ModelOption = Annotated[
-    str, typer.Option(help="'default' (SmolLM2-135M-Instruct), a local model directory, or a cached hub id.")
+    str,
+    typer.Option(
+        help="A shipped model: 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m' (Gemma 3 270M, base, hybrid); a "
+        "GGUF file, a local model directory, or a cached hub id."
+    ),
 ]
 PromptFormatOption = Annotated[
     str,

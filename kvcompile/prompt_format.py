@@ -42,3 +42,17 @@ def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
             "the model's chat template does not place the user's text verbatim: use --prompt-format raw"
         )
     return before, after
+
+
+def opening_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids the tokenizer puts before any text it encodes whole (Gemma's `<bos>`, without which it degenerates;
+    none for SmolLM2): what a prompt encoded from plain text must start with."""
+    whole, plain = tokenizer("x").input_ids, tokenizer("x", add_special_tokens=False).input_ids
+    return list(whole[: len(whole) - len(plain)]) if whole[len(whole) - len(plain) :] == plain else []
+
+
+def opened(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
+    """`ids` of a whole prompt, after the tokenizer's opening ids unless they start with them already (a chat
+    template that writes its own `<bos>`)."""
+    opening = opening_ids(tokenizer)
+    return list(ids) if list(ids[: len(opening)]) == opening else [*opening, *ids]

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import KVRuntimeError
 from kvruntime.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
+from kvruntime.default_model import SHIPPED_MODELS
 from kvruntime.errors import short_repr
 
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
 
-DEFAULT_ARTIFACT_FOLDER = "smollm2-135m-instruct"  # the default model's folder under artifacts/
 PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -49,10 +49,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def artifact_folder(model: str) -> Path:
-    """Where a model's compiled artifacts live by default: artifacts/<model folder name>/."""
+    """Where a model's compiled artifacts live by default: artifacts/<shipped model's folder or model folder name>/."""
     from kvcompile.shipped import shipped_folder
 
-    return shipped_folder("artifacts") / (DEFAULT_ARTIFACT_FOLDER if model == "default" else Path(model).name)
+    shipped = SHIPPED_MODELS.get(model)
+    return shipped_folder("artifacts") / (shipped.artifacts if shipped else Path(model).name)
 
 
 def default_artifact(model: str, kind: str) -> Path:

@@ -146,14 +146,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def real_model_only_in_integration_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same for a test that loads the default model itself: outside an `integration` test, loading fails it."""
+    """The same for a test that loads a shipped (or GGUF) model itself: outside an `integration` test, loading fails
+    it."""
     if request.node.get_closest_marker("integration"):
         return
 
     def refuse(*args, **kwargs):
         pytest.fail("this test loads the real default model: mark it integration")
 
-    monkeypatch.setattr(kvruntime.model_loading, "load_default_model", refuse)
+    monkeypatch.setattr(kvruntime.model_loading, "load_shipped_model", refuse)
+    monkeypatch.setattr(kvruntime.model_loading, "load_gguf_model", refuse)
 
 
 def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.Tensor]], ratio: float) -> torch.Tensor:

@@ -416,7 +416,7 @@ def test_reproduce_only_reruns_the_kinds_asked_and_says_which_carry_no_full_comm
 def test_the_card_names_the_base_model_given_or_guessed_and_carries_the_results_given(
     compiled, bundle, tmp_path, monkeypatch
 ):
-    from kvcompile.bundle import DEFAULT_MODEL_HUB_ID, guess_base_model
+    from kvcompile.bundle import guess_base_model
 
     card = (bundle / "README.md").read_text()  # compiled from a local folder: no hub id to name, no results
     assert "base_model:" not in card and read_bundle(bundle).manifest["base_model"] is None
@@ -434,7 +434,8 @@ def test_the_card_names_the_base_model_given_or_guessed_and_carries_the_results_
     def compiled_by(command: str) -> object:
         return kvruntime.Artifact("srh_heads", {}, None, {"command": command}, {})
 
-    assert guess_base_model([compiled_by("kvcompile heads --lengths 320")]) == DEFAULT_MODEL_HUB_ID
+    assert guess_base_model([compiled_by("kvcompile heads --lengths 320")]) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert guess_base_model([compiled_by("kvcompile heads --model gemma-3-270m")]) == "google/gemma-3-270m"
     assert guess_base_model([compiled_by("kvcompile heads --model org/model-id")]) == "org/model-id"
     assert guess_base_model([compiled_by(f"kvcompile heads --model {compiled[0]}")]) is None
     monkeypatch.chdir(compiled[0].parent.parent)  # a local folder named as `folder/model` has a hub id's shape

@@ -59,7 +59,7 @@ def tiny_spec(eos_id: int = 2) -> dm.GGUFTokenizer:
 
 
 def write_tiny_model(folder: Path, spec: dm.GGUFTokenizer) -> dict:
-    """A stand-in for dequantise_default: a tiny Llama and the tokenizer built from `spec`."""
+    """A stand-in for dequantise_gguf: a tiny Llama and the tokenizer built from `spec`."""
     model = tiny_model("llama")
     model.resize_token_embeddings(len(spec.tokens))
     model.save_pretrained(folder)
@@ -164,24 +164,26 @@ def test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_lin
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF" + bytes(64))
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(dm, "default_gguf_path", lambda: gguf)
+    monkeypatch.setattr(dm, "gguf_of", lambda name: gguf)
     specs = [tiny_spec(eos_id=1), tiny_spec()]  # the first build is poisoned, the rebuild is right
 
     def build(_gguf: Path, staging: Path) -> dict:
         write_tiny_model(staging, specs.pop(0))
         return {"tokenizer": dm.tokenizer_reference(tiny_spec())}  # the GGUF's reference: eos <|im_end|>
 
-    monkeypatch.setattr(dm, "dequantise_default", build)
+    monkeypatch.setattr(dm, "dequantise_gguf", build)
     load = lambda folder: (None, AutoTokenizer.from_pretrained(str(folder)))  # noqa: E731
-    _, tokenizer = dm.load_default_model(load)
+    _, tokenizer = dm.load_shipped_model("default", load)
     assert tokenizer.eos_token == "<|im_end|>" and not specs
-    assert dm.load_default_model(load)[1].eos_token == "<|im_end|>"  # the good cache is used as it is
+    assert dm.load_shipped_model("default", load)[1].eos_token == "<|im_end|>"  # the good cache is used as it is
 
     folder = dm.cache_folder(gguf, dm.converter_versions())
     (folder / dm.MARKER).unlink()
     specs[:] = [tiny_spec(eos_id=1), tiny_spec(eos_id=1)]
-    with pytest.raises(KVRuntimeError, match=r"fails its check under transformers .* even after a rebuild: eos is"):
-        dm.load_default_model(load)
+    with pytest.raises(
+        KVRuntimeError, match=r"SmolLM2-135M-Instruct fails its check under transformers .* after a rebuild: eos"
+    ):
+        dm.load_shipped_model("default", load)
 
 
 def test_the_cache_folder_changes_with_the_converter_versions(tmp_path):

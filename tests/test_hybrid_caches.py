@@ -92,3 +92,22 @@ def test_what_cannot_apply_to_a_hybrid_cache_is_refused_in_one_line(hybrid, prom
     with pytest.raises(KVRuntimeError, match="kv_bits .* not on a model with sliding-window layers"):
         with kvruntime.compress(hybrid, "snapkv", ratio=0.5, kv_bits=8):
             pass
+
+
+def test_kvcompile_tables_refuses_a_hybrid_model_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """Its rollouts run the decoder layers by hand, as Llama's are built: wrong for sliding-window layers."""
+    from conftest import CharTokenizer
+    from typer.testing import CliRunner
+
+    from kvcompile import recipe
+    from kvcompile.cli import app
+
+    model = tiny_model("gemma3_text")
+    monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, CharTokenizer()))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.txt").write_text("".join(chr(97 + (j * j * 13) % 26) for j in range(6000)))
+    small = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context", "160", "--continuation", "12"]
+    result = CliRunner().invoke(app, ["tables", *small, "--corpus", "corpus.txt", "--out", "t.safetensors"])
+    assert result.exit_code == 2, result.output
+    assert "not yet for a model with sliding-window layers" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]

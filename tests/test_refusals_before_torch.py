@@ -61,6 +61,14 @@ def _user_folder(folder: Path, name: str) -> str:
     return name
 
 
+def _model_folder(folder: Path, config: dict) -> str:
+    """A model folder holding `config` as its config.json and a tokenizer file (no weights: never loaded)."""
+    (folder / "m").mkdir()
+    (folder / "m" / "config.json").write_text(json.dumps(config))
+    (folder / "m" / "tokenizer.json").write_text("{}")
+    return "m"
+
+
 def _link(folder: Path, name: str, target: str) -> str:
     (folder / name).symlink_to(target)
     return name
@@ -296,7 +304,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "a hub id not in the local cache": (
         lambda d: [*GENERATE, "--model", "nobody/no-such-model"],
-        "model 'nobody/no-such-model' not found: give a local model directory, a hub id in the local cache",
+        "model 'nobody/no-such-model' not found: give a local model directory, a GGUF file, a hub id in the local "
+        "cache",
     ),
     "eval: --resume from a corrupt run.json": (
         lambda d: [
@@ -406,6 +415,27 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         else {}
     ),
     "eval on MPS off a Mac": (lambda d: ["eval", "--device", "mps"], "--device 'mps': this machine has no MPS device"),
+    # Issue #62: a model the runtime cannot compress is refused from its config.json, before a minute of loading.
+    "generate: a model whose attention needs eager": (
+        lambda d: [*GENERATE, "--model", _model_folder(d, {"model_type": "gemma2", "num_hidden_layers": 2})],
+        "model type 'gemma2' does not run its attention as sdpa through transformers' attention interface",
+    ),
+    "generate: a model with chunked layers": (
+        lambda d: [
+            *GENERATE,
+            "--model",
+            _model_folder(d, {"model_type": "llama4_text", "layer_types": ["chunked_attention", "full_attention"]}),
+        ],
+        "model type 'llama4_text' has chunked_attention layers",
+    ),  # fmt: skip
+    "heads: a model whose every layer is a sliding window": (
+        lambda d: [
+            "heads",
+            "--model",
+            _model_folder(d, {"model_type": "mistral", "sliding_window": 64, "num_hidden_layers": 2}),
+        ],
+        "every layer of model type 'mistral' is a sliding window",
+    ),  # fmt: skip
     "eval: unknown task": (lambda d: ["eval", "--tasks", "foo"], "unknown tasks ['foo']"),
     "eval: a length past the model's positions": (
         lambda d: ["eval", "--lengths", "20k", "--methods", "snapkv"],

@@ -75,10 +75,10 @@ def test_loading_the_default_model_without_accelerate_refuses_in_one_line(tmp_pa
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")  # never read: the refusal comes first
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(default_model, "default_gguf_path", lambda: gguf)
+    monkeypatch.setattr(default_model, "gguf_of", lambda name: gguf)
     monkeypatch.setitem(sys.modules, "accelerate", None)  # importlib finds no accelerate
     with pytest.raises(KVRuntimeError) as refused:
-        default_model.load_default_model(lambda folder: pytest.fail("nothing to load"))
+        default_model.load_shipped_model("default", lambda folder: pytest.fail("nothing to load"))
     message = str(refused.value)
     assert "\n" not in message and "accelerate" in message and "`pip install accelerate`" in message
     assert not any((tmp_path / "cache" / "models").iterdir())  # no half-built cache left behind

@@ -91,10 +91,10 @@ def measure(path: Path, materialise: bool) -> dict:
     from transformers import AutoTokenizer
 
     from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
-    from kvruntime.default_model import load_default_model
+    from kvruntime.default_model import DEFAULT_MODEL, load_shipped_model
 
-    _, tokenizer = load_default_model(
-        lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    _, tokenizer = load_shipped_model(
+        DEFAULT_MODEL, lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
     )
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the resident memory now
     before = status_mib("VmRSS")

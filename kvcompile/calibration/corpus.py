@@ -209,8 +209,11 @@ def _row_text(table: datasets.Dataset, row: int) -> str:
 def calibration_prompts(
     corpus: Corpus, tokenizer: PreTrainedTokenizerBase, count: int, tokens: int, seed: int
 ) -> list[tuple[int, torch.Tensor]]:
-    """`count` prompts of `tokens` tokens, taken round-robin from the documents at seeded offsets: (source, ids)."""
+    """`count` prompts of `tokens` tokens (the tokenizer's opening ids first, `opening_ids`), taken round-robin from
+    the documents at seeded offsets: (source, ids)."""
     import torch
+
+    from kvcompile.prompt_format import opening_ids
 
     rng = random.Random(seed)
     prompts = []
@@ -220,7 +223,8 @@ def calibration_prompts(
         if len(document) < tokens * 8:
             raise KVRuntimeError(f"corpus {corpus.name}: document {source} is too short for {tokens}-token prompts")
         start = rng.randrange(0, len(document) - tokens * 8)
-        ids = passage_ids(tokenizer, document, start, tokens)
+        opening = opening_ids(tokenizer)  # a whole prompt: Gemma's <bos> first
+        ids = opening + passage_ids(tokenizer, document, start, tokens - len(opening))
         if len(ids) < tokens:
             raise KVRuntimeError(
                 f"corpus {corpus.name}: document {source} gave a passage of {len(ids)} < {tokens} tokens"

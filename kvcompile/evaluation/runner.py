@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.evaluation.contestants import Contestant, RuntimeMethod
 from kvcompile.evaluation.metrics import AGREEMENT_TOKENS
 from kvcompile.evaluation.prefill import SharedPrefill
+from kvcompile.prompt_format import opened
 from kvcompile.tasks.retrieval import TaskPrompt
 from kvruntime.batch_rows import left_pad
 
@@ -69,14 +70,15 @@ def split_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: TaskPrompt, question_aware: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(context ids, question ids): the first part is compressed, the second asked afterwards."""
+
+    def encode(text: str, whole: bool = False) -> torch.Tensor:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return torch.tensor([opened(tokenizer, ids) if whole else ids])  # a whole prompt: Gemma's <bos> first
+
     if question_aware:
-        ids = tokenizer(prompt.prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = encode(prompt.prompt, whole=True)
         return ids[:, :-1], ids[:, -1:]
-
-    def encode(text: str) -> torch.Tensor:
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-
-    return encode(prompt.prompt[: prompt.question_start]), encode(prompt.prompt[prompt.question_start :])
+    return encode(prompt.prompt[: prompt.question_start], whole=True), encode(prompt.prompt[prompt.question_start :])
 
 
 def greedy(new_tokens: int, tokenizer: PreTrainedTokenizerBase) -> dict:

@@ -14,7 +14,7 @@ import re
 from transformers import PreTrainedTokenizerBase
 
 from kvcompile.calibration.corpus import Corpus, passage_ids
-from kvcompile.prompt_format import require_chat_template
+from kvcompile.prompt_format import opened, require_chat_template
 from kvruntime import KVRuntimeError
 
 
@@ -134,6 +134,8 @@ def answer_token_positions(tokenizer: PreTrainedTokenizerBase, probe: NeedleProb
     if not tokenizer.is_fast:
         raise KVRuntimeError("SRH probes need a fast tokenizer (character offsets of the answer tokens)")
     encoded = tokenizer(probe.prompt, return_offsets_mapping=True, add_special_tokens=False)
+    ids = opened(tokenizer, encoded["input_ids"])  # a whole prompt: Gemma's <bos> first
+    shift = len(ids) - len(encoded["input_ids"])
     start, end = probe.answer_span
-    positions = [i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < end and b > start and b > a]
-    return encoded["input_ids"], positions
+    positions = [shift + i for i, (a, b) in enumerate(encoded["offset_mapping"]) if a < end and b > start and b > a]
+    return ids, positions

@@ -106,13 +106,23 @@ def uncompressed_bytes(cache: Cache, length: int) -> int:
 
 
 def own_window_storage(cache: Cache) -> None:
-    """Give each sliding-window layer storage of its window alone: after a prefill it is a view of the whole
-    prompt's keys and values, which it would hold until its first update (as a cut layer's gather does)."""
+    """Give each sliding-window layer storage of its window alone (`own_window_storage_of`)."""
     for layer in cache.layers:
-        if not (getattr(layer, "is_sliding", False) and layer.is_initialized):
-            continue
-        if layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size():
-            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        if getattr(layer, "is_sliding", False) and layer.is_initialized:
+            own_window_storage_of(layer)
+
+
+def own_window_storage_of(layer: object) -> None:
+    """After a prefill a sliding-window layer is a view of the whole prompt's keys and values, which it would hold
+    until its next update: a copy of its window lets the prompt's go (as a cut layer's gather does)."""
+    if layer.keys.untyped_storage().nbytes() > layer.keys.numel() * layer.keys.element_size():
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+
+def window_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of the sliding-window layers (`sliding_layers`), in layer order."""
+    sliding = set(sliding_layers(model))
+    return sorted((m for m in _self_attention(model) if m.layer_idx in sliding), key=lambda m: m.layer_idx)
 
 
 def bounded_bytes(cache: Cache) -> int:

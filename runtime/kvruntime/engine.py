@@ -47,10 +47,12 @@ from .cache_ops import (
     keep_entries,
     output_cache,
     own_window_storage,
+    own_window_storage_of,
     replace_output,
     restored_after,
     sliding_layers,
     uncompressed_bytes,
+    window_attention_modules,
 )
 from .errors import KVRuntimeError, UnsupportedModelError
 from .methods import LayerPrefill, Method, Prefill, check_prefill_chunk_size, get_method
@@ -274,6 +276,8 @@ class CompressionSession:
         for module in self._attention:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
+        for module in window_attention_modules(self.model):
+            self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
             with capturing_queries(self._attention, self.method.window):
                 yield self
@@ -446,6 +450,12 @@ class CompressionSession:
                 check_growing_layer(cache_layer, module.layer_idx)
                 self._cut_layer(cache_layer, layer, state)
         state.scoring_seconds += time.perf_counter() - started
+
+    def _after_window_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """A sliding-window layer in a prefill lets the prompt's keys and values go once it has attended: the cache
+        held stays its window, not the prompt."""
+        if self._prefill is not None:
+            own_window_storage_of(hooked_cache(kwargs).layers[module.layer_idx])
 
     def _cut_layer(self, cache_layer: object, layer: LayerPrefill, state: _Prefill) -> None:
         """Keep the layer's best entries under its budget, right after its attention (one chunk of the prompt went

