@@ -2,8 +2,9 @@
 
 `compress(model, method, ratio=...)` is a context manager. Inside it, the base model's forward is wrapped: every
 forward pass that starts on an empty cache with more than one token is a prefill, which the wrapper drives (a
-batch's rows and a long prompt's chunks, one forward each), and each attention layer's hook rebuilds the last
-`window` queries and hands them, with the layer's keys and values, to the method, which keeps its statistics (for
+batch's rows and a long prompt's chunks, one forward each), and the hook of each attention layer whose cache grows
+takes the last `window` queries the model computed (captured where its attention runs) and hands them, with the
+layer's keys and values, to the method, which keeps its statistics (for
 most methods, token scores from window attention); when the whole model has run, the method selects what each
 (layer, KV head) keeps and the cache is cut to it. A method whose layer budgets are known in advance has each layer
 cut right after its attention instead (one layer at a time holds its full cache), and with `prefill_chunk_size` the
