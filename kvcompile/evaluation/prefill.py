@@ -124,12 +124,9 @@ def replays(press: object) -> bool:
     run on a recorded prefill); presses that add passes (KVzip) or hooks of their own cannot."""
     from kvpress.presses.base_press import BasePress
 
-    from kvruntime.integrations.kvpress import CompiledScorerPress
-
-    # kvruntime's presses add only the model's attention function and the query capture, which a replay sets itself.
-    calls = (BasePress.__call__, CompiledScorerPress.__call__)
     kind = type(press)
-    return kind.__call__ in calls and kind.forward_hook is BasePress.forward_hook
+    own_call = kind.__call__ is BasePress.__call__ or getattr(kind, "replays_recorded_prefill", False)
+    return own_call and kind.forward_hook is BasePress.forward_hook
 
 
 def replayed_press(model: nn.Module, press: object | None, recording: PrefillRecording) -> DynamicCache:

@@ -49,6 +49,9 @@ class CompiledScorerPress(ScorerPress):
     """A ScorerPress whose scores come from a kvruntime method built from a compiled artifact (`from_artifact`)."""
 
     method_name: ClassVar[str]
+    # Its `__call__` adds only kvruntime's attention function and the query capture, which a replay of a recorded
+    # prefill (`kvcompile eval --shared-prefill`) sets itself: the press runs on the recording.
+    replays_recorded_prefill: ClassVar[bool] = True
     method: Method | None = None
     artifact: Artifact | None = None
     force: bool = False  # apply an artifact compiled for another checkpoint of the same shape (with a warning)
