@@ -51,7 +51,6 @@ from .cache_ops import (
     own_window_storage_of,
     replace_output,
     restored_after,
-    sliding_layers,
     uncompressed_bytes,
     window_attention_modules,
 )
@@ -132,7 +131,8 @@ class CompressionSession:
         # The layers every method scores and cuts (a method's layer i is the i-th), and the sliding-window ones,
         # which the model bounds itself and which are left to it.
         self._attention = attention_modules(model)
-        self._bounded = sliding_layers(model)
+        self._windows = window_attention_modules(model)
+        self._bounded = [module.layer_idx for module in self._windows]
         if kv_bits is not None and self._bounded:
             raise KVRuntimeError(
                 "kv_bits quantizes the cache's growing layers and would turn the sliding-window ones into plain "
@@ -277,7 +277,7 @@ class CompressionSession:
         for module in self._attention:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
-        for module in window_attention_modules(self.model):
+        for module in self._windows:
             self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
             with capturing_queries(self._attention, self.method.window):
