@@ -14,7 +14,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
-from .model_spec import ATTENTION_REFUSAL, BOUNDED, GROWING, check_layer_kinds, loaded_layer_kinds
+from .model_spec import ATTENTION_FLAGS, ATTENTION_REFUSAL, BOUNDED, GROWING, check_layer_kinds, loaded_layer_kinds
 from .quantized_cache import layer_bytes
 
 
@@ -41,7 +41,7 @@ def check_compressible(model: nn.Module) -> list[str]:
     through transformers' attention interface as sdpa (kvruntime's attention function, where the queries are taken,
     is sdpa with masks of its own), whose layers are full-attention or sliding-window ones, at least one of them
     full."""
-    if not (getattr(model, "_supports_attention_backend", False) and getattr(model, "_supports_sdpa", False)):
+    if not all(getattr(model, flag, False) for flag in ATTENTION_FLAGS):
         raise UnsupportedModelError(f"model type {_model_type(model)!r} {ATTENTION_REFUSAL}")
     return check_layer_kinds(loaded_layer_kinds(model.config), _model_type(model))
 
