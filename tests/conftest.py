@@ -60,6 +60,9 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=0)),  # q/k norms over the whole projection
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.3)),  # its own query scaling
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(pad_token_id=0)),  # some layers without RoPE
+    # Hybrid (sliding and global layers alternate), attention logits soft-capped: eager attention, no sdpa. Weights
+    # large enough for logits of a few units, where a cap of 2 bends them (at the default scale it would not).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**HYBRID, "attn_logit_softcapping": 2.0, "initializer_range": 0.2}),
 }  # fmt: skip
 
 

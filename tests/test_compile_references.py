@@ -2,7 +2,7 @@
 attention rows `kvcompile heads` captures during generation, the layer errors `kvcompile budgets` sums, and
 `kvcompile stats`' task-aware statistics. The references read the model's own eager attention or rebuild a layer's
 attention from its projections on a plain forward over the whole sequence; the compile stage's code runs the same
-model with its cache and hooks. Tiny Llama, Qwen2 and Qwen3 models with 8 query heads over 2 KV heads."""
+model with its cache and hooks. Tiny models of test_selection_references' MODELS, 8 query heads over 2 KV heads."""
 
 from __future__ import annotations
 
@@ -109,7 +109,10 @@ def attention_output_over(
     mixed = []
     for head in range(queries.shape[0]):
         k, v = keys[head // groups, kept], values[head // groups, kept]
-        probabilities = (k @ queries[head] * attention.scaling).softmax(dim=-1)
+        logits = k @ queries[head] * attention.scaling
+        if cap := getattr(attention.config, "attn_logit_softcapping", None):  # Gemma 2's soft cap
+            logits = torch.tanh(logits / cap) * cap
+        probabilities = logits.softmax(dim=-1)
         mixed.append(probabilities @ v)
     weight = attention.o_proj.weight.detach().double()
     return weight @ torch.cat(mixed)

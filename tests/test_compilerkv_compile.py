@@ -30,13 +30,14 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
     Records,
     table_advantage,
 )
-from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, PrefilledPrompt
+from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer, prefilled_prompt
 from kvcompile.recipes.compilerkv.experience_collection import design_actions, greedy_continuation, stratified_choice
 from kvcompile.recipes.compilerkv.offline_cql import fit_greedy_table, one_hot
 from kvcompile.recipes.compilerkv.settings import DESIGNS, CQLSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
 from kvruntime.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention
+from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.compilerkv.tables import CompilerKVTables
 
@@ -79,40 +80,62 @@ def test_learning_refuses_nan_rewards():
         fit_greedy_table(one_hot(states, 12), actions, rewards, 29, np.eye(12, dtype=np.float32), CQLSettings(steps=10))
 
 
-def _tiny_prompt() -> tuple:
-    """A tiny Qwen2, a prefilled 80-token prompt with a 20-token continuation, and the continuation's logits from
-    plain forwards over a cache holding only kept entries (the independent reference)."""
-    model = tiny_model("qwen2")
-    ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1))
-    context, continuation = ids[:, :80], ids[:, 80:]
+_TEXT = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1))
+
+
+def _tiny_prompt(kind: str = "qwen2", softcap: float | None = None) -> tuple:
+    """A tiny model, a prefilled 80-token prompt with a 20-token continuation, and the continuation's logits from
+    plain forwards over a cache holding only kept entries of the growing layers (a sliding layer's whole window:
+    the independent reference)."""
+    model = tiny_model(kind)
+    if softcap is not None:  # Gemma's final logit soft-capping, which the model's head applies
+        model.config.final_logit_softcapping = softcap
+    context, continuation = _TEXT[:, :80], _TEXT[:, 80:]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(context, past_key_values=cache, use_cache=True).logits
+        logits = model(context, **cache_argument(model, cache), use_cache=True).logits
     first = float(-logits[0, -1].log_softmax(-1)[continuation[0, 0]])
-    prompt = PrefilledPrompt(
-        [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], continuation, first
-    )
+    prompt = prefilled_prompt(model, cache, continuation, first)
 
     def logits_over(kept: list[torch.Tensor]) -> torch.Tensor:
         compressed = DynamicCache(config=model.config)
-        for layer, indices in enumerate(kept):
-            compressed.update(prompt.keys[layer][:, :, indices], prompt.values[layer][:, :, indices], layer)
+        cut = dict(zip(prompt.growing, kept))
+        for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values)):
+            rows = cut.get(layer, torch.arange(keys.shape[2]))
+            compressed.update(keys[:, :, rows], values[:, :, rows], layer)
         with per_layer_attention(model), torch.no_grad():
-            out = model(continuation[:, :-1], past_key_values=compressed, position_ids=torch.arange(80, 99)[None])
+            out = model(
+                continuation[:, :-1], **cache_argument(model, compressed), position_ids=torch.arange(80, 99)[None]
+            )
         return out.logits[0]
 
     return model, prompt, logits_over
 
 
-def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries():
-    model, prompt, logits_over = _tiny_prompt()
+@pytest.mark.parametrize("kind, softcap", [("qwen2", None), ("gemma3_text", 2.0), ("olmo3", None), ("phi3", None)])
+def test_the_prefilled_prompts_full_nll_is_the_plain_models_on_the_whole_text(kind, softcap):
+    """The recorded run of the continuation over the prompt's cache, and a rollout keeping everything, give the
+    continuation's NLL that one plain forward of the whole text (transformers' own attention, no cache) gives."""
+    model, prompt, _ = _tiny_prompt(kind, softcap)
+    with torch.no_grad():
+        logits = model(_TEXT).logits[0].float()
+    plain = float(F.cross_entropy(logits[79:99], _TEXT[0, 80:], reduction="mean"))
+    assert prompt.full_nll == pytest.approx(plain, abs=1e-5)
+    everything = [torch.arange(80)] * len(prompt.growing)
+    assert ContinuationScorer(model, prompt).base(everything).loss == pytest.approx(plain, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind, softcap", [("qwen2", None), ("gemma3_text", 2.0), ("olmo3", None)])
+def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries(kind, softcap):
+    model, prompt, logits_over = _tiny_prompt(kind, softcap)
     continuation, first = prompt.continuation, prompt.first_nll
+    layers = len(prompt.growing)
 
     def reference(kept: list[torch.Tensor]) -> float:
         return (first + float(F.cross_entropy(logits_over(kept), continuation[0, 1:], reduction="sum"))) / 20
 
     g = torch.Generator().manual_seed(2)
-    kept = [torch.randperm(80, generator=g)[:40].sort().values for _ in range(4)]
+    kept = [torch.randperm(80, generator=g)[:40].sort().values for _ in range(layers)]
     scorer = ContinuationScorer(model, prompt, batch_size=2)
     base = scorer.base(kept)
     assert base.loss == pytest.approx(reference(kept), abs=1e-6)
@@ -122,12 +145,13 @@ def test_continuation_scorer_matches_plain_forwards_over_the_same_kept_entries()
     def other(n: int) -> torch.Tensor:
         return torch.randperm(80, generator=g)[:n].sort().values
 
+    last = layers - 1
     variants = [
-        kept[:2] + [other(30)] + kept[3:],
-        kept[:2] + [other(55)] + kept[3:],
-        kept[:1] + [other(41), kept[2], other(39)],
-        [other(40), other(42), kept[2], kept[3]],
-        kept[:3] + [other(20)],
+        kept[:last] + [other(30)],
+        kept[:last] + [other(55)],
+        [other(41)] + kept[1:last] + [other(39)],
+        [other(40)] + kept[1:],
+        [other(20) for _ in kept],
     ]
     got = scorer.variants(base, variants)
     assert got == pytest.approx([reference(v) for v in variants], abs=1e-6)
@@ -376,8 +400,8 @@ def test_the_every_state_design_probes_every_state_on_every_prompt_with_its_own_
     out = tmp_path / "compilerkv_tables.safetensors"
     tables, artifact = compile_tables(CompileJob(model, CharTokenizer(), out), CORPUS, EVERY_STATE)
     prompts, layers, heads = EVERY_STATE.prompts, 4, 4
-    # One scorer per unit (head and gate phases) on the KL; the prefill's own one measures the full cache's NLL.
-    assert sorted(losses) == ["kl"] * (2 * prompts) + ["nll"] * prompts
+    # One scorer per unit (head and gate phases) on the KL (the full cache's NLL is the model's own forward's).
+    assert losses == ["kl"] * (2 * prompts)
     experience = Experience.from_artifact(artifact)
     head, gate = experience.head, experience.gate
     head_actions = HEAD_ACTIONS[head.column("action")]

@@ -61,11 +61,12 @@ def reference_kept(
     query_heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     growing = [module.layer_idx for module in attention_modules(model)]  # what the runtime cuts (no sliding layer)
     t = table_tensors(len(growing), query_heads)
+    implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True, output_attentions=True)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(implementation)
     n, w = ids.shape[1], 64
     rows = torch.cat([out.attentions[index][0, :, -w:, :] for index in growing])  # [L * Hq, w, n]
     alpha = (n / w) * rows.double().mean(dim=0).sum(dim=0)

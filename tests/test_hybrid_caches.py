@@ -1,9 +1,9 @@
-"""A hybrid cache (issue #62): tiny Gemma 3 and OLMo 3 models whose sliding-window layers (window 16) sit between
-full-attention ones. Only the full-attention layers are cut; each sliding layer holds exactly what the plain prefill
-leaves in it; the report says what was compressible and what was left, in bytes; nothing kept, nothing changed: a
-context kept whole answers as the plain model does; streamed, the cache held stays bounded; what cannot apply
-(batches, quantized caches) is refused in one line. Which entries each method keeps on a hybrid cache is
-test_selection_references.py's (its gemma3_text model)."""
+"""A hybrid cache (issue #62): tiny Gemma 3, OLMo 3 and Gemma 2 (soft-capped logits) models whose sliding-window
+layers (window 16) sit between full-attention ones. Only the full-attention layers are cut; each sliding layer holds
+exactly what the plain prefill leaves in it; the report says what was compressible and what was left, in bytes;
+nothing kept, nothing changed: a context kept whole answers as the plain model does; streamed, the cache held stays
+bounded; what cannot apply (batches, quantized caches) is refused in one line. Which entries each method keeps on a
+hybrid cache is test_selection_references.py's (its gemma3_text and gemma2 models)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import kvruntime
 from kvruntime.cache_ops import attention_modules, cache_argument, sliding_layers
 from kvruntime.errors import KVRuntimeError
 
-HYBRIDS = ["gemma3_text", "olmo3"]
+HYBRIDS = ["gemma3_text", "olmo3", "gemma2"]
 GREEDY = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
 
 
@@ -94,8 +94,9 @@ def test_what_cannot_apply_to_a_hybrid_cache_is_refused_in_one_line(hybrid, prom
             pass
 
 
-def test_kvcompile_tables_refuses_a_hybrid_model_in_one_line_and_writes_nothing(tmp_path, monkeypatch):
-    """Its rollouts run the decoder layers by hand, as Llama's are built: wrong for sliding-window layers."""
+def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_them(tmp_path, monkeypatch):
+    """The rollouts call the model's own decoder layers as its forward does, sliding ones included: the tables
+    cover the full-attention layers (one row each) and the compilerkv method runs with them."""
     from conftest import CharTokenizer
     from typer.testing import CliRunner
 
@@ -107,7 +108,28 @@ def test_kvcompile_tables_refuses_a_hybrid_model_in_one_line_and_writes_nothing(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text("".join(chr(97 + (j * j * 13) % 26) for j in range(6000)))
     small = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context", "160", "--continuation", "12"]
-    result = CliRunner().invoke(app, ["tables", *small, "--corpus", "corpus.txt", "--out", "t.safetensors"])
-    assert result.exit_code == 2, result.output
-    assert "not yet for a model with sliding-window layers" in result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+    result = CliRunner().invoke(
+        app, ["tables", *small, "--rounds", "1", "--corpus", "corpus.txt", "--out", "t.safetensors"]
+    )
+    assert result.exit_code == 0, result.output
+    tables = kvruntime.load_artifact(tmp_path / "t.safetensors", model=model, kind="compilerkv_tables")
+    assert tables.tensors["head_reliability"].shape == (1, len(attention_modules(model)), 4)
+    ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
+    with kvruntime.compress(model, "compilerkv", budget=80, artifacts=[tmp_path / "t.safetensors"]) as session:
+        session.prefill(ids)
+    assert session.report.layers == [1, 3] and session.report.bounded_layers == [0, 2]
+
+
+def test_a_kvzap_checkpoint_of_the_cut_layers_sits_at_their_indices_where_kvpress_looks():
+    """A checkpoint has a module per full-attention layer (as kvcompile's artifacts have rows); kvpress looks a
+    layer's module up by the layer's index, so they go to 1 and 3 here, and a sliding layer's refuses to score."""
+    from kvcompile.evaluation.contestants import at_model_layers
+
+    model = tiny_model("gemma3_text")  # layers: sliding, full, sliding, full
+    first, second = torch.nn.Linear(64, 2), torch.nn.Linear(64, 2)
+    placed = at_model_layers(model, torch.nn.ModuleList([first, second]))
+    assert len(placed) == 4 and placed[1] is first and placed[3] is second
+    with pytest.raises(KVRuntimeError, match="no scorer for a sliding-window layer"):
+        placed[0](torch.zeros(1, 3, 64))
+    with pytest.raises(KVRuntimeError, match="has 3 layers, the model 2 to cut"):
+        at_model_layers(model, torch.nn.ModuleList([first, second, first]))

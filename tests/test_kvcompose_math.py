@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvruntime.allocation import apportion
+from kvruntime.attention import AttentionLogits
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.kvcompose.composite_tokens import (
     composite_curve,
@@ -25,7 +26,7 @@ def test_context_attention_max_is_the_max_of_the_causal_softmax_rows_over_the_co
     context, task, groups = 11, 7, 3
     queries = torch.randn(1, 2 * groups, task, 8, generator=g)
     keys = torch.randn(1, 2, context + task, 8, generator=g)
-    got = context_attention_max(queries, keys, 0.3, context, chunk=chunk)
+    got = context_attention_max(queries, keys, AttentionLogits(0.3), context, chunk=chunk)
     expanded = keys.repeat_interleave(groups, dim=1)  # query head h uses KV head h // groups
     logits = queries @ expanded.transpose(-1, -2) * 0.3
     causal = torch.ones(task, context + task, dtype=torch.bool).tril(diagonal=context)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from test_compilerkv_runtime import BUDGETS, reference_kept, save_tables
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -46,6 +48,8 @@ MODELS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM, HYBRID),
+    # Hybrid with soft-capped attention logits (eager attention): the methods' window attention must cap as it does.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, {**HYBRID, "attn_logit_softcapping": 2.0, "initializer_range": 0.2}),
 }
 LENGTH = 120
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
 
-from kvruntime.attention import per_layer_attention
+from kvruntime.attention import AttentionLogits, captured_logits, per_layer_attention
 from kvruntime.cache_ops import attention_modules, output_cache
 from kvruntime.window import query_hooks, window_attention
 
@@ -20,7 +20,7 @@ def test_window_attention_equals_eager_rows(kind, tokens):
     window, captured = 8, {}
 
     def keep(layer, module, queries, keys, values, *_):
-        captured[layer] = (queries.clone(), keys.clone(), module.scaling)
+        captured[layer] = (queries.clone(), keys.clone(), captured_logits(module))
 
     with query_hooks(model, keep, window=window), torch.no_grad():
         model(tokens, use_cache=True)
@@ -59,7 +59,7 @@ def test_kvruntimes_attention_gives_the_models_own_outputs(kind, tokens):
 def test_window_attention_is_causal_inside_window():
     queries = torch.randn(1, 4, 6, 8)
     keys = torch.randn(1, 2, 20, 8)
-    probs = window_attention(queries, keys, 8**-0.5)
+    probs = window_attention(queries, keys, AttentionLogits(8**-0.5))
     # query i of the window sees keys up to 20 - 6 + i
     for i in range(6):
         assert torch.all(probs[..., i, 20 - 6 + i + 1 :] == 0)

@@ -114,7 +114,7 @@ def main() -> None:
     for index, (_, ids) in enumerate(tqdm(texts, desc="probing every state", unit="prompt")):
         if args.continuation == "greedy":  # the full-cache model's own continuation of the context
             ids = greedy_continuation(model, ids, args.context, args.continuation_tokens)
-        prompt = prefill_prompt(model, ids, args.context, index, args.batch_size)
+        prompt = prefill_prompt(model, ids, args.context, index)
         rows += measure(model, prompt, args.budget, args.utility, args.batch_size, args.loss, args.continuation)
         prompts.append(prompt)
     everyone = {p.index for p in prompts}
@@ -132,7 +132,7 @@ def main() -> None:
         # The tables are chosen on one reward and judged on it and on the other: the paper's (the corpus's NLL).
         judges = [(args.loss, args.continuation, prompt)]
         if (args.loss, args.continuation) != ("nll", "corpus"):
-            judges.append(("nll", "corpus", prefill_prompt(model, ids, args.context, prompt.index, args.batch_size)))
+            judges.append(("nll", "corpus", prefill_prompt(model, ids, args.context, prompt.index)))
         for loss, continuation, judged_prompt in judges:
             neutral = table_loss(model, judged_prompt, neutral_tables, args.budget, rule, args.batch_size, loss)
             for label, tables in judged.items():

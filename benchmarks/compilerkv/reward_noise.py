@@ -184,7 +184,7 @@ def main() -> None:
         for continuation in continuations:
             if continuation == "greedy":  # the full-cache model's own continuation of the context
                 ids = greedy_continuation(model, ids, args.context, args.continuation)
-            prompt = prefill_prompt(model, ids, args.context, index, args.batch_size)
+            prompt = prefill_prompt(model, ids, args.context, index)
             for utility, budget, loss in itertools.product(utilities, budgets, losses):
                 rows += measure(model, prompt, budget, utility, args.batch_size, loss, continuation)
                 bar.update()

@@ -24,6 +24,7 @@ import kvruntime
 from benchmarks.reporting import machine, write_results
 from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
+from kvruntime.attention import captured_logits
 from kvruntime.methods import KVCompose
 from kvruntime.methods.distilled import DistilledScorer, predicted_scores
 from kvruntime.window import query_hooks, window_attention
@@ -54,7 +55,7 @@ def window_scores(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     method, layers = KVCompose(mode="dynamic"), {}
 
     def keep(layer, module, queries, keys, values, *_):
-        attention = window_attention(queries, keys, module.scaling)
+        attention = window_attention(queries, keys, captured_logits(module))
         layers[layer] = method.token_scores(attention, layer)[0]
 
     with query_hooks(model, keep, window=method.window), torch.no_grad():

@@ -186,6 +186,7 @@ class Press(Contestant):
             # kvpress loads `nvidia/KVzap-<type>-<model name>` from the hub unless that name is already loaded.
             press.kvzap_model_name = f"nvidia/KVzap-linear-{model.config.name_or_path.split('/')[-1]}"
             press.kvzap_model = KVzapModel.from_pretrained(files[0])
+            press.kvzap_model.layers = at_model_layers(model, press.kvzap_model.layers)
         return press
 
     def prefilled(
@@ -194,6 +195,27 @@ class Press(Contestant):
         from kvcompile.evaluation.prefill import cache_prefilled
 
         return cache_prefilled(model, self.press(ratio, model, files), None, context_ids, shared)
+
+
+def at_model_layers(model: Any, modules: Any) -> Any:
+    """A KVzap checkpoint's modules, one per layer the runtime cuts (as kvcompile's artifacts have them: the
+    full-attention layers), placed at those layers' indices, where kvpress looks a layer's module up. A sliding-window
+    layer gets a module that refuses to score: the shared prefill's replay never asks it, kvpress's own pipeline
+    would (it cuts every layer)."""
+    from torch import nn
+
+    from kvruntime.cache_ops import attention_modules
+
+    class NoScorer(nn.Module):
+        def forward(self, hidden_states: Any) -> Any:
+            raise KVRuntimeError(
+                "the KVzap checkpoint has no scorer for a sliding-window layer (kvruntime leaves them)"
+            )
+
+    cut = [module.layer_idx for module in attention_modules(model)]
+    if len(modules) != len(cut):
+        raise KVRuntimeError(f"the KVzap checkpoint has {len(modules)} layers, the model {len(cut)} to cut")
+    return nn.ModuleList(modules[cut.index(i)] if i in cut else NoScorer() for i in range(max(cut) + 1))
 
 
 def _artifact_file(label: str, folder: Path, kind: str) -> Path:

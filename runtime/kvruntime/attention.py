@@ -8,14 +8,16 @@ function builds the right mask per layer from the key length it receives: every 
 queries in the original sequence, so causality is aligned at the right edge. A sliding-window layer (the model
 passes its `sliding_window`) is never cut: its keys are the last positions in order, so its band is aligned at the
 right edge too. Entries attention must not see come in as the keyword `KEEP_MASK_KEYWORD` [B, Hkv, N], injected by
-the engine (and by the compile stage's rollouts, which run layers by hand): evicted-but-kept entries (the `masked`
-memory mode) and a batch's padding (the slots after a row's own entries, a padded question's padding), since
-transformers' own padding mask is not passed here.
+the engine (and by the compile stage's rollouts, which call the decoder layers themselves): evicted-but-kept entries
+(the `masked` memory mode) and a batch's padding (the slots after a row's own entries, a padded question's padding),
+since transformers' own padding mask is not passed here.
 
 The queries a scoring method reads are the ones this function receives, after the model's own projections, norms,
 RoPE and whatever else its architecture does: an attention module given a `QueryCapture` (`capturing_queries`)
-keeps its last queries there. Nothing is rebuilt by hand, so any decoder transformers runs through its attention
-interface is scored on what it computes.
+keeps its last queries there, with how the model turns a query-key product into a logit (`AttentionLogits`: the
+scaling it passed, and the soft cap of a model that caps its logits, Gemma 2). Nothing is rebuilt by hand, so any
+decoder transformers runs through its attention interface is scored on what it computes. A soft-capped model's
+attention is computed here in full (sdpa cannot cap), with the same masks.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-ATTENTION_NAME = "kvruntime_sdpa"
+ATTENTION_NAME = "kvruntime_attention"  # no "sdpa" in it: transformers would check the model supports sdpa
 # The attention keyword of a boolean keep mask [B, Hkv, N_ctx]: False hides a cached entry from every query.
 KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
 
@@ -38,12 +40,27 @@ KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
 _CAPTURE = "_kvruntime_query_capture"
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionLogits:
+    """How the model turns query-key products into attention logits: scaled, then soft-capped (tanh) where the
+    model caps them."""
+
+    scaling: float
+    softcap: float | None = None
+
+    def __call__(self, products: torch.Tensor) -> torch.Tensor:
+        logits = products * self.scaling
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
 @dataclasses.dataclass
 class QueryCapture:
-    """The last `window` queries [B, Hq, w, D] an attention module computed in its latest call (None before one)."""
+    """The last `window` queries [B, Hq, w, D] an attention module computed in its latest call (None before one),
+    and how it made them into logits."""
 
     window: int
     queries: torch.Tensor | None = None
+    logits: AttentionLogits | None = None
 
 
 def right_aligned_causal_mask(
@@ -69,9 +86,11 @@ def per_layer_sdpa(
 ) -> tuple[torch.Tensor, None]:
     # `args`: a caller may pass dropout and scaling by position (kvpress's attention wrapper does), so the keep mask
     # is keyword-only and the rest goes through to sdpa as it came.
+    scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
+    logits = AttentionLogits(query.shape[-1] ** -0.5 if scaling is None else scaling, kwargs.pop("softcap", None))
     capture = getattr(module, _CAPTURE, None)
     if capture is not None:
-        capture.queries = query[:, :, -capture.window :]
+        capture.queries, capture.logits = query[:, :, -capture.window :], logits
     q_len, kv_len = query.shape[-2], key.shape[-2]
     window = kwargs.get("sliding_window")
     window = window if window is not None and kv_len > window else None  # a band that hides nothing is no band
@@ -86,8 +105,26 @@ def per_layer_sdpa(
             mask = mask & right_aligned_causal_mask(q_len, kv_len, query.device, window)
     elif (q_len > 1 and q_len != kv_len) or window is not None:
         mask = right_aligned_causal_mask(q_len, kv_len, query.device, window)[None, None]
+    if logits.softcap is not None:
+        if mask is None and q_len > 1:
+            mask = right_aligned_causal_mask(q_len, kv_len, query.device)[None, None]
+        return capped_attention(query, key, value, mask, logits), None
     # With no mask, sdpa_attention_forward uses is_causal for q_len > 1 (here q_len == kv_len: plain prefill).
     return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
+
+
+def capped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, logits: AttentionLogits
+) -> torch.Tensor:
+    """Attention with soft-capped logits (what sdpa cannot do), in float32 for the softmax: query [B, Hq, q, D],
+    key and value [B, Hkv, N, D], mask boolean (broadcast to [B, Hq, q, N]) -> output [B, q, Hq, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = logits(torch.matmul(query, key.transpose(2, 3)))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.float().softmax(dim=-1).to(value.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
 @contextlib.contextmanager
@@ -106,6 +143,14 @@ def capturing_queries(modules: Sequence[nn.Module], window: int) -> Iterator[lis
                 delattr(module, _CAPTURE)
             else:
                 setattr(module, _CAPTURE, capture)
+
+
+def captured_logits(module: nn.Module) -> AttentionLogits:
+    """How the module's latest call made its queries into logits (`capturing_queries` must be around it)."""
+    capture = getattr(module, _CAPTURE, None)
+    if capture is None or capture.logits is None:
+        raise RuntimeError(f"no attention call captured for {type(module).__name__}")
+    return capture.logits
 
 
 def captured_queries(module: nn.Module, window: int) -> torch.Tensor:

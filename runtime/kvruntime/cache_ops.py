@@ -14,7 +14,15 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
-from .model_spec import ATTENTION_FLAGS, ATTENTION_REFUSAL, BOUNDED, GROWING, check_layer_kinds, loaded_layer_kinds
+from .model_spec import (
+    ATTENTION_FLAGS,
+    ATTENTION_REFUSAL,
+    BOUNDED,
+    GROWING,
+    attention_supported,
+    check_layer_kinds,
+    loaded_layer_kinds,
+)
 from .quantized_cache import layer_bytes
 
 
@@ -38,12 +46,22 @@ def sliding_layers(model: nn.Module) -> list[int]:
 
 def check_compressible(model: nn.Module) -> list[str]:
     """Each layer's kind (`layer_kinds`), once the model is one the runtime compresses: one whose attention goes
-    through transformers' attention interface as sdpa (kvruntime's attention function, where the queries are taken,
-    is sdpa with masks of its own), whose layers are full-attention or sliding-window ones, at least one of them
+    through transformers' attention interface as sdpa or with only what kvruntime's attention function implements
+    (`attention_supported`), whose layers are full-attention or sliding-window ones, at least one of them
     full."""
-    if not all(getattr(model, flag, False) for flag in ATTENTION_FLAGS):
+    flags = {flag: bool(getattr(model, flag, False)) for flag in ATTENTION_FLAGS}
+    if not attention_supported(flags, _class_source(type(model))):
         raise UnsupportedModelError(f"model type {_model_type(model)!r} {ATTENTION_REFUSAL}")
     return check_layer_kinds(loaded_layer_kinds(model.config), _model_type(model))
+
+
+@functools.cache
+def _class_source(model_class: type) -> str:
+    """The source of the module defining a model class (its attention calls); empty where it cannot be read."""
+    try:
+        return inspect.getsource(inspect.getmodule(model_class))
+    except (OSError, TypeError):
+        return ""
 
 
 def _model_type(model: nn.Module) -> str:

@@ -35,7 +35,7 @@ from transformers import Cache, DynamicCache
 
 from .allocation import apportion
 from .artifact import Artifact, load_artifact
-from .attention import KEEP_MASK_KEYWORD, capturing_queries, per_layer_attention
+from .attention import KEEP_MASK_KEYWORD, captured_logits, capturing_queries, per_layer_attention
 from .batch_rows import row_starts, stack_rows, stacked_visibility, with_appended
 from .bundle import artifact_files
 from .cache_ops import (
@@ -438,7 +438,7 @@ class CompressionSession:
                 queries,
                 cache_layer.keys,
                 cache_layer.values,
-                module.scaling,
+                captured_logits(module),
                 hidden_states,
                 start=state.chunk_start,
                 final=state.final_chunk,

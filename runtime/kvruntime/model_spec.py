@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,12 +18,15 @@ from .errors import KVRuntimeError, UnsupportedModelError
 # methods cut; a sliding-window layer's is bounded by the model and left to it. Any other kind (chunked, linear,
 # shared) is refused.
 GROWING, BOUNDED = "full_attention", "sliding_attention"
-# What transformers says of a model class whose attention kvruntime's attention function (sdpa with masks of its own,
-# where the queries are taken) can run: through the attention interface, and as sdpa.
+# kvruntime's attention function (sdpa with masks of its own, where the queries are taken) runs a model class whose
+# attention goes through transformers' attention interface (the first flag) as sdpa (the second), or whose calls of
+# that interface pass only keywords the function implements (sdpa's and the logit soft cap: Gemma 2's).
 ATTENTION_FLAGS = ("_supports_attention_backend", "_supports_sdpa")
+ATTENTION_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "position_ids", "is_causal")
 ATTENTION_REFUSAL = (
-    "does not run its attention as sdpa through transformers' attention interface (where kvruntime takes the queries "
-    "it scores with): it needs eager attention (logit soft-capping, attention sinks) or has its own"
+    "does not run its attention through transformers' attention interface as sdpa or with only what kvruntime's "
+    "attention function implements (logit soft-capping): it needs eager attention for more (attention sinks) or has "
+    "its own"
 )
 # A model folder has at least one of these when its tokenizer was saved with it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -76,8 +80,32 @@ def check_config_compressible(config: Mapping) -> None:
     model_type = str(config.get("model_type", "?"))
     check_layer_kinds(layer_kinds(config), model_type)
     source = _modeling_source(model_type)
-    if source is not None and not all(f"{flag} = True" in source for flag in ATTENTION_FLAGS):
+    flags = {flag: f"{flag} = True" in source for flag in ATTENTION_FLAGS} if source is not None else None
+    if flags is not None and not attention_supported(flags, source):
         raise UnsupportedModelError(f"model type {model_type!r} {ATTENTION_REFUSAL}")
+
+
+def attention_supported(flags: Mapping[str, bool], source: str) -> bool:
+    """Whether kvruntime's attention function runs a model class, from its `ATTENTION_FLAGS` and the source of its
+    modeling file: sdpa through the attention interface, or eager attention whose interface calls pass only
+    `ATTENTION_KEYWORDS`."""
+    backend, sdpa = (flags.get(flag, False) for flag in ATTENTION_FLAGS)
+    if not backend or sdpa:
+        return backend
+    keywords = attention_call_keywords(source)
+    return bool(keywords) and keywords <= set(ATTENTION_KEYWORDS)
+
+
+def attention_call_keywords(source: str) -> set[str]:
+    """The keyword arguments of every `attention_interface(...)` call in a modeling file's source."""
+    keywords: set[str] = set()
+    for match in re.finditer(r"\battention_interface\(", source):
+        depth, end = 1, match.end()
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        keywords |= set(re.findall(r"(?:^|[(,\s])(\w+)\s*=(?!=)", source[match.end() : end - 1]))
+    return keywords
 
 
 def _modeling_source(model_type: str) -> str | None:

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from .attention import capturing_queries, per_layer_attention
+from .attention import AttentionLogits, capturing_queries, per_layer_attention
 from .cache_ops import attention_modules, cache_argument, hooked_cache
 
 RECORDED_QUERIES = 64  # the longest window of the shipped methods (compilerkv's)
@@ -32,13 +32,14 @@ AttentionHook = Callable[[nn.Module, tuple, dict, tuple], object]
 
 @dataclasses.dataclass
 class RecordedCall:
-    """What an attention module was called with (its cache left out), its last queries and the attention weights it
-    returned."""
+    """What an attention module was called with (its cache left out), its last queries, how it made them into logits
+    and the attention weights it returned."""
 
     args: tuple
     kwargs: dict
     attentions: torch.Tensor | None
     queries: torch.Tensor
+    logits: AttentionLogits
 
 
 @dataclasses.dataclass
@@ -59,7 +60,7 @@ class PrefillRecording:
         """Call `hook` after each attention layer as the prefill would have, over a new cache that holds, when
         layer i's hook runs, what the prefill's did: the earlier layers as their hooks left them, layer i's full
         entries, nothing beyond (its sliding-window layers, never cut, as the prefill left them). The layer's recorded
-        queries are its captured ones while its hook runs. Returns that cache and the base model's output over it."""
+        queries (and logits) are its captured ones while its hook runs. Returns that cache and the base model's output over it."""
         cache = DynamicCache(config=model.config)
         for index, layer in enumerate(self.cache.layers):
             if getattr(layer, "is_sliding", False):
@@ -69,7 +70,7 @@ class PrefillRecording:
             for module, call, capture in zip(modules, self.calls, captures):
                 layer = self.cache.layers[module.layer_idx]
                 cache.update(layer.keys, layer.values, module.layer_idx)
-                capture.queries = call.queries
+                capture.queries, capture.logits = call.queries, call.logits
                 kwargs = {**call.kwargs, **cache_argument(model, cache)}
                 hook(module, call.args, kwargs, (None, call.attentions))
         return cache, BaseModelOutputWithPast(last_hidden_state=self.last_hidden_state, past_key_values=cache)
@@ -83,7 +84,8 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
         cache = hooked_cache(kwargs)
         kept = {key: value for key, value in kwargs.items() if value is not cache}
         attentions = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        calls.append(RecordedCall(args, kept, attentions, captures[positions[module]].queries))
+        capture = captures[positions[module]]
+        calls.append(RecordedCall(args, kept, attentions, capture.queries, capture.logits))
 
     def record_output(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         outputs.append(output.last_hidden_state)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import Cache
 
+from .attention import AttentionLogits, captured_logits
 from .cache_ops import cache_argument, restored_after
 from .window import query_hooks
 
@@ -31,7 +32,7 @@ QUERY_CHUNK = 256  # task queries whose attention rows are held at once: memory 
 def context_attention_max(
     queries: torch.Tensor,
     keys: torch.Tensor,
-    scaling: float,
+    logits: AttentionLogits,
     context_length: int,
     chunk: int = QUERY_CHUNK,
     query_weights: torch.Tensor | None = None,
@@ -53,11 +54,11 @@ def context_attention_max(
         stop = min(start + chunk, task_length)
         grouped = queries[:, :, start:stop].float().view(batch, num_kv_heads, groups, stop - start, head_dim)
         visible = first + stop  # the chunk's last query sees keys [0, first + stop)
-        logits = torch.einsum("bkgwd,bknd->bkgwn", grouped, keys32[:, :, :visible]) * scaling
+        scores = logits(torch.einsum("bkgwd,bknd->bkgwn", grouped, keys32[:, :, :visible]))
         positions = torch.arange(first + start, first + stop, device=keys.device)
         future = torch.arange(visible, device=keys.device)[None, :] > positions[:, None]
-        logits.masked_fill_(future, float("-inf"))
-        probabilities = logits.softmax(dim=-1)[..., :context_length]
+        scores.masked_fill_(future, float("-inf"))
+        probabilities = scores.softmax(dim=-1)[..., :context_length]
         if query_weights is not None:
             probabilities = probabilities * query_weights[:, None, None, start:stop, None].float()
         best = torch.maximum(best, probabilities.amax(dim=-2))
@@ -110,7 +111,7 @@ def task_attention_maxima(
         inputs: torch.Tensor,
     ) -> None:
         weights = inputs.float().norm(dim=-1).reciprocal() if target == "kvzip_plus" else None
-        layer_max = context_attention_max(queries, keys, module.scaling, context_length, query_weights=weights)
+        layer_max = context_attention_max(queries, keys, captured_logits(module), context_length, query_weights=weights)
         seen = maxima.get(layer)
         maxima[layer] = layer_max if seen is None else torch.maximum(seen, layer_max)
         if target == "kvzip_plus" and layer not in factors:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .attention import captured_queries, capturing_queries, per_layer_attention
+from .attention import AttentionLogits, captured_queries, capturing_queries, per_layer_attention
 from .cache_ops import attention_modules, hooked_cache
 
 
@@ -34,7 +34,7 @@ def hooked_window_queries(
     return captured_queries(attention, min(window, query_length)), cache_layer, query_length
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, logits: AttentionLogits) -> torch.Tensor:
     """Softmax attention of the window's queries over all keys, in float32, causal inside the window.
 
     queries [B, Hq, w, D], keys [B, Hkv, N, D] -> probabilities [B, Hkv, Hq // Hkv, w, N]
@@ -43,10 +43,10 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) 
     batch, num_query_heads, window, head_dim = queries.shape
     num_kv_heads, length = keys.shape[1], keys.shape[2]
     grouped = queries.float().view(batch, num_kv_heads, num_query_heads // num_kv_heads, window, head_dim)
-    logits = torch.einsum("bkgwd,bknd->bkgwn", grouped, keys.float()) * scaling
+    scores = logits(torch.einsum("bkgwd,bknd->bkgwn", grouped, keys.float()))
     future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(diagonal=1)
-    logits[..., length - window :].masked_fill_(future, float("-inf"))
-    return logits.softmax(dim=-1)
+    scores[..., length - window :].masked_fill_(future, float("-inf"))
+    return scores.softmax(dim=-1)
 
 
 # Called with (the layer's position among the layers the runtime cuts, attention module, the last queries

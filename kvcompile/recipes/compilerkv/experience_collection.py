@@ -20,9 +20,15 @@ from torch import nn
 from transformers import DynamicCache
 
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS, Records
-from kvcompile.recipes.compilerkv.continuation_nll import BaseRollout, ContinuationScorer, PrefilledPrompt
+from kvcompile.recipes.compilerkv.continuation_nll import (
+    BaseRollout,
+    ContinuationScorer,
+    PrefilledPrompt,
+    prefilled_prompt,
+)
 from kvcompile.recipes.compilerkv.settings import WINDOW, ExperienceDesign
 from kvruntime import KVRuntimeError
+from kvruntime.attention import captured_logits
 from kvruntime.cache_ops import cache_argument
 from kvruntime.methods.compilerkv import LayerSignals, PromptSignals, layer_scores, layer_signals, prompt_signals
 from kvruntime.methods.compilerkv.risk_gate import candidate_count, kept_counts, quantile_edges, risk_bin
@@ -62,7 +68,7 @@ def prefill_with_signals(
     def gather(
         layer: int, module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object
     ) -> None:
-        signals = layer_signals(queries, keys, values, module.scaling)
+        signals = layer_signals(queries, keys, values, captured_logits(module))
         layers[layer] = tuple(signal.cpu() for signal in signals)  # type: ignore[assignment]
 
     cache = DynamicCache(config=model.config)
@@ -84,21 +90,16 @@ def greedy_continuation(model: nn.Module, ids: torch.Tensor, context: int, token
     )  # fmt: skip
 
 
-def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int, batch_size: int) -> CalibrationPrompt:
-    """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and decode the
+def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int) -> CalibrationPrompt:
+    """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and run the
     continuation over the full cache (the cache and the continuation on the model's device, the kept sets chosen on
     the CPU)."""
     signals, cache, last_logprobs = prefill_with_signals(model, ids, context)
     continuation = ids[:, context:].to(model.device)
-    prefilled = PrefilledPrompt(
-        keys=[layer.keys for layer in cache.layers],
-        values=[layer.values for layer in cache.layers],
-        continuation=continuation,
-        first_nll=float(-last_logprobs[continuation[0, 0]]),
+    prefilled = prefilled_prompt(model, cache, continuation, float(-last_logprobs[continuation[0, 0]]))
+    return CalibrationPrompt(
+        index=index, signals=signals, prefilled=prefilled, full_nll=_finite(prefilled.full_nll, index)
     )
-    full = ContinuationScorer(model, prefilled, batch_size).base([torch.arange(context)] * len(cache.layers)).loss
-    _finite(full, index)
-    return CalibrationPrompt(index=index, signals=signals, prefilled=prefilled, full_nll=full)
 
 
 def stratified_choice(risks: torch.Tensor, count: int, strata: tuple[int, int], seed: int) -> list[int]:

@@ -15,20 +15,6 @@ from kvcompile.recipes.compilerkv.settings import (
 )
 
 
-def check_rollouts_apply(model: Any) -> None:
-    """Refuse a model whose decoder layers the rollouts cannot run by hand (`continuation_nll` runs them one after
-    another, with one rotary embedding, as Llama's are built): one with sliding-window layers (their own RoPE and
-    window, Gemma 3's)."""
-    from kvruntime import KVRuntimeError
-    from kvruntime.cache_ops import sliding_layers
-
-    if sliding_layers(model):
-        raise KVRuntimeError(
-            "kvcompile tables rolls the continuation out through the decoder layers by hand, as Llama's are built: "
-            "not yet for a model with sliding-window layers (compilerkv has no tables for it)"
-        )
-
-
 class TablesRecipe(Recipe):
     kind = "compilerkv_tables"
     devices = ("cpu", "cuda")  # the rollouts run on the model's device; the selection and d3rlpy's CQL on the CPU
@@ -63,7 +49,6 @@ class TablesRecipe(Recipe):
 
         if self.from_experience is not None:
             return relearn_tables(load_artifact(self.from_experience, model=job.model, kind="compilerkv_experience"))
-        check_rollouts_apply(job.model)
         tables, experience = compile_tables(job, corpus, settings)
         save_artifact(experience, experience_path(job.out))
         print(f"wrote {experience_path(job.out)}")

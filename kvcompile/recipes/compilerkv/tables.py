@@ -172,7 +172,7 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
         return ids
 
     prompts = {
-        index: prefill_prompt(model, scored_text(index), settings.context, index, settings.batch_size)
+        index: prefill_prompt(model, scored_text(index), settings.context, index)
         for index in tqdm(own, desc="prefill chosen prompts", unit="prompt")
     }
     signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity

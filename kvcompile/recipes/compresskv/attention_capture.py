@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvruntime.attention import captured_logits
 from kvruntime.window import query_hooks, window_attention
 
 
 def attention_output(module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """The attention layer's output (after o_proj) for one query over the given keys and values: [B, hidden]."""
-    probs = window_attention(query, keys, module.scaling)  # [B, Hkv, G, 1, N]
+    probs = window_attention(query, keys, captured_logits(module))  # [B, Hkv, G, 1, N]
     mixed = torch.einsum("bkgwn,bknd->bkgwd", probs, values.float())
     return module.o_proj(mixed.reshape(query.shape[0], -1).to(values.dtype))
 
@@ -30,7 +31,7 @@ def generate_with_attention_rows(
     def keep_row(
         layer: int, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *_: object
     ) -> None:
-        probs = window_attention(query, keys, module.scaling)[0, :, :, -1, :prompt_length]  # [Hkv, G, N]
+        probs = window_attention(query, keys, captured_logits(module))[0, :, :, -1, :prompt_length]  # [Hkv, G, N]
         rows.setdefault(layer, []).append(probs.reshape(-1, prompt_length))
 
     with query_hooks(model, keep_row), torch.no_grad():

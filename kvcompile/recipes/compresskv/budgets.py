@@ -19,6 +19,7 @@ from kvcompile.recipes.compresskv.attention_capture import attention_output
 from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.artifact import tensors_checksum
+from kvruntime.attention import captured_logits
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads
 from kvruntime.selection import top_indices
@@ -57,7 +58,7 @@ def layer_errors_of_prompt(
         _: object,
     ) -> None:
         if q_len > 1:  # prefill: remember what the SRH selection keeps at the probe budget
-            scores = selection.window_scores(queries, keys, module.scaling, layer)
+            scores = selection.window_scores(queries, keys, captured_logits(module), layer)
             kept[layer] = top_indices(scores, min(PROBE_BUDGET, length))
             return
         generated = torch.arange(length, keys.shape[2], device=keys.device).expand(*kept[layer].shape[:2], -1)

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..artifact import Artifact, check_artifact_matches_model, load_artifact
-from ..attention import captured_queries, capturing_queries, per_layer_attention
+from ..attention import captured_logits, captured_queries, capturing_queries, per_layer_attention
 from ..bundle import resolve_artifact_path
 from ..cache_ops import attention_modules, sliding_layers
 from ..errors import KVRuntimeError
@@ -151,4 +151,4 @@ class SRHPress(CompiledScorerPress):
         self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
     ) -> torch.Tensor:
         queries = captured_queries(module, min(self.method.window, hidden_states.shape[1]))
-        return self.method.window_scores(queries, keys, module.scaling, module.layer_idx)
+        return self.method.window_scores(queries, keys, captured_logits(module), module.layer_idx)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..attention import AttentionLogits
 from ..errors import KVRuntimeError
 from ..request import KeepPlan, Request
 from ..selection import protect_window
@@ -61,7 +62,7 @@ class LayerPrefill:
     queries: torch.Tensor  # the window's queries [B, Hq, w, D], post-RoPE
     keys: torch.Tensor  # the layer's cached keys [B, Hkv, N, D], post-RoPE
     values: torch.Tensor  # the layer's cached values [B, Hkv, N, D]
-    scaling: float  # the attention's logit scale
+    logits: AttentionLogits  # how the attention makes query-key products into logits
     hidden_states: torch.Tensor  # the attention's input [B, N, hidden], after the layer's input norm
     # Chunked prefill: the position of the first token of `hidden_states` and `queries`' chunk (keys hold the entries
     # kept from the earlier chunks, then the chunk's own), and whether it is the prompt's last chunk.
@@ -143,12 +144,14 @@ class ScoringMethod(Method):
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         """Window attention [B, Hkv, G, w, N] of layer `layer` -> scores [B, Hkv, N]."""
 
-    def window_scores(self, queries: torch.Tensor, keys: torch.Tensor, scaling: float, layer: int) -> torch.Tensor:
+    def window_scores(
+        self, queries: torch.Tensor, keys: torch.Tensor, logits: AttentionLogits, layer: int
+    ) -> torch.Tensor:
         """Token scores [B, Hkv, N] from the window's queries [B, Hq, w, D]; the window itself always stays."""
-        return protect_window(self.token_scores(window_attention(queries, keys, scaling), layer), queries.shape[2])
+        return protect_window(self.token_scores(window_attention(queries, keys, logits), layer), queries.shape[2])
 
     def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
-        return self.window_scores(layer.queries, layer.keys, layer.scaling, layer.index)
+        return self.window_scores(layer.queries, layer.keys, layer.logits, layer.index)
 
     @property
     def budgets_known_in_advance(self) -> bool:

@@ -45,7 +45,7 @@ class CompilerKV(option_fields(SPEC), Method):
         check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)
 
     def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
-        return layer_signals(layer.queries, layer.keys, layer.values, layer.scaling)
+        return layer_signals(layer.queries, layer.keys, layer.values, layer.logits)
 
     def select(self, statistics: list[LayerSignals], plan: KeepPlan, prefill: Prefill) -> Selection:
         try:

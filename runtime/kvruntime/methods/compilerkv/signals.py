@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from ...attention import AttentionLogits
 from ...selection import protect_window
 from ...window import window_attention
 from .risk_gate import semantic_risk, structural_risk
@@ -38,9 +39,11 @@ class PromptSignals:
     window: int
 
 
-def layer_signals(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> LayerSignals:
+def layer_signals(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, logits: AttentionLogits
+) -> LayerSignals:
     """One layer's share of the prompt signals."""
-    attention = window_attention(queries, keys, scaling)
+    attention = window_attention(queries, keys, logits)
     return mean_window_attention(attention), relative_value_norms(values), head_attention_mass(attention)
 
 

@@ -61,7 +61,9 @@ def prompt_allocation(scores: torch.Tensor, keep: int, per_head: bool, floor: in
 
 
 def _counts_of_top(pool: torch.Tensor, total: int, length: int, groups: int) -> torch.Tensor:
-    winners = pool.topk(total, sorted=False).indices
+    # Ties go to the earlier group (layer 0's lifted curve ties the layer it was lifted to): a stable sort, where topk
+    # would pick among them as it happens to.
+    winners = pool.sort(descending=True, stable=True).indices[:total]
     return torch.bincount(winners // length, minlength=groups)
 
 
