@@ -122,14 +122,34 @@ def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_th
 
 def test_a_kvzap_checkpoint_of_the_cut_layers_sits_at_their_indices_where_kvpress_looks():
     """A checkpoint has a module per full-attention layer (as kvcompile's artifacts have rows); kvpress looks a
-    layer's module up by the layer's index, so they go to 1 and 3 here, and a sliding layer's refuses to score."""
+    layer's module up by the layer's index, so they go to 0 and 2 here, and a sliding layer's (the last one's too)
+    refuses to score."""
+    from conftest import HYBRID, TINY
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
     from kvcompile.evaluation.contestants import at_model_layers
 
-    model = tiny_model("gemma3_text")  # layers: sliding, full, sliding, full
+    kinds = ["full_attention", "sliding_attention"] * 2
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**TINY, **HYBRID, "layer_types": kinds}))
     first, second = torch.nn.Linear(64, 2), torch.nn.Linear(64, 2)
     placed = at_model_layers(model, torch.nn.ModuleList([first, second]))
-    assert len(placed) == 4 and placed[1] is first and placed[3] is second
-    with pytest.raises(KVRuntimeError, match="no scorer for a sliding-window layer"):
-        placed[0](torch.zeros(1, 3, 64))
+    assert len(placed) == 4 and placed[0] is first and placed[2] is second
+    for sliding in (1, 3):
+        with pytest.raises(KVRuntimeError, match="no scorer for a sliding-window layer"):
+            placed[sliding](torch.zeros(1, 3, 64))
     with pytest.raises(KVRuntimeError, match="has 3 layers, the model 2 to cut"):
         at_model_layers(model, torch.nn.ModuleList([first, second, first]))
+
+
+def test_the_capability_check_reads_the_attention_calls_in_transformers_source():
+    """Gemma 2 runs its attention eagerly with a soft cap, which kvruntime's attention function implements: accepted
+    from its config alone; gpt-oss passes attention sinks (`s_aux`) as well: refused, naming why."""
+    from kvruntime.errors import UnsupportedModelError
+    from kvruntime.model_spec import _modeling_source, attention_call_keywords, check_config_compressible
+
+    assert attention_call_keywords(_modeling_source("gemma2")) == {"dropout", "scaling", "sliding_window", "softcap"}
+    assert "s_aux" in attention_call_keywords(_modeling_source("gpt_oss"))
+    kinds = ["sliding_attention", "full_attention"]
+    check_config_compressible({"model_type": "gemma2", "num_hidden_layers": 2, "layer_types": kinds})
+    with pytest.raises(UnsupportedModelError, match=r"'gpt_oss' does not run its attention .*\(attention sinks\)"):
+        check_config_compressible({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": kinds})

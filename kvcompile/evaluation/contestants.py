@@ -215,7 +215,8 @@ def at_model_layers(model: Any, modules: Any) -> Any:
     cut = [module.layer_idx for module in attention_modules(model)]
     if len(modules) != len(cut):
         raise KVRuntimeError(f"the KVzap checkpoint has {len(modules)} layers, the model {len(cut)} to cut")
-    return nn.ModuleList(modules[cut.index(i)] if i in cut else NoScorer() for i in range(max(cut) + 1))
+    layers = model.config.get_text_config().num_hidden_layers
+    return nn.ModuleList(modules[cut.index(i)] if i in cut else NoScorer() for i in range(layers))
 
 
 def _artifact_file(label: str, folder: Path, kind: str) -> Path:
