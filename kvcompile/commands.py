@@ -192,6 +192,8 @@ def generate(
             model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size, positions
         )
         asked = dataclasses.replace(asked, kv_bits=kv_bits)
+        if asked.note:
+            typer.echo(f"note: {asked.note}", err=True)
         generate_compressed(
             asked, prompts, question, model, prompt_format, max_new_tokens, batch_size, force, typer.echo
         )

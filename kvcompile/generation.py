@@ -132,6 +132,7 @@ class CompressionAsked:
     options: dict[str, object]
     prefill_chunk_size: int | None
     kv_bits: int | None = None  # the kept entries quantized to this many bits (checked by check_generation_inputs)
+    note: str = ""  # why the method is not the one a reader of the model's artifacts would expect
 
 
 def compression_asked(
@@ -160,6 +161,7 @@ def compression_asked(
 
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
+    note = ""
     if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         options = {**options, "nearest_budget": True}
     paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
@@ -169,7 +171,13 @@ def compression_asked(
         # A tuned_defaults artifact (given, or the model's default one) names the method, its options, its ratio
         # and its artifacts; the options given join the tuned method's own (--nearest-budget).
         default = default_artifact(model, "tuned_defaults")
-        paths = paths or ([default] if default.exists() else [])
+        if not paths and default.exists():
+            # The model's own tuning may have found no method within its tolerance (recorded, and shipped so):
+            # then the runtime's default serves, said in a note; a tuned_defaults given by the user still refuses.
+            if header_params(default).get("recommended") is None:
+                note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
+            else:
+                paths = [default]
         tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
         method = DEFAULT_METHOD
         if tuned:
@@ -194,7 +202,7 @@ def compression_asked(
     from kvruntime.methods import check_method_serves
 
     paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
-    return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size)
+    return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size, note=note)
 
 
 Encoded = tuple[str, Any, list[Any]]  # a prompt's name, its ids, and in question mode each question's ids after it

@@ -104,3 +104,18 @@ def test_a_generate_requests_options_and_artifacts_are_checked_once_from_the_com
     assert sorted(calls, key=str) == sorted([*options, ("header", scorer.name), "tensors"], key=str)
     layers = model.config.num_hidden_layers
     assert session.report.slots_per_layer == [kvruntime.request.kept_per_head(80, 8, ratio=0.5)] * layers
+
+
+def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_default_with_a_note():
+    """Gemma's shipped tuned_defaults found no method within its tolerance: `kvcompile generate --model gemma-3-270m`
+    without --method serves the runtime's default (and says why) instead of refusing; the default model's tuning
+    still names its method, ratio and artifacts."""
+    from kvcompile.generation import compression_asked
+    from kvruntime.registry import DEFAULT_METHOD
+
+    gemma = compression_asked("gemma-3-270m", None, None, None, "padded", [], {}, False, None, None)
+    assert (gemma.method, gemma.ratio, gemma.artifacts) == (DEFAULT_METHOD, 0.5, [])
+    assert gemma.note == f"tuned_defaults.safetensors recommends no method for this model; using {DEFAULT_METHOD}"
+    default = compression_asked("default", None, None, None, "padded", [], {}, False, None, None)
+    assert (default.method, default.ratio, default.note) == ("compresskv", 0.25, "")
+    assert sorted(a.kind for a in default.artifacts) == ["layer_budgets", "srh_heads"]
