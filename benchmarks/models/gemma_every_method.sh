@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every method through `kvcompile generate` on gemma-3-270m at ratio 0.5, and the full cache's answer beside.
-cd /work/main
+cd "$(dirname "$0")/../.."  # the repository root
 export KVCOMPILE_CACHE=${KVCOMPILE_CACHE:-$HOME/.cache/kvcompile}
 PROMPT=calibration_data/prompts/passkey_2k.txt
 .venv/bin/python - <<'PY'
@@ -18,6 +18,8 @@ for method in snapkv kvcompress srh compresskv kvcompose distilled compilerkv; d
   echo "$method (rc $rc, $(printf '%.1f' $(echo "$(date +%s.%N) - $start" | bc)) s): $(echo "$answer" | head -1)"
   echo "$answer" | grep -E "sliding layers|entries removed" | sed 's/^/    /'
 done
+echo "no --method (the model's tuned_defaults recommends none):"
+.venv/bin/kvcompile generate --model gemma-3-270m --prompt-file $PROMPT --max-new-tokens 16 2>&1 | head -3
 folder=$(ls -d $KVCOMPILE_CACHE/models/Gemma-3-270M-* | head -1)
 echo "a model folder saved from the GGUF by transformers ($folder):"
 .venv/bin/kvcompile generate --model "$folder" --artifact artifacts/gemma-3-270m/distilled_scorer.safetensors --method distilled --ratio 0.5 --prompt-file $PROMPT --max-new-tokens 16 2>&1 | head -1
