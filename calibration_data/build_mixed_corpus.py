@@ -164,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- code
 
 
-def code_documents(stdlib: Path) -> list[tuple[str, str, list[str]]]:
+def code_documents(
+    stdlib: Path, groups: tuple[tuple[str, ...], ...] = CODE_GROUPS, prefix: str = "code"
+) -> list[tuple[str, str, list[str]]]:
+    """One document a group of stdlib modules, `<prefix>_NN.txt.gz`."""
     made = []
-    for number, group in enumerate(CODE_GROUPS, 1):
+    for number, group in enumerate(groups, 1):
         parts, sources = [], []
         for relative in group:
             text = clean(read_text(stdlib / relative))
@@ -175,7 +178,7 @@ def code_documents(stdlib: Path) -> list[tuple[str, str, list[str]]]:
                 continue
             parts.append(f"# file: {relative}\n{text}")
             sources.append(f"`{relative}` ({len(text):,d} characters)")
-        made.append((f"code_{number:02d}.txt.gz", "\n\n".join(parts) + "\n", sources))
+        made.append((f"{prefix}_{number:02d}.txt.gz", "\n\n".join(parts) + "\n", sources))
     return made
 
 

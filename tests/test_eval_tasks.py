@@ -14,6 +14,7 @@ from kvcompile.tasks.grid import SUITE_TASKS, WITHOUT_DEPTH, parse_lengths, samp
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES
 from kvcompile.tasks.passkey import FILLER, INTRO
 from kvcompile.tasks.qa import MOBY_DICK_QUESTIONS
+from kvcompile.tasks.real_text import HELD_OUT_FILES, REAL_TEXT_TASKS, held_out_text
 from kvcompile.tasks.suite import suite_prompts
 from kvruntime.errors import KVRuntimeError
 
@@ -54,7 +55,7 @@ def test_every_prompt_has_the_asked_length_and_a_question_after_its_context(prom
         tokens = len(tokenizer(prompt.prompt, add_special_tokens=False).input_ids)
         assert abs(tokens - prompt.length) <= 0.06 * prompt.length, (prompt.task, prompt.length, tokens)
         question = prompt.prompt[prompt.question_start :]
-        assert "?" in question or "Question" in question
+        assert "?" in question or "Question" in question or "Continue the text above" in question
         assert prompt.score(" ".join(prompt.expected)) and not prompt.score("")
 
 
@@ -78,7 +79,7 @@ def first_fact(prompt) -> str:
 @pytest.mark.integration  # the default model's tokenizer
 def test_facts_sit_at_the_stated_depth(prompts):
     for task in SUITE_TASKS:
-        if task in WITHOUT_DEPTH:
+        if task in WITHOUT_DEPTH or task in REAL_TEXT_TASKS:  # a real text's fact: the one nearest the depth
             continue
         for prompt in of(prompts, task):
             if task == "qa":  # the book's line breaks are spaces in the window
@@ -204,3 +205,48 @@ def test_raw_prompts_for_base_models_carry_no_chat_markup(tokenizer):
         assert plain.prompt.rstrip().endswith(("Answer:", "they are:", "are:", "pass key is"))
     with pytest.raises(KVRuntimeError, match="--prompt-format 'xml'"):
         suite_prompts(book, tokenizer, ["qa"], [1024], 1, seed=0, prompt_format="xml")
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.integration  # the default model's tokenizer
+def test_a_signature_question_asks_for_the_parameters_written_in_its_context(prompts):
+    for prompt in of(prompts, "code_signature"):
+        name = re.search(r"function `(\w+)`", prompt.prompt[prompt.question_start :]).group(1)
+        found = re.findall(rf"def {name}\(([^()]*)\)", context(prompt))
+        assert len(found) == 1 and flat(found[0]) == prompt.expected[0]
+        assert set(p.strip().split("=")[0] for p in found[0].split(",")) - {"self", "cls", ""}
+
+
+@pytest.mark.integration  # the default model's tokenizer
+def test_a_sentence_question_quotes_the_opening_of_a_sentence_its_answer_ends(prompts):
+    for task in ("docs_sentence", "jekyll_sentence"):
+        for prompt in of(prompts, task):
+            opening = re.search(r'begins "(.*)"\. How does it end', prompt.prompt[prompt.question_start :]).group(1)
+            assert flat(context(prompt)).count(opening) == 1
+            assert flat(context(prompt)).count(f"{opening} {prompt.expected[0]}") == 1
+            assert len(prompt.expected[0].split()) >= 5 and prompt.expected[0][-1] in ".!?"
+
+
+@pytest.mark.integration  # the default model's tokenizer
+def test_a_continuation_expects_the_real_text_that_follows_its_context(prompts, tokenizer):
+    for task in ("code_continuation", "docs_continuation", "jekyll_continuation"):
+        texts = [flat(d) for d in held_out_text(task.split("_")[0]).documents]
+        for prompt in of(prompts, task):
+            tail, expected = flat(context(prompt)[-300:]), flat(prompt.expected[0])  # stripped: a space between?
+            followed = sum(text.count(tail + expected) + text.count(f"{tail} {expected}") for text in texts)
+            assert followed == sum(text.count(tail) for text in texts) >= 1, task  # the reference repeats topics
+            assert 20 <= len(tokenizer(prompt.expected[0], add_special_tokens=False).input_ids) <= 60
+
+
+def test_no_compile_corpus_holds_held_out_text():
+    """The held-out texts are not in what the compile commands read (the novels, the repeating documents, the
+    mixed code, documentation and math): 40 passages of each held-out document, none found there."""
+    calibration = [flat(d) for d in load_corpus("mixed").documents]
+    for kind in HELD_OUT_FILES:
+        for document in held_out_text(kind).documents:
+            text = flat(document)
+            for start in range(0, len(text) - 120, len(text) // 40):
+                assert not any(text[start : start + 120] in c for c in calibration), (kind, text[start : start + 120])

@@ -25,6 +25,7 @@ from kvcompile.evaluation.metrics import (
 )
 from kvcompile.evaluation.report import (
     FIDELITY_MEASURES,
+    by_text_type_table,
     paired_accuracy_table,
     paired_auc_table,
     paired_by_ratio,
@@ -270,6 +271,28 @@ def test_fidelity_is_paired_per_ratio_as_log_kl_and_expected_answer_logprob():
     assert (row["distilled_higher"], row["method_higher"], row["prompts"]) == (0, 2, 3)  # higher KL: less faithful
     (row,) = paired_by_ratio(records, "distilled", FIDELITY_MEASURES["answer_logprob"])
     assert row["distilled_minus_method"] == pytest.approx((0.5 + 0.0 - 1.0) / 3, abs=1e-4)
+
+
+def test_fidelity_per_text_type_pairs_each_type_apart():
+    """By hand: filler prompts 0-1 and code prompts 2-3 (their tasks' text types); a pooled mean would hide that
+    the subject is the more faithful on filler and the less on code."""
+    tasks = ["passkey", "needle_filler", "code_signature", "code_continuation"]
+    kls = {"distilled": [0.0099, 0.0099, 0.9999, 0.4999], "compactor": [0.0999, 0.0999, 0.0999, 0.0999]}
+    correct = {"distilled": [1, 1, 0, 0.5], "compactor": [1, 0, 1, 1]}
+    records = [
+        dict(
+            prompt=p, task=tasks[p], method=m, ratio=0.9, correct=correct[m][p], answer_kl=kls[m][p], answer_logprob=-p
+        )
+        for m in kls
+        for p in range(4)
+    ]
+    code, filler = by_text_type_table(records, "distilled")
+    assert (code["text"], filler["text"], code["method"], code["prompts"]) == ("code", "filler", "compactor", 2)
+    assert filler["log_answer_kl"].startswith(f"{math.log(0.01 / 0.1):+.2f} (")
+    assert code["log_answer_kl"].startswith(f"{(math.log(1.0 / 0.1) + math.log(0.5 / 0.1)) / 2:+.2f} (")
+    assert code["answers"].startswith("-0.75 (") and filler["answers"].startswith("+0.50 (")
+    assert (code["answers_of_each"], filler["answers_of_each"]) == ("0.5 / 2", "2 / 1")
+    assert code["answer_logprob"] == "+0.00 (+0.00..+0.00)"
 
 
 # -- tuning and the runtime's tuned defaults -----------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from kvcompile.evaluation.contestants import FULL
 from kvcompile.evaluation.metrics import accuracy_auc, bootstrap_interval, grouped
 from kvcompile.evaluation.store import write_text_atomically
+from kvcompile.tasks.grid import TEXT_TYPES
 
 GROUP_COLUMNS = ("method", "ratio", "task", "length")
 KL_FLOOR = 1e-4  # nats: below it two distributions are the same for any answer; keeps log KL finite
@@ -195,7 +196,7 @@ def _paired_section(records: list[dict], subject: str | None) -> list[str]:
         "The difference of the answers per prompt at equal ratio, averaged, with the same interval.",
         "",
         to_markdown(paired_accuracy_table(records, subject)),
-        *(_fidelity_section(records, subject) if _has_fidelity(records) else []),
+        *(_fidelity_section(records, subject) + _text_type_section(records, subject) if _has_fidelity(records) else []),
     ]
 
 
@@ -212,6 +213,55 @@ def _fidelity_section(records: list[dict], subject: str) -> list[str]:
     for name, value in FIDELITY_MEASURES.items():
         lines += [f"### {name}", "", to_markdown(paired_by_ratio(records, subject, value))]
     return lines
+
+
+def text_type(record: dict) -> str:
+    """The text a record's context is made of (`grid.TEXT_TYPES`; a user's suite: its name)."""
+    return TEXT_TYPES.get(record["task"], record["task"])
+
+
+def by_text_type_table(records: list[dict], subject: str) -> list[dict]:
+    """`subject` against each method at each ratio, for each text type apart: the paired differences of log answer
+    KL, of the expected answer's log-probability and of the answers (each with its 95% interval), and the answers
+    of each. A pooled win can hide a collapse on one type (issue #63)."""
+    measures = {**FIDELITY_MEASURES, "answers": lambda r: r["correct"]}
+    rows = []
+    for kind in sorted({text_type(r) for r in records}):
+        kept = [r for r in records if text_type(r) == kind]
+        answers: dict[tuple[str, float], float] = defaultdict(float)
+        for r in kept:
+            answers[(r["method"], r["ratio"])] += r["correct"]
+        paired = {
+            name: {(c["method"], c["ratio"]): c for c in paired_by_ratio(kept, subject, value)}
+            for name, value in measures.items()
+        }
+        for method, ratio in paired["answers"]:
+            row = {
+                "text": kind,
+                "method": method,
+                "ratio": ratio,
+                "prompts": paired["answers"][(method, ratio)]["prompts"],
+            }
+            for name in measures:
+                cell = paired[name][(method, ratio)]
+                difference = cell[f"{subject}_minus_method"]
+                row[name] = f"{difference:+.2f} ({cell['low_95']:+.2f}..{cell['high_95']:+.2f})"
+            row["answers_of_each"] = f"{answers[(subject, ratio)]:g} / {answers[(method, ratio)]:g}"
+            rows.append(row)
+    return rows
+
+
+def _text_type_section(records: list[dict], subject: str) -> list[str]:
+    if len({text_type(r) for r in records}) < 2:
+        return []
+    return [
+        f"## {subject} against each method, per text type",
+        "",
+        "The paired differences of the fidelity section (and of the answers), each text type apart, with their 95% "
+        "intervals: decide per type, never pooled. answers_of_each: the subject's, then the method's.",
+        "",
+        to_markdown(by_text_type_table(records, subject)),
+    ]
 
 
 def write_report(records: list[dict], folder: Path, header: str, subject: str | None = None) -> tuple[list[Path], str]:

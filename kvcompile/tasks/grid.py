@@ -8,19 +8,28 @@ from collections.abc import Mapping, Sequence
 
 from kvruntime import KVRuntimeError
 
-SUITE_TASKS = (
-    "passkey",
-    "passkey_prose",
-    "needle",
-    "needle_filler",
-    "multikey",
-    "multikey_filler",
-    "multivalue",
-    "variable_tracking",
-    "common_words",
-    "qa",
-)
-WITHOUT_DEPTH = ("common_words",)
+# Each task and the text its context is made of: results are judged per text type, never pooled (issue #63).
+TEXT_TYPES = {
+    "passkey": "filler",
+    "passkey_prose": "moby-dick",
+    "needle": "moby-dick",
+    "needle_filler": "filler",
+    "multikey": "moby-dick",
+    "multikey_filler": "filler",
+    "multivalue": "moby-dick",
+    "variable_tracking": "synthetic",
+    "common_words": "synthetic",
+    "qa": "moby-dick",
+    "code_signature": "code",
+    "code_continuation": "code",
+    "docs_sentence": "docs",
+    "docs_continuation": "docs",
+    "jekyll_sentence": "jekyll",
+    "jekyll_continuation": "jekyll",
+}
+SUITE_TASKS = tuple(TEXT_TYPES)
+# Tasks whose depth places nothing (a continuation's window ends where its answer starts).
+WITHOUT_DEPTH = ("common_words", "code_continuation", "docs_continuation", "jekyll_continuation")
 
 
 def parse_lengths(text: str) -> list[int]:

@@ -60,6 +60,11 @@ class NeedleProbe:
 
 def haystack_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: int, rng: random.Random) -> str:
     """About `tokens` tokens of contiguous text from one document, starting at a random paragraph."""
+    return tokenizer.decode(passage_ids(tokenizer, *paragraph_start(corpus, tokens, rng), tokens))
+
+
+def paragraph_start(corpus: Corpus, tokens: int, rng: random.Random) -> tuple[str, int]:
+    """A random document with room for `tokens` tokens (6 characters each), and a random paragraph's start in it."""
     # Indices, from the lengths noted at loading: documents on disk are not all read again for every probe.
     candidates = [index for index, length in enumerate(corpus.lengths) if length > tokens * 6]
     if not candidates:
@@ -68,8 +73,7 @@ def haystack_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, tokens: in
         )
     document = corpus.documents[rng.choice(candidates)]
     start = rng.randrange(0, len(document) - tokens * 6)
-    start = document.find("\n\n", start) + 2 if document.find("\n\n", start) >= 0 else start
-    return tokenizer.decode(passage_ids(tokenizer, document, start, tokens))
+    return document, document.find("\n\n", start) + 2 if document.find("\n\n", start) >= 0 else start
 
 
 def needle_probe(
