@@ -171,20 +171,20 @@ def compression_asked(
         # A tuned_defaults artifact (given, or the model's default one) names the method, its options, its ratio
         # and its artifacts; the options given join the tuned method's own (--nearest-budget).
         default = default_artifact(model, "tuned_defaults")
-        if not paths and default.exists():
-            # The model's own tuning may have found no method within its tolerance (recorded, and shipped so):
-            # then the runtime's default serves, said in a note; a tuned_defaults given by the user still refuses.
-            if header_params(default).get("recommended") is None:
-                note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
-            else:
-                paths = [default]
-        tuned = [p for p in paths if header_kind(p) == "tuned_defaults"]
+        found = not paths and default.exists()  # the model's own, not one the user gave
+        tuned = [p for p in (paths or ([default] if found else [])) if header_kind(p) == "tuned_defaults"]
         method = DEFAULT_METHOD
         if tuned:
-            defaults = TunedDefaults.from_params(header_params(tuned[0]), tuned[0])
-            method, options, ratio = defaults.completed(options, ratio, budget)
-            given = [p for p in paths if p not in tuned]
-            paths = given + [p for p in defaults.artifact_files if p not in given]
+            params = header_params(tuned[0])
+            if found and params.get("recommended") is None:
+                # The model's own tuning found no method within its tolerance (shipped so, as the measurement it
+                # is): the runtime's default serves, said in a note; a tuned_defaults the user gives still refuses.
+                note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
+            else:
+                defaults = TunedDefaults.from_params(params, tuned[0])
+                method, options, ratio = defaults.completed(options, ratio, budget)
+                given = [p for p in paths if p not in tuned]
+                paths = given + [p for p in defaults.artifact_files if p not in given]
     options = check_method_options(method, options)
     if ratio is None and budget is None:
         ratio = 0.5

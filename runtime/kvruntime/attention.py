@@ -49,8 +49,12 @@ class AttentionLogits:
     softcap: float | None = None
 
     def __call__(self, products: torch.Tensor) -> torch.Tensor:
-        logits = products * self.scaling
-        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+        return soft_capped(products * self.scaling, self.softcap)
+
+
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap * tanh(logits / cap)`, as Gemma caps its attention and final logits; the logits as they are for None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import Cache
 
 from kvcompile.recipes.compilerkv.settings import LOSSES
-from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention, soft_capped
 from kvruntime.cache_ops import attention_modules, cache_argument
 
 # What a decoder layer's recorded call loses before it is replayed: its input, the cache and transformers' mask
@@ -175,8 +175,7 @@ class ContinuationScorer:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's head on final hidden states, soft-capped where the model's config caps its logits."""
         logits = self.model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return soft_capped(logits, getattr(self.model.config, "final_logit_softcapping", None))
 
     def _losses(self, hidden: torch.Tensor) -> list[float]:
         """Mean loss over the continuation per batch row, the first token's included (its NLL from the prefill; its
