@@ -51,7 +51,8 @@ def fit_ridge(x: torch.Tensor, y: torch.Tensor, held_out: int) -> torch.Tensor:
     """Ridge weights [F, H], the strength of least error on the last `held_out` tokens, refitted on all."""
     x, y = x.double(), y.double()
     fit_x, fit_y, out_x, out_y = x[:-held_out], y[:-held_out], x[-held_out:], y[-held_out:]
-    errors = [float(((out_x @ ridge(fit_x.T @ fit_x, fit_x.T @ fit_y, a) - out_y) ** 2).mean()) for a in ALPHAS]
+    gram, cross = fit_x.T @ fit_x, fit_x.T @ fit_y
+    errors = [float(((out_x @ ridge(gram, cross, a) - out_y) ** 2).mean()) for a in ALPHAS]
     return ridge(x.T @ x, x.T @ y, ALPHAS[errors.index(min(errors))]).float()
 
 
