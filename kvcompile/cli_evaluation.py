@@ -55,8 +55,9 @@ SuiteOption = Annotated[
 ScoringOption = Annotated[
     str,
     typer.Option(
-        help="How --suite's answers are scored: substring (one of the answers appears, RULER), all (every answer "
-        "appears), exact (SQuAD's exact match) or f1 (token F1, SQuAD/LongBench)."
+        help="How --suite's answers are scored: substring (one of the answers appears, RULER), fraction (the share of "
+        "the answers that appear, RULER's string_match_all), all (1 when every answer appears, else 0), exact "
+        "(SQuAD's exact match) or f1 (token F1, SQuAD/LongBench)."
     ),
 ]
 RatiosOption = Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")]

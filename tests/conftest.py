@@ -21,14 +21,20 @@ from kvruntime.methods.distilled import feature_count
 # The tests' own cache of the dequantised default model and of locks (the tests and the processes they start), not
 # the user's: a test never shares or damages what `make demo` uses. A cache named by the caller (CI's) is kept.
 os.environ.setdefault("KVCOMPILE_CACHE", str(Path.home() / ".cache" / "kvcompile-tests"))
+# datasets' Arrow files and matplotlib's font list go there too (both read these at their import, after this), for
+# the tests and the processes they start: `pytest_sessionfinish` fails a run that wrote the user's Hugging Face cache.
+TESTS_CACHE = Path(os.environ["KVCOMPILE_CACHE"])
+os.environ.setdefault("HF_DATASETS_CACHE", str(TESTS_CACHE / "hf-datasets"))
+os.environ.setdefault("MPLCONFIGDIR", str(TESTS_CACHE / "matplotlib"))
+USER_HF_CACHE = Path.home() / ".cache" / "huggingface"
 # `make test` runs two pytest-xdist workers (CI has two cores): each worker and the processes it starts use one thread,
 # as two workers of two threads each on two cores would wait on each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-# CI replays the same examples on every run (a failure there is one a rerun reproduces); a local run searches anew.
-settings.register_profile("ci", derandomize=True, database=None)
-settings.load_profile("ci" if os.environ.get("CI") else "default")
+# Every run replays the same examples (a failure is one a rerun reproduces); KVCOMPILE_FUZZ_SEARCH=1 searches anew.
+settings.register_profile("replay", derandomize=True, database=None)
+settings.load_profile("default" if os.environ.get("KVCOMPILE_FUZZ_SEARCH") else "replay")
 
 TINY = dict(
     vocab_size=96,
@@ -134,6 +140,35 @@ def tokens() -> torch.Tensor:
 @pytest.fixture(scope="session")
 def default_model():
     return kvruntime.load_model()
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every path under `folder` with its modification time and size (empty when there is no folder)."""
+    if not folder.is_dir():
+        return {}
+    return {str(p): (p.lstat().st_mtime_ns, p.lstat().st_size) for p in folder.rglob("*")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the run's controller (or a run without workers) checks it
+        session.config.stash[_HF_LISTING] = _listing(USER_HF_CACHE)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A run that wrote into the user's Hugging Face cache fails, naming what it wrote."""
+    before = session.config.stash.get(_HF_LISTING, None)
+    if before is None:
+        return
+    after = _listing(USER_HF_CACHE)
+    written = sorted(path for path, stamp in after.items() if before.get(path) != stamp)
+    if written:
+        print(
+            f"\nthe tests wrote into {USER_HF_CACHE}: {', '.join(written[:5])}" + (" ..." if len(written) > 5 else "")
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_HF_LISTING = pytest.StashKey[dict]()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

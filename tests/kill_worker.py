@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -18,10 +19,17 @@ from kvruntime.artifact import Artifact, save_artifact
 STATS = StatsSettings(ratios=(0.3, 0.6), prompts=150, prompt_tokens=256)
 
 
-def compile_recipe(recipe: str, folder: Path, resume: bool) -> Artifact:
+# Each forward of a run to be killed takes at least this long: however fast the machine, or however slow the test
+# watching it (a loaded machine), the run cannot finish between a checkpoint and the kill that follows it.
+STALL_SECONDS = 0.005
+
+
+def compile_recipe(recipe: str, folder: Path, resume: bool, stall: bool = False) -> Artifact:
     torch.set_num_threads(1)
     out = folder / f"{recipe}.safetensors"
     model = tiny_model("llama")
+    if stall:
+        model.register_forward_pre_hook(lambda *_: time.sleep(STALL_SECONDS))
     if recipe == "stats":
         return compile_attention_stats(
             CompileJob(model, CharTokenizer(), out, resume=resume, checkpoint_every=1), CORPUS, STATS
@@ -31,4 +39,5 @@ def compile_recipe(recipe: str, folder: Path, resume: bool) -> Artifact:
 
 if __name__ == "__main__":
     recipe, folder = sys.argv[1], Path(sys.argv[2])
-    save_artifact(compile_recipe(recipe, folder, "--resume" in sys.argv), folder / f"{recipe}.safetensors")
+    artifact = compile_recipe(recipe, folder, "--resume" in sys.argv, stall=True)
+    save_artifact(artifact, folder / f"{recipe}.safetensors")

@@ -71,14 +71,21 @@ def valid_tensors() -> dict[str, dict[str, torch.Tensor]]:
             "head_fractions": torch.tensor([[[0.75] * 2] * 4, [[0.5] * 2] * 4, [[0.25] * 2] * 4]),
         },
         "tuned_defaults": {"full_accuracy": torch.tensor([0.9]), "ratios": torch.tensor([0.25, 0.5])},
+        "distilled_scorer": {
+            "weights": torch.randn(4, 64 + 4, 2, generator=g),  # [layers, hidden + 4 features, KV heads]
+            "share_ratios": torch.tensor([0.25, 0.5]),
+            "layer_shares": torch.tensor([[0.25] * 4, [0.1, 0.2, 0.3, 0.4]]),
+        },
+        "partial_statistics": {"xtx": torch.rand(4, 3, 3, dtype=torch.float64, generator=g)},  # for `kvcompile merge`
     }
 
 
 PARAMS = {
+    "distilled_scorer": {"oracle": "reconstruction", "share_floor": 0.25},
     "tuned_defaults": {
         "tolerance": 0.02,
         "recommended": {"method": "snapkv", "options": {}, "ratio": 0.5, "accuracy": 0.9, "artifacts": []},
-    }
+    },
 }
 
 
@@ -105,13 +112,14 @@ def use(path: Path, kind: str) -> tuple[int, int] | None:
     if kind == "tuned_defaults":
         TunedDefaults.from_artifact(artifact)
         return None
-    if kind == "compilerkv_experience":  # read by `kvcompile tables --from-experience` only
+    if kind in ("compilerkv_experience", "partial_statistics"):  # read by the compile stage only
         return None
     method, request, per_head = {
         "srh_heads": ("srh", {"ratio": 0.5}, 80),
         "layer_budgets": ("snapkv+budgets", {"budget": 40}, 40),
         "compilerkv_tables": ("compilerkv", {"budget": 70}, 70),
         "kvcompose_stats": ("kvcompose", {"ratio": 0.5}, 80),
+        "distilled_scorer": ("distilled", {"ratio": 0.5}, 80),
     }[kind]
     with kvruntime.compress(model(), method, artifacts=[path], **request) as session:
         session.prefill(PROMPT)
@@ -422,6 +430,10 @@ def test_a_valid_artifact_with_wrong_tensors_is_refused_by_the_loader_or_works(c
             assert held[0] == held[1], held
 
 
+def test_the_fuzzer_covers_every_artifact_kind():
+    assert sorted(valid_tensors()) == sorted(KNOWN_KINDS)
+
+
 def test_the_valid_artifacts_of_every_kind_load_and_work():
     with tempfile.TemporaryDirectory() as folder:
         for kind in sorted(valid_tensors()):
@@ -519,3 +531,17 @@ def test_a_kind_without_the_tensors_the_runtime_reads_is_refused_naming_the_tens
     with pytest.raises(KVRuntimeError) as refused:
         load_artifact(path, model=model())
     assert message in str(refused.value) and str(refused.value).startswith(str(path))
+
+
+@pytest.mark.parametrize(
+    "ratios",
+    [torch.tensor(0.5), torch.tensor([1, 2]), torch.tensor([0.25, 1.5])],
+    ids=["a number", "integers", "above 1"],
+)
+def test_a_scorers_share_ratios_that_are_not_ratios_are_refused_in_one_line(ratios):
+    """Found by the fuzzer: a scorer's optional share ratios as one number crashed the reader with a TypeError."""
+    tensors = {**valid_tensors()["distilled_scorer"], "share_ratios": ratios}
+    with tempfile.TemporaryDirectory() as folder:
+        path = save_artifact(artifact_of("distilled_scorer", tensors), Path(folder) / "s.safetensors")
+        with pytest.raises(KVRuntimeError, match=r"share_ratios must be a list of ratios in \(0, 1\), got torch\."):
+            use(path, "distilled_scorer")

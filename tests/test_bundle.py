@@ -505,6 +505,82 @@ def test_a_bundle_of_the_shipped_scorer_carries_an_eval_runs_table_into_its_mani
     assert "| distilled | 0.9 | " in shown
 
 
+def _record(prompt: int, method: str, ratio: float, correct: int, kl: float, logprob: float, kept: float) -> dict:
+    return {"prompt": prompt, "method": method, "ratio": ratio, "correct": correct, "kl": kl / 2, "answer_kl": kl,
+            "answer_logprob": logprob, "agreement": 1.0, "cache_kept": kept, "prefill_vs_full": 1.0, "peak_mib": None,
+            "task": "passkey", "length": 1024, "depth": 0.5}  # fmt: skip
+
+
+def test_the_published_table_is_the_means_of_a_hand_written_run(tmp_path):
+    """Two prompts, the full cache and snapkv at 0.5, the means worked by hand; the picture carried only as a plain
+    file of at most 8 MiB."""
+    from kvcompile.evaluation.published import PICTURE_MAX_BYTES, eval_results
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"tasks": ["passkey"], "lengths": ["1k"], "seed": 3}))
+    records = [
+        _record(0, "full", 0.0, 1, 0.0, -1.0, 1.0),
+        _record(1, "full", 0.0, 0, 0.0, -3.0, 1.0),
+        _record(0, "snapkv", 0.5, 1, 0.25, -2.0, 0.5),
+        _record(1, "snapkv", 0.5, 0, 0.75, -5.0, 0.52),
+    ]
+    (run / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "results.md").write_text("# Results\n\nCommand: `kvcompile eval --methods snapkv --ratios 0.5`  \n")
+    results = eval_results(run)
+    assert results["table"] == [
+        # accuracy (1 + 0) / 2; answer KL (0.25 + 0.75) / 2; log-probability (-2 - 5) / 2; bytes (0.5 + 0.52) / 2
+        {"method": "full", "ratio": 0.0, "accuracy": 0.5, "answer_kl": 0.0, "answer_logprob": -2.0, "cache_kept": 1.0},
+        {"method": "snapkv", "ratio": 0.5, "accuracy": 0.5, "answer_kl": 0.5, "answer_logprob": -3.5,
+         "cache_kept": 0.51},
+    ]  # fmt: skip
+    assert results["prompts"] == 2 and results["question_aware"] is False
+    assert results["source"] == "kvcompile's suite: tasks passkey; lengths 1k; seed 3"
+    assert results["command"] == "kvcompile eval --methods snapkv --ratios 0.5" and "picture" not in results
+    (tmp_path / "elsewhere.png").write_bytes(b"\x89PNG")
+    (run / "accuracy_vs_ratio.png").symlink_to(tmp_path / "elsewhere.png")
+    assert "picture" not in eval_results(run)  # a link may point anywhere: never carried
+    (run / "accuracy_vs_ratio.png").unlink()
+    (run / "accuracy_vs_ratio.png").write_bytes(b"\0" * (PICTURE_MAX_BYTES + 1))
+    assert "picture" not in eval_results(run)
+    (run / "accuracy_vs_ratio.png").write_bytes(b"\0" * PICTURE_MAX_BYTES)
+    assert eval_results(run)["picture"] == "eval_accuracy_vs_ratio.png"
+
+
+GOOD_RESULTS = {"source": "kvcompile's suite", "prompts": 2, "command": "kvcompile eval", "picture": "eval_a.png",
+                "table": [{"method": "full", "ratio": 0.0, "accuracy": 1, "note": None}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "results, problem",
+    [
+        ([GOOD_RESULTS], "its results are not an object"),
+        ({**GOOD_RESULTS, "source": None}, "its results need a source and a count of prompts"),
+        ({**GOOD_RESULTS, "source": "a\x1b[2Jb"}, "its results need a source and a count of prompts"),
+        ({**GOOD_RESULTS, "prompts": -1}, "its results need a source and a count of prompts"),
+        ({**GOOD_RESULTS, "prompts": True}, "its results need a source and a count of prompts"),
+        ({**GOOD_RESULTS, "prompts": 2.0}, "its results need a source and a count of prompts"),
+        ({**GOOD_RESULTS, "command": ["kvcompile"]}, "its results' command is not a line of printable text"),
+        ({**GOOD_RESULTS, "picture": "../x.png"}, "its results' picture is not a file name in the bundle"),
+        ({**GOOD_RESULTS, "picture": ".."}, "its results' picture is not a file name in the bundle"),
+        ({**GOOD_RESULTS, "picture": "a\\b.png"}, "its results' picture is not a file name in the bundle"),
+        ({**GOOD_RESULTS, "table": {"method": "full"}}, "its results' table is not a list of rows"),
+        ({**GOOD_RESULTS, "table": [["full", 0.0]]}, "its results' table is not a list of rows"),
+        ({**GOOD_RESULTS, "table": [{"accuracy": float("nan")}]}, "its results' table holds a cell"),
+        ({**GOOD_RESULTS, "table": [{"accuracy": float("inf")}]}, "its results' table holds a cell"),
+        ({**GOOD_RESULTS, "table": [{"accuracy": True}]}, "its results' table holds a cell"),
+        ({**GOOD_RESULTS, "table": [{"accuracy": [1]}]}, "its results' table holds a cell"),
+        ({**GOOD_RESULTS, "table": [{"a\nb": 1}]}, "its results' table holds a cell"),
+    ],
+)
+def test_each_way_results_can_be_malformed_is_named(results, problem):
+    from kvruntime.bundle import results_problem
+
+    assert results_problem(GOOD_RESULTS) is None
+    assert results_problem({**GOOD_RESULTS, "command": None, "table": []}) is None
+    assert (results_problem(results) or "").startswith(problem)
+
+
 def _eval_run(tmp_path: Path, edit) -> Path:
     folder = tmp_path / "run"
     shutil.copytree(EVAL_RUN, folder)

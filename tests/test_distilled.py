@@ -333,6 +333,27 @@ def test_later_occurrences_count_the_copies_of_each_8gram_still_to_come():
     assert later_occurrences(ids[:5]).tolist() == [0] * 5
 
 
+def test_the_shipped_defaults_are_the_values_their_measurements_chose():
+    """Each option of distilled's registration, its window and the repetition measure at the value a measurement
+    chose (docs/methods/distilled.md names the run behind each): changing one is a decision that comes with its own
+    run, and with this line. The reference replays in test_selection_references.py pin what they do."""
+    from kvruntime.methods.distilled.spec import SPEC
+    from kvruntime.repetition import NGRAM, REPEATING_FRACTION, repeats
+
+    defaults = {name: option.default for name, option in SPEC.options.items()}
+    assert defaults == {
+        "allocation": "compiled",  # issue #33
+        "floor": 0.25,  # the teacher's
+        "repeating_floor": 0.5,  # issue #49
+        "sinks": 1,
+        "leverage": 0.0,  # issue #49 (it was 2)
+        "copy_penalty": 0.25,  # issue #49
+        "scores": "predicted",
+    }
+    assert SPEC.window == 16 and NGRAM == 8 and REPEATING_FRACTION == 0.25
+    assert repeats(0.25) and not repeats(0.2499)  # a quarter repeats: the edge is in
+
+
 def test_the_copy_penalty_lowers_each_token_by_the_later_copies_of_its_8gram_in_one_piece_or_streamed(tiny):
     """The earlier copies of a repeated text give way to the last: a token's log-score drops by `copy_penalty` per
     doubling of the times the 8-gram ending at it occurs again later (a naive count here), streamed or not."""

@@ -163,9 +163,20 @@ def test_every_test_has_a_time_limit(request: pytest.FixtureRequest):
     assert float(request.config.getini("timeout")) == 600
 
 
-def test_ci_replays_the_same_hypothesis_examples(monkeypatch):
-    """Under CI (`CI` set, as .ci/run's callers do) the property tests are derandomized: the same examples each run."""
+def test_every_run_replays_the_same_hypothesis_examples():
+    """The property tests are derandomized unless KVCOMPILE_FUZZ_SEARCH asks for a new search: the same examples on
+    every run, CI's and a loaded machine's alike."""
     from hypothesis import settings
 
-    assert settings.get_profile("ci").derandomize and settings.get_profile("ci").database is None
-    assert settings.default.derandomize == bool(os.environ.get("CI"))
+    assert settings.get_profile("replay").derandomize and settings.get_profile("replay").database is None
+    assert settings.default.derandomize == (not os.environ.get("KVCOMPILE_FUZZ_SEARCH"))
+
+
+def test_the_tests_caches_are_their_own():
+    """datasets' and matplotlib's caches are the tests' (the processes the tests start inherit them), never the
+    user's; `pytest_sessionfinish` fails a run that wrote into ~/.cache/huggingface."""
+    import datasets.config
+
+    tests_cache = Path(os.environ["KVCOMPILE_CACHE"])
+    assert Path(datasets.config.HF_DATASETS_CACHE).is_relative_to(tests_cache)
+    assert Path(os.environ["MPLCONFIGDIR"]).is_relative_to(tests_cache)

@@ -1,7 +1,7 @@
-"""A user's own suite (`kvcompile eval --suite`, `tune --suite`): the scorings against SQuAD's definitions worked by
-hand, the rows read from JSON Lines and from datasets folders with every refusal naming its row, and runs end to
-end on a tiny model (the default model's run is in test_eval_default_model.py). The refusals before torch are
-test_refusals_before_torch.py's."""
+"""A user's own suite (`kvcompile eval --suite`, `tune --suite`): the rows read from JSON Lines and from datasets
+folders with every refusal naming its row, and runs end to end on a tiny model, each score known (the default
+model's run is in test_eval_default_model.py; the scorings' own tests are test_scoring.py's). The refusals before
+torch are test_refusals_before_torch.py's."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import save_char_tokenizer, tiny_model
 from typer.testing import CliRunner
 
 from kvcompile import recipe
 from kvcompile.cli import app
 from kvcompile.tasks.own_suite import FIELDS, length_bucket, read_suite, suite_prompt
-from kvcompile.tasks.scoring import normalized_words, score_answer, token_f1
 from kvruntime import KVRuntimeError
 
 ROWS = [
@@ -33,22 +33,6 @@ ROWS = [
 def write_jsonl(path: Path, rows: list[object]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-def test_token_f1_and_exact_match_follow_squad_worked_by_hand():
-    # "the cat sat" -> ["cat", "sat"] (article dropped); "a cat sat down." -> ["cat", "sat", "down"]
-    assert normalized_words("The Cat, sat!") == ["cat", "sat"]
-    # common 2: precision 2/3, recall 2/2 -> F1 = 2 * (2/3) * 1 / (2/3 + 1) = 0.8
-    assert token_f1("a cat sat down.", "the cat sat") == pytest.approx(0.8)
-    assert token_f1("dog", "cat") == 0.0 and token_f1("", "") == 1.0
-    # The best of the expected answers; the answer's first line only (a model goes on after it).
-    assert score_answer("\n Thunder Moon.\nThen it ran away", ("grey horse", "thunder moon"), "exact") == 1.0
-    assert score_answer("Thunder Moon was its name", ("thunder moon",), "exact") == 0.0
-    assert score_answer("red kite\nred kite and more", ("a red kite", "kite"), "f1") == pytest.approx(1.0)
-    assert score_answer("It is in Lyon", ("Paris", "lyon"), "substring") == 1.0
-    assert score_answer("It is in Lyon", ("Paris", "lyon"), "all") == 0.0
-    with pytest.raises(ValueError, match="unknown scoring"):
-        score_answer("x", ("x",), "bleu")
 
 
 def test_rows_are_read_from_json_lines_with_ids_and_answer_prefixes(tmp_path):
@@ -166,14 +150,24 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
     save_char_tokenizer(tmp_path / "tok")
     model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(tmp_path / "tok")
     monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, tokenizer))
-    write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    # The model answers "L" whatever its cache holds, so that each row's score is known: F1 of ["l"] against
+    # "L" is 1; against "4417" 0 and "l l" 2/3 (the words a multiset), the best 2/3; against "The L." 1 (the article
+    # and the full stop normalised away).
+    forced = torch.full((model.config.vocab_size,), -1e4)
+    forced[tokenizer.convert_tokens_to_ids("L")] = 0.0
+    model.lm_head.register_forward_hook(lambda module, args, output: output + forced)
+    scored = [{**row, "answers": answers} for row, answers in zip(ROWS, (["L"], ["4417", "l l"], ["The L."]))]
+    write_jsonl(tmp_path / "mine.jsonl", scored)
     args = ["eval", "--suite", "mine.jsonl", "--scoring", "f1", "--methods", "snapkv", "--ratios", "0.5"]
-    result = CliRunner().invoke(app, [*args, "--new-tokens", "4", "--out", "run"])
+    result = CliRunner().invoke(app, [*args, "--new-tokens", "1", "--out", "run"])
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in Path("run/runs.jsonl").read_text().splitlines()]
     assert len(records) == 6 and {r["task"] for r in records} == {"mine"}
     assert [r["id"] for r in records if r["method"] == "full"] == ["capital", "line 2", "line 3"]
-    assert all(0 <= r["correct"] <= 1 and r["depth"] is None for r in records)
+    for method in ("full", "snapkv"):
+        got = [r["correct"] for r in records if r["method"] == method]
+        assert got == pytest.approx([1.0, 2 / 3, 1.0], abs=1e-4), method
+    assert all(r["answer"] == "L" and r["depth"] is None for r in records)
     assert all(r["cache_kept"] == pytest.approx(0.5, abs=0.05) for r in records if r["method"] == "snapkv")
     assert json.loads(Path("run/run.json").read_text())["suite_sha256"] == read_suite(tmp_path / "mine.jsonl").sha256
     assert "3 prompts of the suite mine (sha256 " in Path("run/results.md").read_text()
@@ -183,7 +177,7 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
 
     # The suite changed: resuming would mix two suites' records.
     write_jsonl(tmp_path / "mine.jsonl", ROWS[:2])
-    refused = CliRunner().invoke(app, [*args, "--new-tokens", "4", "--out", "run", "--resume"])
+    refused = CliRunner().invoke(app, [*args, "--new-tokens", "1", "--out", "run", "--resume"])
     assert refused.exit_code == 2 and "other settings (suite_sha256 differ)" in refused.output
 
     # A prompt past the model's positions is refused before any prompt runs, naming its line.

@@ -1,7 +1,7 @@
 """Compressed and quantized (`kv_bits`): the kept entries move into transformers' quantized cache layers, the bytes
 held are counted by hand from the slots kept, answers continue from the quantized context and leave it as it was,
-and what cannot be done is refused in one line. The shipped pass key through the command line is in
-test_quantized_default_model."""
+and what cannot be done is refused in one line. The shipped pass key through the command line:
+`test_the_shipped_pass_key_is_answered_from_a_compressed_int4_cache` (an integration test)."""
 
 from __future__ import annotations
 
@@ -44,23 +44,63 @@ def test_the_kept_entries_are_quantized_and_their_bytes_counted_by_hand(bits):
     assert report.notes[-1].startswith("kept entries quantized to")
 
 
-def test_answers_continue_from_the_quantized_context_and_leave_it_as_it_was():
+# int4 keeps its last 128 entries in full precision (quanto's residual), then quantizes them all: an answer longer
+# than that goes through the re-quantization, which must not reach the context's own entries either.
+RESIDUAL = 128
+
+
+@pytest.mark.parametrize("bits, drift", [(8, 0.05), (4, 0.5)])
+def test_answers_continue_from_the_quantized_context_and_leave_it_as_it_was(bits, drift):
     model = tiny_model("llama")
     ids, question = torch.randint(1, 90, (1, 96)), torch.randint(1, 90, (1, 5))
-    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    greedy = dict(max_new_tokens=RESIDUAL + 8, min_new_tokens=RESIDUAL + 8, do_sample=False, pad_token_id=0)
     with kvruntime.compress(model, "snapkv", ratio=0.5) as session:
         plain = session.prefill(ids)
         plain_logits = plain.logits(question)
-    with kvruntime.compress(model, "snapkv", ratio=0.5, kv_bits=8) as session:
+    with kvruntime.compress(model, "snapkv", ratio=0.5, kv_bits=bits) as session:
         quantized = session.prefill(ids)
         held = [layer_bytes(layer) for layer in quantized.cache.layers]
         first = quantized.generate(question, **greedy)
         assert [layer_bytes(layer) for layer in quantized.cache.layers] == held  # the answer's tokens are gone
         again = quantized.generate(question, **greedy)
         logits = quantized.logits(question)
-    assert torch.equal(first, again)
-    # FP8 moves the logits a little from the unquantized compressed context's, no more.
-    assert 0 < (logits - plain_logits).abs().max() < 0.05 * plain_logits.abs().max()
+        assert [layer_bytes(layer) for layer in quantized.cache.layers] == held
+    assert first.shape[1] - 5 == RESIDUAL + 8 and torch.equal(first, again)
+    # Quantizing moves the logits a little from the unquantized compressed context's, no more (FP8 less than int4).
+    assert 0 < (logits - plain_logits).abs().max() < drift * plain_logits.abs().max()
+
+
+def test_int4_packs_an_odd_number_of_rows_into_whole_bytes():
+    """One KV head and an odd budget: 49 rows of 16 values a layer, packed two to a byte row (25 rows), each row
+    with its float32 scale and shift."""
+    import transformers
+    from conftest import TINY
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1})).eval()
+    with kvruntime.compress(model, "snapkv", budget=49, kv_bits=4) as session:
+        report = session.prefill(torch.randint(1, 90, (1, 96))).report
+    assert report.slots_per_layer == [49] * 4
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    assert report.bytes_after == 4 * 2 * (25 * head_dim + 2 * 4 * 49) == by_hand([49] * 4, 1, head_dim, 4)
+
+
+def test_a_missing_quantizer_is_refused_in_one_line(monkeypatch):
+    from transformers import cache_utils
+
+    from kvruntime import quantized_cache
+
+    real = quantized_cache.importlib.util.find_spec
+    monkeypatch.setattr(
+        quantized_cache.importlib.util, "find_spec", lambda name, *a: None if name == "optimum.quanto" else real(name)
+    )
+    with pytest.raises(KVRuntimeError, match=r"^kv_bits=4 needs optimum-quanto: pip install 'kvruntime\[quant\]'"):
+        check_kv_bits(4)
+    check_kv_bits(8)  # built in: nothing to install
+    monkeypatch.delattr(cache_utils, "Fp8QuantizedLayer")
+    with pytest.raises(KVRuntimeError, match="^kv_bits=8 needs transformers' FP8 cache layers"):
+        with kvruntime.compress(tiny_model("llama"), "snapkv", ratio=0.5, kv_bits=8) as session:
+            session.prefill(torch.randint(1, 90, (1, 96)))
 
 
 def test_held_bytes_count_whole_storages_and_quantized_parts():

@@ -346,7 +346,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "eval --suite: a missing file": (lambda d: ["eval", "--suite", "none.jsonl"], "no such file or folder"),
     "eval --suite: an unknown scoring": (
         lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE), "--scoring", "bleu"],
-        "--scoring 'bleu': use one of all, substring, exact, f1",
+        "--scoring 'bleu': use one of all, fraction, substring, exact, f1",
     ),
     "eval --suite with the built-in suite's --tasks": (
         lambda d: ["eval", "--suite", _text(d, "mine.jsonl", SUITE_LINE), "--tasks", "passkey"],

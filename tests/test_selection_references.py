@@ -15,6 +15,7 @@ import pytest
 import torch
 from test_compilerkv_runtime import BUDGETS, reference_kept, save_tables
 from transformers import (
+    DynamicCache,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -29,6 +30,7 @@ from transformers import (
 
 import kvruntime
 from kvruntime.cache_ops import attention_modules
+from kvruntime.recording import recorded_prefill
 
 CONFIG = dict(
     vocab_size=96,
@@ -350,45 +352,157 @@ def test_distilled_compiled_keeps_each_heads_best_in_the_compiled_layer_shares(m
             assert_best(got[layer][head], scores[head], counts[layer], window)
 
 
-@pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "three chunks"])
-def test_the_default_distilled_keeps_each_heads_best_in_every_layer_whole_and_streamed(model, ids, chunk, tmp_path):
-    """The shipped default (no options: compiled shares, a 16-token window, the first token kept, no leverage),
-    whole and streamed in three chunks, against a by-hand replay from each layer's attention inputs as the prefill
-    fed them (a later chunk's inputs come from attention over what the earlier chunks kept): after each chunk, each
-    KV head holds its layer's budget of the best entries among those it held (with the scores they came with) and the
-    chunk's, scored on the features of their own chunk's states; the first token always, the last 16 once the
-    prompt has ended."""
-    window, counts = 16, (36, 54, 90)  # ratio 0.5: 60 tokens per layer on average, shares 0.2 / 0.3 / 0.5
-    weights = torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(15))
+def default_scorer(folder: Path, model: torch.nn.Module, seed: int, scale: float = 1.0) -> tuple[Path, torch.Tensor]:
+    """A scorer for the shipped default: random weights times `scale` (the extra features loud, so that every one
+    counts) and compiled shares 0.2 / 0.3 / 0.5 at ratio 0.5 (the teacher's floor, 0.25, recorded by default)."""
+    weights = scale * torch.randn(3, CONFIG["hidden_size"] + 4, 2, generator=torch.Generator().manual_seed(seed))
     weights[:, -4:] *= 20
     weights[:, -1] *= 10
     shares = {"layer_shares": torch.tensor([[0.2, 0.3, 0.5]]), "share_ratios": torch.tensor([0.5])}
-    scorer = saved(tmp_path, model, "distilled_scorer", weights=weights, **shares)
-    modules = attention_modules(model)  # the three layers the methods score (no sliding-window layer)
-    inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(3)}
+    return saved(folder, model, "distilled_scorer", weights=weights, **shares), weights
+
+
+def recorded_inputs(model: torch.nn.Module, run) -> tuple[object, list[list[torch.Tensor]]]:
+    """What `run()` returns, and each scored layer's attention inputs [n, hidden] of the batch's first row, one per
+    forward of the layer (a chunk of a streamed prompt; a batch goes through the model a row at a time)."""
+    modules = attention_modules(model)  # the layers the methods score (no sliding-window layer)
+    inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(len(modules))}
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[modules.index(module)].append(kwargs["hidden_states"][0].double())
 
     handles = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
-        got = runtime_kept(model, ids, "distilled", "padded", ratio=0.5, artifacts=[scorer], prefill_chunk_size=chunk)
+        result = run()
     finally:
         for handle in handles:
             handle.remove()
+    return result, [inputs[layer] for layer in range(len(modules))]
+
+
+def replayed_kept(scores: torch.Tensor, bounds: list[tuple[int, int]], count: int, window: int) -> set[int]:
+    """One KV head's kept positions by hand: after each chunk it holds its layer's `count` best entries among those
+    it held (with the scores they came with) and the chunk's; the first token always, the last `window` once the
+    prompt has ended."""
+    length, held = bounds[-1][1], {}
+    for start, end in bounds:
+        for t in range(start, end):
+            protected = t == 0 or (end == length and t >= length - window)
+            held[t] = math.inf if protected else float(scores[t])
+        held = dict(sorted(held.items(), key=lambda item: -item[1])[:count])
+    return set(held)
+
+
+@pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "three chunks"])
+def test_the_default_distilled_keeps_each_heads_best_in_every_layer_whole_and_streamed(model, ids, chunk, tmp_path):
+    """The shipped default (no options: compiled shares, a 16-token window, the first token kept, no leverage),
+    whole and streamed in three chunks, against a by-hand replay from each layer's attention inputs as the prefill
+    fed them (a later chunk's inputs come from attention over what the earlier chunks kept), scored on the features
+    of their own chunk's states. The random prompt repeats no 8-gram: no copy penalty, the shares as compiled."""
+    counts = (36, 54, 90)  # ratio 0.5: 60 tokens per layer on average, shares 0.2 / 0.3 / 0.5
+    scorer, weights = default_scorer(tmp_path, model, 15)
+    got, inputs = recorded_inputs(
+        model, lambda: runtime_kept(model, ids, "distilled", "padded", ratio=0.5, artifacts=[scorer],
+                                    prefill_chunk_size=chunk)
+    )  # fmt: skip
     bounds = [(0, LENGTH)] if chunk is None else [(start, start + chunk) for start in range(0, LENGTH, chunk)]
     for layer in range(3):
         assert len(inputs[layer]) == len(bounds)
-        states = torch.cat(inputs[layer])  # each token's state from its own chunk's forward
-        scores = (distilled_features(states) @ weights[layer].double()).T  # [Hkv, N]
+        scores = (distilled_features(torch.cat(inputs[layer])) @ weights[layer].double()).T  # [Hkv, N]
         for head in range(2):
-            held: dict[int, float] = {}
-            for start, end in bounds:
-                for t in range(start, end):
-                    protected = t == 0 or (end == LENGTH and t >= LENGTH - window)
-                    held[t] = math.inf if protected else float(scores[head, t])
-                held = dict(sorted(held.items(), key=lambda item: -item[1])[: counts[layer]])
-            assert set(got[layer][head]) == set(held), (layer, head)
+            assert set(got[layer][head]) == replayed_kept(scores[head], bounds, counts[layer], 16), (layer, head)
+
+
+# A block of 30 tokens four times: every 8-gram after the first block's is a copy (0.73 of them), and the 8-gram ending
+# at position t occurs again (119 - t) // 30 times after it.
+REPEATING = torch.randint(3, CONFIG["vocab_size"], (30,), generator=torch.Generator().manual_seed(6)).repeat(4)[None]
+
+
+def later_copies_by_hand(ids: list[int], n: int = 8) -> list[int]:
+    """Per token, how many times the n-gram ending at it occurs again after it (0 for the first n - 1 tokens)."""
+    grams = [tuple(ids[t - n + 1 : t + 1]) if t >= n - 1 else None for t in range(len(ids))]
+    return [0 if g is None else sum(grams[u] == g for u in range(t + 1, len(ids))) for t, g in enumerate(grams)]
+
+
+def run_default(model: torch.nn.Module, prompt: torch.Tensor, scorer: Path, how: str) -> list[torch.Tensor]:
+    """The default at 0.5 on `prompt` [1, N], `how` it is prefilled; the positions kept per layer [Hkv, k]."""
+    # The eval's shared prefill: a plain prefill recorded first, then the hooks replayed on it.
+    recording = recorded_prefill(model, prompt) if how == "recorded" else None
+    with kvruntime.compress(model, "distilled", ratio=0.5, artifacts=[scorer],
+                            prefill_chunk_size=40 if how == "three chunks" else None) as session:  # fmt: skip
+        if how == "batch row":  # beside another prompt of the same length: each row as it would be alone
+            other = torch.randint(3, CONFIG["vocab_size"], prompt.shape, generator=torch.Generator().manual_seed(7))
+            session.prefill(torch.cat([prompt, other]))
+        elif recording is not None:
+            session.compress_recording(recording)
+        else:
+            session.prefill(prompt)
+    return [positions[0] for positions in session.kept_positions]
+
+
+@pytest.mark.parametrize("how", ["whole", "three chunks", "batch row", "recorded"])
+def test_the_default_on_a_prompt_that_repeats_keeps_the_last_copies_in_refloored_shares(model, how, tmp_path):
+    """The shipped default on a prompt that repeats, against a by-hand replay: each token's predicted score less 0.25
+    per doubling of its 8-gram's later copies (`copy_penalty`), in the compiled shares re-floored at 0.5
+    (`repeating_floor`): the pooled parts 0.2 - 1/12, 0.3 - 1/12, 0.5 - 1/12 (0.75 in all) scaled to the half the
+    new floor leaves, plus 1/6 each: 0.2444, 0.3111, 0.4444 of the 180 entries kept, 44 / 56 / 80 (36 / 54 / 90 for
+    a prompt that does not repeat). Whole, streamed, as a batch row and through the eval's recorded prefill."""
+    counts = (44, 56, 80)
+    scorer, weights = default_scorer(tmp_path, model, 16, scale=0.1)  # scores close enough for the penalty to move
+    if how == "batch row" and "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        with pytest.raises(kvruntime.KVRuntimeError, match="^a batch .* on a model with sliding-window layers"):
+            run_default(model, REPEATING, scorer, how)  # a hybrid model's rows are refused (test_hybrid_caches.py)
+        return
+    kept, inputs = recorded_inputs(model, lambda: run_default(model, REPEATING, scorer, how))
+    later = torch.tensor(later_copies_by_hand(REPEATING[0].tolist()), dtype=torch.float64)
+    assert later[29 + 8].item() == 2 and later[119].item() == 0 and later[:7].sum().item() == 0
+    bounds = [(start, start + 40) for start in range(0, LENGTH, 40)] if how == "three chunks" else [(0, LENGTH)]
+    moved = 0  # heads whose kept set the penalty changes: it must not be inert on this prompt
+    for layer in range(3):
+        states = torch.cat(inputs[layer][: len(bounds)])  # a batch: the first row's forwards come first
+        unpenalised = (distilled_features(states) @ weights[layer].double()).T
+        scores = unpenalised - 0.25 * torch.log2(1 + later)
+        for head in range(2):
+            expected = replayed_kept(scores[head], bounds, counts[layer], 16)
+            assert set(kept[layer][head].tolist()) - {-1} == expected, (layer, head)
+            moved += expected != replayed_kept(unpenalised[head], bounds, counts[layer], 16)
+    assert moved > 0
+
+
+def test_a_quarter_of_the_8_grams_seen_before_is_repeating_and_less_is_not(tmp_path):
+    """The repetition threshold's edge, through the engine: 30 distinct tokens then a copy of the first 17 has 40
+    8-grams of which 10 (those ending at the copy's 8th to 17th token) were seen before: 0.25, the prompt repeats and
+    its shares are re-floored; a copy one token shorter has 9 of 39 and keeps the compiled shares."""
+    model = eight_head_model("llama")
+    scorer, _ = default_scorer(tmp_path, model, 17)
+    distinct = torch.randperm(CONFIG["vocab_size"] - 3, generator=torch.Generator().manual_seed(8))[:30] + 3
+    for copied, repeats in ((17, True), (16, False)):
+        prompt = torch.cat([distinct, distinct[:copied]])[None]
+        with kvruntime.compress(model, "distilled", ratio=0.5, artifacts=[scorer], options={"copy_penalty": 0.0}) as s:
+            s.prefill(prompt)
+        note = " ".join(s.report.notes)
+        assert ("floor 0.5 (the prompt repeats: 0.25 of its 8-grams)" in note) == repeats, note
+        assert ("the prompt repeats" in note) == repeats
+
+
+def test_a_prompt_given_as_embeddings_is_refused_where_the_default_reads_token_ids(tmp_path):
+    """copy_penalty and repeating_floor read the prompt's ids, which embeddings do not have: refused in one line,
+    never served without them; with both off, the embeddings are served as the ids would be."""
+    model = eight_head_model("llama")
+    scorer, _ = default_scorer(tmp_path, model, 18)
+    embeddings = model.get_input_embeddings()(REPEATING)
+    with kvruntime.compress(model, "distilled", ratio=0.5, artifacts=[scorer]) as session:
+        with pytest.raises(kvruntime.KVRuntimeError, match=r"^distilled's copy_penalty=0\.25 and repeating_floor=0\.5 "
+                           r"read the prompt's token ids, and a prompt given as inputs_embeds has none"):  # fmt: skip
+            model(inputs_embeds=embeddings, use_cache=True)
+    kept = []
+    for given in ({"input_ids": REPEATING}, {"inputs_embeds": embeddings}):
+        options = {"copy_penalty": 0.0, "repeating_floor": 0.25}
+        with kvruntime.compress(model, "distilled", ratio=0.5, artifacts=[scorer], options=options) as session:
+            with torch.no_grad():
+                model(**given, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        kept.append([positions.tolist() for positions in session.kept_positions])
+    assert kept[0] == kept[1] and len(kept[0][0][0][0]) == 36
 
 
 def kvcompose_window_scores(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""How an answer is scored against its expected values: RULER's substring matches, and SQuAD's (LongBench's) exact
-match and token F1 after normalising both texts. Every score is in [0, 1]; a record's `correct` is that score."""
+"""How an answer is scored against its expected values: substring matches (RULER's, and the built-in suite's
+all-or-nothing), and SQuAD's (LongBench's) exact match and token F1 after normalising both texts. Every score is in
+[0, 1]; a record's `correct` is that score."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import string
 from collections.abc import Sequence
 
 SCORINGS = {
-    "all": "every expected value appears in the answer (RULER's string_match_all; the built-in suite's)",
+    # All-or-nothing, stricter than RULER's string_match_all (`fraction`): a multi-key answer with one key missing is
+    # wrong, as the built-in suite has always scored it.
+    "all": "1 when every expected value appears in the answer, else 0 (the built-in suite's)",
+    "fraction": "the fraction of the expected values that appear in the answer (RULER's string_match_all)",
     "substring": "one of the expected answers appears in the answer (RULER's string_match_part)",
     "exact": "the normalised answer (its first line) equals one of the normalised expected answers (SQuAD's exact match)",
     "f1": "the best token F1 of the normalised answer (its first line) against an expected one (SQuAD, LongBench)",
@@ -42,8 +46,9 @@ def first_line(text: str) -> str:
 
 def score_answer(answer: str, expected: Sequence[str], scoring: str) -> float:
     """The score of a generated `answer` against the `expected` values under `scoring` (one of SCORINGS)."""
-    if scoring == "all":
-        return float(all(value.lower() in answer.lower() for value in expected))
+    if scoring in ("all", "fraction"):
+        found = [value.lower() in answer.lower() for value in expected]
+        return float(all(found)) if scoring == "all" else sum(found) / len(found)
     if scoring == "substring":
         return float(any(value.lower() in answer.lower() for value in expected))
     said = first_line(answer)  # a model goes on after its answer; SQuAD's scores read the answer alone

@@ -334,6 +334,12 @@ class CompressionSession:
         """The state of a prefill of `tokens` [1, N] (ids, or embeddings [1, N, hidden]) starting now."""
         length = tokens.shape[1]
         ids = tokens if tokens.dtype in (torch.long, torch.int) else None
+        reading = None if ids is not None else self.method.reads_token_ids()
+        if reading:
+            raise KVRuntimeError(
+                f"{self.method.name}'s {reading} read the prompt's token ids, and a prompt given as inputs_embeds has "
+                "none: give input_ids, or turn those options off"
+            )
         plan = self.request.plan(length, self.method.window, None if ids is None else ids[0])
         state = _Prefill(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
         if self.method.budgets_known_in_advance:

@@ -118,6 +118,11 @@ class Method(abc.ABC):
         """The memory mode this method's per-head counts need (None: either)."""
         return None
 
+    def reads_token_ids(self) -> str | None:
+        """What of this method reads the prompt's token ids (None: nothing): a prompt given as embeddings has none,
+        and is refused rather than served without them."""
+        return None
+
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Method | None:
         """This method with error-aware layer budgets from per-layer errors [L] (`<name>+budgets`), where it applies
         them itself; None: a scoring method gets them from `layer_budgets.WithLayerBudgets`."""

@@ -102,6 +102,12 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             return shares, how + why
         return refloored_shares(shares, self.scorer.share_floor, floor), f"{how}, floor {floor:g}{why}"
 
+    def reads_token_ids(self) -> str | None:
+        reading = [f"copy_penalty={self.copy_penalty:g}"] if self.copy_penalty else []
+        if self.allocation == "compiled" and self.layer_error is None and self.repeating_floor != self.floor:
+            reading.append(f"repeating_floor={self.repeating_floor:g}")
+        return " and ".join(reading) or None
+
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
 

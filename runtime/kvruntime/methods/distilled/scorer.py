@@ -52,10 +52,20 @@ class DistilledScorer(ArtifactReader):
             weights=tensors["weights"].float(),
             oracle=str(params.get("oracle", "unknown")),
             task_prefix=tuple(int(i) for i in params.get("task_prefix", ())),
-            share_ratios=compiled_ratios(tensors["share_ratios"].tolist()) if "share_ratios" in tensors else (),
+            share_ratios=_share_ratios(tensors["share_ratios"]) if "share_ratios" in tensors else (),
             layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
             share_floor=_share_floor(params.get("share_floor", 0.25)),
         )
+
+
+def _share_ratios(ratios: torch.Tensor) -> tuple[float, ...]:
+    """The compiled ratios as a tuple: a list of numbers in (0, 1) (optional tensors are not in the kind's schema)."""
+    if ratios.ndim != 1 or not ratios.is_floating_point() or not bool(((ratios > 0) & (ratios < 1)).all()):
+        raise ArtifactError(
+            f"distilled scorer: share_ratios must be a list of ratios in (0, 1), got {ratios.dtype} of shape "
+            f"{list(ratios.shape)}"
+        )
+    return compiled_ratios(ratios.tolist())
 
 
 def _share_floor(value: object) -> float:
