@@ -173,7 +173,7 @@ def compression_asked(
         default = default_artifact(model, "tuned_defaults")
         found = not paths and default.exists()  # the model's own, not one the user gave
         tuned = [p for p in (paths or ([default] if found else [])) if header_kind(p) == "tuned_defaults"]
-        method = DEFAULT_METHOD
+        method, chosen_by = DEFAULT_METHOD, "without --method or a tuned default, the method is"
         if tuned:
             params = header_params(tuned[0])
             if found and params.get("recommended") is None:
@@ -183,8 +183,11 @@ def compression_asked(
             else:
                 defaults = TunedDefaults.from_params(params, tuned[0])
                 method, options, ratio = defaults.completed(options, ratio, budget)
+                chosen_by = f"the tuned default ({tuned[0].name}) chose"
                 given = [p for p in paths if p not in tuned]
                 paths = given + [p for p in defaults.artifact_files if p not in given]
+        if nearest_budget:
+            check_nearest_budget(method, chosen_by)
     options = check_method_options(method, options)
     if ratio is None and budget is None:
         ratio = 0.5
@@ -203,6 +206,21 @@ def compression_asked(
 
     paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
     return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size, note=note)
+
+
+def check_nearest_budget(method: str, chosen_by: str) -> None:
+    """Refuse --nearest-budget for a method the user did not name and that compiles no budgets, in the words of
+    what they asked (the method came from a tuned default or the runtime's default, `chosen_by`)."""
+    from kvruntime.registry import METHODS, registration_of
+
+    spec = registration_of(method)
+    if spec is not None and "nearest_budget" in spec.options:
+        return
+    compiling = " or ".join(name for name, other in METHODS.items() if "nearest_budget" in other.options)
+    raise KVRuntimeError(
+        f"--nearest-budget moves --budget to the nearest compiled budget, and {chosen_by} {method}, which compiles "
+        f"none: give --method {compiling} with it, or leave it out"
+    )
 
 
 Encoded = tuple[str, Any, list[Any]]  # a prompt's name, its ids, and in question mode each question's ids after it

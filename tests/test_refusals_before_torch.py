@@ -160,11 +160,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "nearest budget for a tuned method that is not compilerkv": (
         lambda d: [*GENERATE, "--nearest-budget"],
-        "options ['nearest_budget']",  # the shipped tuned defaults recommend srh
+        # the shipped tuned defaults recommend compresskv (srh+budgets): said so, not its options listed
+        "--nearest-budget moves --budget to the nearest compiled budget, and the tuned default "
+        "(tuned_defaults.safetensors) chose compresskv, which compiles none: give --method compilerkv with it, or leave it out",
     ),
     "nearest budget for the runtime's default method (no tuned default among the artifacts)": (
         lambda d: [*GENERATE, "--nearest-budget", "--artifact", str(ARTIFACTS / "srh_heads.safetensors")],
-        "unknown kvcompress options ['nearest_budget']",
+        "and without --method or a tuned default, the method is kvcompress, which compiles none: give --method "
+        "compilerkv with it",
     ),
     "a tuned default that recommends nothing": (
         lambda d: [*GENERATE, "--artifact", _tuned_without_recommendation(d)],

@@ -119,7 +119,6 @@ class CompressionSession:
         ratio: float | None,
         budget: int | None,
         memory: str,
-        artifacts: Sequence[Artifact] = (),
         prefill_chunk_size: int | None = None,
         kv_bits: int | None = None,
     ) -> None:
@@ -143,7 +142,6 @@ class CompressionSession:
         self.kv_bits = kv_bits  # the kept entries are quantized to this many bits once cut (`quantized_cache`)
         self.model = model
         self.method = method
-        self.artifacts = list(artifacts)
         self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
@@ -815,7 +813,6 @@ def compress(
         ratio,
         budget,
         memory,
-        loaded,
         prefill_chunk_size,
         kv_bits,
     )

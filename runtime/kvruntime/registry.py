@@ -81,17 +81,36 @@ class MethodSpec:
         return (self.name,) if self.compared is None else self.compared
 
 
+class RegisteredFacts:
+    """What a method's registration declares of it (`MethodSpec.streams`, `.memory`), read from its own option
+    values: the facts are declared once, in the spec, and the built method answers from them."""
+
+    spec: MethodSpec
+
+    def option_values(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.spec.all_options}
+
+    @property
+    def budgets_known_in_advance(self) -> bool:
+        return self.spec.streams(self.option_values())
+
+    def required_memory(self) -> str | None:
+        return self.spec.memory(self.option_values())
+
+
 def option_fields(spec: MethodSpec) -> type:
-    """A dataclass whose fields are the method's options (`window` included), each with its declared default: the
-    base of the method's own dataclass, so that an option is declared once, in its registration, and the method
-    reads it as `self.<option>`."""
+    """A dataclass whose fields are the method's options (`window` included), each with its declared default, and
+    whose facts are the registration's (`RegisteredFacts`): the base of the method's own dataclass, so that an option
+    and a fact are declared once, in its registration, and the method reads an option as `self.<option>`."""
     fields = []
     for name, option in spec.all_options.items():
         kind = str if isinstance(option.kind, tuple) else option.kind
         fields.append(
             (name, kind if option.default is not None else kind | None, dataclasses.field(default=option.default))
         )
-    return dataclasses.make_dataclass(f"{spec.name.title()}Options", fields)
+    return dataclasses.make_dataclass(
+        f"{spec.name.title()}Options", fields, bases=(RegisteredFacts,), namespace={"spec": spec}
+    )
 
 
 def discover(folder: Path, package: str) -> dict[str, MethodSpec]:

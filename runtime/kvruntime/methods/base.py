@@ -142,7 +142,7 @@ class Method(abc.ABC):
 class ScoringMethod(Method):
     """A method that scores tokens from each layer's window attention on its own. Subclasses implement
     `token_scores`; override `layer_budgets` to move budget between layers (default: the same number everywhere),
-    or `head_counts` to decide from every layer's scores (then `budgets_known_in_advance` is False). Streamed in
+    or `head_counts` to decide from every layer's scores (then its registration's `streams` is False). Streamed in
     chunks, each chunk's last `window` queries score everything the layer holds (as chunked SnapKV variants do)."""
 
     @abc.abstractmethod

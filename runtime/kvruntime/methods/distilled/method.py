@@ -63,8 +63,8 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
 
     @property
     def budgets_known_in_advance(self) -> bool:
-        fixed = self.allocation in ("compiled", "uniform") or self.layer_error is not None
-        return self.scores == "predicted" and fixed
+        # `distilled+budgets`: the layer_budgets artifact gives the budgets before the prefill (as `method_facts`)
+        return self.layer_error is not None or super().budgets_known_in_advance
 
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         if self.layer_error is not None:

@@ -43,16 +43,9 @@ class KVCompose(option_fields(SPEC), ScoringMethod):  # its options (mode, unstr
                 "kvcompose mode 'compiled' needs kvcompose_stats (compile them with `kvcompile stats`)"
             )
 
-    def required_memory(self) -> str | None:
-        return "masked" if self.unstructured else None
-
     def check_request(self, request: Request) -> None:
         if self.mode == "compiled" and request.ratio:
             self.stats.check_ratio(request.ratio)
-
-    @property
-    def budgets_known_in_advance(self) -> bool:
-        return self.mode == "compiled" and not self.unstructured
 
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         return self._compiled_counts(plan)[0].tolist()

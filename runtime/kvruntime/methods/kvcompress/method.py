@@ -24,10 +24,6 @@ class KVCompress(option_fields(SPEC), ScoringMethod):  # its options: the regist
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return kvcompress_scores(attention, self.kernel)
 
-    @property
-    def budgets_known_in_advance(self) -> bool:
-        return False  # the global pool compares every layer's scores
-
     def head_counts(self, layer_scores: list[torch.Tensor], plan: KeepPlan) -> torch.Tensor:
         return global_head_counts(layer_scores, plan.keep)
 
