@@ -202,3 +202,11 @@ def test_a_method_added_in_its_own_folder_is_known_everywhere(tmp_path):
     assert "recent_tail" not in run_cli("generate", "--help")
     assert "recent_tail" not in kvruntime.METHOD_NAMES
     assert not (METHODS_FOLDER / "recent_tail").exists()
+
+
+def test_every_registered_method_has_its_page_linked_from_the_docs_index():
+    """Adding a method adds its docs page; the docs index's list of pages is checked against the registry, not kept
+    by hand alone (an alias's page may point to its method's, as compresskv's does)."""
+    index = (ROOT / "docs" / "README.md").read_text()
+    assert {name for name in METHODS if not (ROOT / "docs" / "methods" / f"{name}.md").is_file()} == set()
+    assert {name for name in METHODS if f"(methods/{name}.md)" not in index} == set()
