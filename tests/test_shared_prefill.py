@@ -96,3 +96,20 @@ def test_the_eval_answers_from_a_shared_prefill_as_from_its_own(setup, contestan
         assert replayed.peak_mib is None and replayed.prefill_seconds > shared.seconds
     else:
         assert replayed.peak_mib is not None  # its own prefill, measured
+
+
+def test_a_recording_made_inside_a_compress_block_is_refused_in_one_line():
+    """Recorded inside a block, the prefill went through the block's cut: its cache holds what was kept, not the
+    prompt, and replaying the hooks on it would index entries that are gone."""
+    import kvruntime
+
+    model = tiny_model("llama")
+    context = torch.randint(3, 96, (1, 64), generator=torch.Generator().manual_seed(6))
+    with kvruntime.compress(model, "snapkv", ratio=0.5) as session:
+        inside = recorded_prefill(model, context)
+        with pytest.raises(KVRuntimeError, match=r"^this recording holds a compressed cache .*before the block$"):
+            session.compress_recording(inside)
+    outside = recorded_prefill(model, context)
+    assert outside.holds_the_whole_prompt() and not inside.holds_the_whole_prompt()
+    with kvruntime.compress(model, "snapkv", ratio=0.5) as session:
+        assert session.compress_recording(outside).report.slots_per_layer == [32] * 4

@@ -254,6 +254,11 @@ class CompressionSession:
             raise KVRuntimeError(
                 f"a window of {self.method.window} queries is longer than a recording's {RECORDED_QUERIES}: prefill"
             )
+        if not recording.holds_the_whole_prompt():
+            raise KVRuntimeError(
+                "this recording holds a compressed cache (recorded inside a `kvruntime.compress` block): record the "
+                "plain prefill before the block"
+            )
         state = self._new_prefill(recording.input_ids)
         with torch.no_grad(), self._feeding(state):
             cache, output = recording.replay(self.model, self._after_attention)

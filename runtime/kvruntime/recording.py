@@ -56,6 +56,12 @@ class PrefillRecording:
     def length(self) -> int:
         return self.input_ids.shape[1]
 
+    def holds_the_whole_prompt(self) -> bool:
+        """Whether every growing layer of the recorded cache holds the whole prompt (a recording made inside a
+        `compress` block holds what that block kept)."""
+        growing = [layer for layer in self.cache.layers if not getattr(layer, "is_sliding", False)]
+        return all(layer.keys.shape[-2] == self.length for layer in growing)
+
     def replay(self, model: nn.Module, hook: AttentionHook) -> tuple[DynamicCache, BaseModelOutputWithPast]:
         """Call `hook` after each attention layer as the prefill would have, over a new cache that holds, when
         layer i's hook runs, what the prefill's did: the earlier layers as their hooks left them, layer i's full
