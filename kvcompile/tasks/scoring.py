@@ -46,11 +46,11 @@ def first_line(text: str) -> str:
 
 def score_answer(answer: str, expected: Sequence[str], scoring: str) -> float:
     """The score of a generated `answer` against the `expected` values under `scoring` (one of SCORINGS)."""
-    if scoring in ("all", "fraction"):
+    if scoring in ("all", "fraction", "substring"):  # RULER's matches: which expected values the answer holds
         found = [value.lower() in answer.lower() for value in expected]
-        return float(all(found)) if scoring == "all" else sum(found) / len(found)
-    if scoring == "substring":
-        return float(any(value.lower() in answer.lower() for value in expected))
+        if scoring == "fraction":
+            return sum(found) / len(found)
+        return float(all(found) if scoring == "all" else any(found))
     said = first_line(answer)  # a model goes on after its answer; SQuAD's scores read the answer alone
     if scoring == "exact":
         return float(any(normalized_words(said) == normalized_words(value) for value in expected))
