@@ -209,7 +209,7 @@ def eval_(
 ) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
     with clear_errors() as resources:
-        from kvcompile.evaluation.contestants import artifact_paths, check_contestants, default_methods, parse_methods
+        from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
         from kvcompile.evaluation.store import RunStore
         from kvruntime.model_spec import check_model_spec, position_limit
 
@@ -227,7 +227,7 @@ def eval_(
         ctx.params["methods"] = methods = methods or default_methods()
         contestants = parse_methods(methods)
         paths = artifact_paths(contestants, artifacts or artifact_folder(model))
-        check_contestants(contestants, paths, settings.ratios)
+        contestants = resolve_contestants(contestants, paths, settings.ratios)
         record = {"model": model, "methods": [c.label for c in contestants], **settings.record()}
         if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
             del record["task_samples"]

@@ -7,7 +7,6 @@ Nothing heavy is imported before the options are checked: bad input is refused i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import shlex
 import signal
@@ -187,11 +186,11 @@ def generate(
         positions = check_generation_inputs(
             prompts, model, prompt_format, max_new_tokens, batch_size, question, prefill_chunk_size, kv_bits
         )
-        options = parse_option_pairs(option or [])
+        options = parse_option_pairs(option or [], method)
         asked = compression_asked(
-            model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size, positions
-        )
-        asked = dataclasses.replace(asked, kv_bits=kv_bits)
+            model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size,
+            positions, kv_bits,
+        )  # fmt: skip
         if asked.note:
             typer.echo(f"note: {asked.note}", err=True)
         generate_compressed(

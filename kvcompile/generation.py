@@ -7,11 +7,14 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcompile import recipe
 from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
+
+if TYPE_CHECKING:
+    from kvruntime.resolved import ResolvedRequest
 
 
 def read_text(path: Path, what: str = "prompt file") -> str:
@@ -119,22 +122,6 @@ def check_generation_inputs(
     return positions
 
 
-@dataclasses.dataclass(frozen=True)
-class CompressionAsked:
-    """What `kvruntime.compress` gets for a `generate` run, checked before torch: the method (named, a tuned
-    default's or the runtime's default), the request, the artifacts read and the method's options."""
-
-    method: str
-    ratio: float | None
-    budget: int | None
-    memory: str
-    artifacts: list[Any]  # the artifacts read once their method was checked (`read_artifact`)
-    options: dict[str, object]
-    prefill_chunk_size: int | None
-    kv_bits: int | None = None  # the kept entries quantized to this many bits (checked by check_generation_inputs)
-    note: str = ""  # why the method is not the one a reader of the model's artifacts would expect
-
-
 def compression_asked(
     model: str,
     method: str | None,
@@ -146,66 +133,56 @@ def compression_asked(
     nearest_budget: bool,
     prefill_chunk_size: int | None,
     positions: int | None,
-) -> CompressionAsked:
-    """Resolve and check a generate request without torch: the method (named, else a tuned default's, else the
-    runtime's default), its options, its artifacts (given, a bundle's, or the model's default ones), and what the
-    method can serve."""
-    from kvruntime import ARTIFACT_KINDS, Request
-    from kvruntime.artifact_header import header_kind, header_params
+    kv_bits: int | None = None,
+) -> ResolvedRequest:
+    """A generate request resolved once, without torch (`kvruntime.resolved`): the method (named, else a tuned
+    default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
+    ones), what the method can serve; then the method built from its artifacts, before the model loads."""
+    from kvruntime import ARTIFACT_KINDS
+    from kvruntime.artifact_header import header_params
     from kvruntime.bundle import artifact_files
     from kvruntime.model_spec import check_positions
     from kvruntime.registry import DEFAULT_METHOD
     from kvruntime.request import check_method_options, required_artifact_kinds
-    from kvruntime.serving import check_serves
-    from kvruntime.tuned_defaults import TunedDefaults
+    from kvruntime.resolved import resolve_request, tuned_defaults_among
 
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
-    note = ""
-    if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
-        options = {**options, "nearest_budget": True}
+    named, note = method is not None, ""
     paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
     if budget is not None:
         check_positions(budget, positions, f"--budget {budget} tokens per layer")
-    if method is None:
-        # A tuned_defaults artifact (given, or the model's default one) names the method, its options, its ratio
-        # and its artifacts; the options given join the tuned method's own (--nearest-budget).
+    if method is None and not paths:
         default = default_artifact(model, "tuned_defaults")
-        found = not paths and default.exists()  # the model's own, not one the user gave
-        tuned = [p for p in (paths or ([default] if found else [])) if header_kind(p) == "tuned_defaults"]
-        method, chosen_by = DEFAULT_METHOD, "without --method or a tuned default, the method is"
-        if tuned:
-            params = header_params(tuned[0])
-            if found and params.get("recommended") is None:
-                # The model's own tuning found no method within its tolerance (shipped so, as the measurement it
-                # is): the runtime's default serves, said in a note; a tuned_defaults the user gives still refuses.
-                note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
-            else:
-                defaults = TunedDefaults.from_params(params, tuned[0])
-                method, options, ratio = defaults.completed(options, ratio, budget)
-                chosen_by = f"the tuned default ({tuned[0].name}) chose"
-                given = [p for p in paths if p not in tuned]
-                paths = given + [p for p in defaults.artifact_files if p not in given]
-        if nearest_budget:
-            check_nearest_budget(method, chosen_by)
-    options = check_method_options(method, options)
-    if ratio is None and budget is None:
+        if default.exists() and header_params(default).get("recommended") is None:
+            # The model's own tuning found no method within its tolerance (shipped so, as the measurement it
+            # is): the runtime's default serves, said in a note; a tuned_defaults the user gives still refuses.
+            note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
+            method = DEFAULT_METHOD
+        elif default.exists():
+            paths = [default]
+    tuned = tuned_defaults_among(paths) if method is None else None
+    if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
+        if not named:
+            chosen_by, chosen = "without --method or a tuned default, the method is", DEFAULT_METHOD
+            if tuned is not None:
+                chosen_by, chosen = f"the tuned default ({tuned[0]}) chose", tuned[1].method
+            check_nearest_budget(chosen, chosen_by)
+        options = {**options, "nearest_budget": True}
+    if ratio is None and budget is None and tuned is None:
         ratio = 0.5
-    if not paths:  # the model's default artifacts of the kinds it needs (the ones given: check_serves checks)
+    if not paths and method is not None:  # the model's default artifacts of the kinds it needs
+        options = check_method_options(method, options)
         kinds = required_artifact_kinds(method, options)
         paths = [default_artifact(model, kind) for kind in kinds]
         for kind, path in zip(kinds, paths):
             if not path.exists():
                 command = ARTIFACT_KINDS[kind].command
                 raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
-    # A request the method cannot serve is refused here, before torch loads; then the artifacts' tensors are checked
-    # too (torch, not the model), and `compress` takes them as read.
-    request = Request(ratio, budget, memory)
-    check_serves(method, paths, options, [request], prefill_chunk_size, memory)
-    from kvruntime.methods import check_method_serves
-
-    paths = check_method_serves(method, paths, options, [request], prefill_chunk_size)
-    return CompressionAsked(method, ratio, budget, memory, paths, options, prefill_chunk_size, note=note)
+    resolved = resolve_request(method, ratio, budget, memory, paths, options, prefill_chunk_size, kv_bits)
+    resolved = dataclasses.replace(resolved, note=note)
+    _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
+    return resolved
 
 
 def check_nearest_budget(method: str, chosen_by: str) -> None:
@@ -263,7 +240,7 @@ def encoded_prompts(
 
 
 def generate_compressed(
-    asked: CompressionAsked,
+    asked: ResolvedRequest,
     prompts: Sequence[tuple[str, str]],
     question: Sequence[str] | None,
     model: str,
@@ -297,18 +274,7 @@ def generate_compressed(
     def decoded(ids: Any) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    with kvruntime.compress(
-        loaded,
-        asked.method,
-        ratio=asked.ratio,
-        budget=asked.budget,
-        memory=asked.memory,
-        artifacts=asked.artifacts,
-        force=force,
-        options=asked.options,
-        prefill_chunk_size=asked.prefill_chunk_size,
-        kv_bits=asked.kv_bits,
-    ) as session:
+    with kvruntime.compress(loaded, asked, force=force) as session:
         for first in range(0, len(encoded), batch_size):
             batch = encoded[first : first + batch_size]
             ids, mask = left_pad([row for _, row, _ in batch], pad)

@@ -21,6 +21,7 @@ from kvcompile import recipe
 from kvcompile.evaluation import runner
 from kvcompile.evaluation.contestants import RuntimeMethod
 from kvcompile.evaluation.runner import Scoring, answer_batch, until_stop
+from kvruntime import Request
 from kvruntime.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.errors import UnsupportedModelError
 from kvruntime.request import required_artifact_kinds
@@ -288,7 +289,7 @@ def test_eval_answers_a_batch_as_it_answers_each_prompt_alone(setup):
     model, paths, prompts = setup
     contexts = [prompt[:, :-6] for prompt in prompts]
     questions = [prompt[:, -n:] for prompt, n in zip(prompts, (3, 4, 5))]
-    contestant = RuntimeMethod("kvcompress", "kvcompress")
+    contestant = RuntimeMethod("kvcompress", "kvcompress").resolved([], [Request(ratio=0.5)])
     tokenizer = SimpleNamespace(eos_token_id=0, decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
     # Answers of other lengths per row (the full cache's, and the expected one): the forced rows are left-padded.
     scorings = [Scoring([7, 3, 9, 4][: 2 + row], [11, 12, 13][row:]) for row in range(3)]

@@ -38,6 +38,7 @@ from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
 from kvcompile.tasks.grid import parse_tasks, suite_cells
+from kvruntime import Request
 from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.attention import per_layer_attention
 from kvruntime.cache_ops import attention_modules
@@ -231,7 +232,7 @@ def test_the_full_cache_answers_as_plain_generate_and_a_compressed_run_holds_les
     by_hand = sum(torch.log_softmax(gold_logits[i].double(), -1)[t] for i, t in enumerate(gold))
     assert full.gold_logprob == pytest.approx(float(by_hand), abs=1e-4)
     on_full = Scoring(own, gold)
-    snapkv = RuntimeMethod("snapkv", "snapkv")
+    snapkv = RuntimeMethod("snapkv", "snapkv").resolved([], [Request(ratio=0.0), Request(ratio=0.5)])
     same = answer(model, DigitTokenizer(), snapkv, 0.0, context_ids, question_ids, 8, [], on_full)
     assert same.tokens == full.tokens and next_token_kl(full.first_logits, same.first_logits) < 1e-8
     assert answer_kl(full.reference_logits, same.reference_logits) < 1e-8
@@ -483,9 +484,9 @@ def test_tuned_defaults_without_a_recommendation_are_refused_with_the_reason(tmp
     with pytest.raises(KVRuntimeError, match="tuning found no method within 0.02"):
         with kvruntime.compress(model, artifacts=[path]):
             pass
-    other = tiny_model("qwen2")
+    other = tiny_model("qwen2")  # the request resolves (a method named), its artifacts then meet the model
     with pytest.raises(KVRuntimeError, match="compiled for"):
-        with kvruntime.compress(other, artifacts=[path]):
+        with kvruntime.compress(other, "snapkv", ratio=0.5, artifacts=[path]):
             pass
     assert json.loads(json.dumps(kvruntime.read_artifact(path).params))["recommended"] is None
 

@@ -8,14 +8,14 @@ from hypothesis import strategies as st
 
 from kvruntime.allocation import apportion
 from kvruntime.attention import AttentionLogits
-from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.methods.kvcompose.composite_tokens import (
+from kvruntime.composite_tokens import (
     composite_curve,
     head_allocation,
     kv_head_scores,
     layer_allocation,
     rank_quantile_values,
 )
+from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.kvcompose.stats import KVComposeStats
 from kvruntime.second_pass import context_attention_max
 

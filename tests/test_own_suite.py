@@ -143,6 +143,34 @@ def test_a_row_becomes_a_prompt_whose_context_is_compressed_before_its_question(
     assert [length_bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
 
 
+def test_eval_resolves_each_contestant_once_per_run(tmp_path, monkeypatch):
+    """Three prompts at two ratios: each compressing contestant's request is resolved once for the whole run (its
+    options checked once, its artifact read once, its serving checked once, its method built once), not per
+    (prompt, ratio)."""
+    from conftest import scorer_that_prefers
+    from test_serving import count_resolution
+    from transformers import AutoTokenizer
+
+    from kvruntime import save_artifact
+
+    monkeypatch.chdir(tmp_path)
+    save_char_tokenizer(tmp_path / "tok")
+    model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, tokenizer))
+    save_artifact(scorer_that_prefers(model, 0), tmp_path / "compiled" / "distilled_scorer.safetensors")
+    write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    calls: list = []
+    count_resolution(monkeypatch, calls, ("distilled", "snapkv"))
+    methods = "distilled:window=8,snapkv"
+    args = ["eval", "--suite", "mine.jsonl", "--methods", methods, "--ratios", "0.5,0.75", "--artifacts", "compiled"]
+    result = CliRunner().invoke(app, [*args, "--new-tokens", "1", "--out", "run"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in Path("run/runs.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * (1 + 2 * 2)  # every prompt: the full cache, each method at each ratio
+    expected = ["window", ("header", "distilled_scorer.safetensors"), "tensors", "serving", "serving"]
+    assert sorted(calls, key=str) == sorted([*expected, "build distilled", "build snapkv"], key=str)
+
+
 def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 

@@ -10,10 +10,10 @@ import pytest
 
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, get_method, read_artifact
-from kvruntime.methods import check_method_serves
 from kvruntime.registry import BUDGETABLE_NAMES, METHOD_NAMES
 from kvruntime.request import required_artifact_kinds
-from kvruntime.serving import check_serves, method_facts
+from kvruntime.resolved import resolve_request
+from kvruntime.serving import method_facts
 
 ARTIFACTS = artifact_folder("default")
 COMBOS = [
@@ -65,45 +65,68 @@ REQUESTS = [Request(ratio=r) for r in (0.05, 0.5, 0.99)] + [Request(budget=b) fo
 @pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.describe())
 @pytest.mark.parametrize("chunk", [None, 4, 512])
 def test_the_header_check_refuses_exactly_what_the_built_method_refuses(name, options, request_, chunk):
-    built = outcome(check_method_serves, name, paths(name, options), options, [request_], chunk)
-    read = outcome(check_serves, name, paths(name, options), options, [request_], chunk)
-    assert read == built
+    """Resolved from files, a request is checked from their headers (`check_serves`); from artifacts read already,
+    on the method built from them: both refuse the same requests in the same words."""
+    amount = dict(ratio=request_.ratio, budget=request_.budget)
+    read = [read_artifact(p) for p in paths(name, options)]
+    built = outcome(resolve_request, name, *amount.values(), "padded", read, options, chunk)
+    from_headers = outcome(resolve_request, name, *amount.values(), "padded", paths(name, options), options, chunk)
+    assert from_headers == built
 
 
-def test_a_generate_requests_options_and_artifacts_are_checked_once_from_the_command_line_to_the_prefill(
-    tmp_path, tokens, monkeypatch
-):
-    """`kvcompile generate --method distilled --option ... --artifact ...`: the torch-free checks, the artifacts'
-    check and the compression itself check each option once and read each artifact's header once and its tensors
-    once (the command line's checks are the only ones; later steps trust them)."""
-    from conftest import scorer_that_prefers, tiny_model
+def count_calls(monkeypatch, calls: list, owner: object, name: str, label: object) -> None:
+    """Each call of `owner.name` (a module's function, or a class's method) appends `label(*args)` to `calls`."""
+    function = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args: calls.append(label(*args)) or function(*args))
+
+
+def count_resolution(monkeypatch, calls: list, methods: tuple[str, ...]) -> None:
+    """Count what resolving and serving a request does: each option value checked (its key), each artifact header
+    and tensor read, each method built ("build <name>"), each serving check on the headers ("serving") and each
+    check on a built method ("method check")."""
+    import importlib
 
     import kvruntime.artifact
     import kvruntime.artifact_header
     import kvruntime.request
+    import kvruntime.resolved
+    from kvruntime.methods.base import Method
+
+    count_calls(monkeypatch, calls, kvruntime.request, "check_option_value", lambda method, key, option, value: key)
+    count_calls(monkeypatch, calls, kvruntime.artifact_header, "_header", lambda source: ("header", source.name))
+    count_calls(monkeypatch, calls, kvruntime.artifact, "_read_safetensors", lambda data: "tensors")
+    count_calls(monkeypatch, calls, kvruntime.resolved, "check_serves", lambda *args: "serving")
+    count_calls(monkeypatch, calls, Method, "check_request", lambda *args: "method check")
+    for name in methods:
+        module = importlib.import_module(f"kvruntime.methods.{name}.method")
+        count_calls(monkeypatch, calls, module, "build", lambda artifact, options, name=name: f"build {name}")
+
+
+def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefill(tmp_path, tokens, monkeypatch):
+    """`kvcompile generate --method distilled --option ... --artifact ...`: the options are parsed in their declared
+    types; resolving the request and compressing with it check each option once, read each artifact's header once
+    and its tensors once, run the serving checks once and build the method once (later steps trust it)."""
+    from conftest import scorer_that_prefers, tiny_model
+
     from kvcompile.generation import compression_asked
     from kvruntime import compress, save_artifact
+    from kvruntime.request import kept_per_head, parse_option_pairs
 
     model = tiny_model("llama")
     scorer = save_artifact(scorer_that_prefers(model, 0), tmp_path / "distilled_scorer.safetensors")
-    calls = []
-
-    def counted(module: object, name: str, label: object) -> None:
-        function = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *args: calls.append(label(*args)) or function(*args))
-
-    counted(kvruntime.request, "check_option_value", lambda method, key, option, value: key)
-    counted(kvruntime.artifact_header, "_header", lambda source: ("header", source.name))
-    counted(kvruntime.artifact, "_read_safetensors", lambda data: "tensors")
-    options = {"window": 8.0, "floor": 0.5, "allocation": "uniform"}  # as the command line reads them
+    options = parse_option_pairs(["window=8", "floor=0.5", "allocation=uniform", "copy_penalty=0"], "distilled")
+    assert options == {"window": 8, "floor": 0.5, "allocation": "uniform", "copy_penalty": 0.0}
+    assert [type(value) for value in options.values()] == [int, float, str, float]  # as the method declares them
+    calls: list = []
+    count_resolution(monkeypatch, calls, ("distilled",))
     asked = compression_asked("default", "distilled", 0.5, None, "padded", [scorer], options, False, 16, None)
-    with compress(
-        model, asked.method, ratio=asked.ratio, artifacts=asked.artifacts, options=asked.options, prefill_chunk_size=16
-    ) as session:
+    with compress(model, asked) as session:
         session.prefill(tokens)
-    assert sorted(calls, key=str) == sorted([*options, ("header", scorer.name), "tensors"], key=str)
+        session.prefill(tokens)  # a second prompt in the block: nothing resolved again
+    expected = [*options, ("header", scorer.name), "tensors", "serving", "build distilled"]
+    assert sorted(calls, key=str) == sorted(expected, key=str)
     layers = model.config.num_hidden_layers
-    assert session.report.slots_per_layer == [kvruntime.request.kept_per_head(80, 8, ratio=0.5)] * layers
+    assert session.report.slots_per_layer == [kept_per_head(80, 8, ratio=0.5)] * layers
 
 
 def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_default_with_a_note():
@@ -114,8 +137,9 @@ def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_defaul
     from kvruntime.registry import DEFAULT_METHOD
 
     gemma = compression_asked("gemma-3-270m", None, None, None, "padded", [], {}, False, None, None)
-    assert (gemma.method, gemma.ratio, gemma.artifacts) == (DEFAULT_METHOD, 0.5, [])
+    assert (gemma.method_name, gemma.request().ratio, gemma.artifacts) == (DEFAULT_METHOD, 0.5, ())
     assert gemma.note == f"tuned_defaults.safetensors recommends no method for this model; using {DEFAULT_METHOD}"
     default = compression_asked("default", None, None, None, "padded", [], {}, False, None, None)
-    assert (default.method, default.ratio, default.note) == ("compresskv", 0.25, "")
-    assert sorted(a.kind for a in default.artifacts) == ["layer_budgets", "srh_heads"]
+    assert (default.method_name, default.request().ratio, default.note) == ("compresskv", 0.25, "")
+    assert (default.method.name, default.tuned_default) == ("compresskv", "tuned_defaults.safetensors")
+    assert sorted(a.kind for a in default.artifacts) == ["layer_budgets", "srh_heads", "tuned_defaults"]

@@ -17,7 +17,7 @@ from kvcompile.evaluation import runner
 from kvcompile.evaluation.contestants import FullCache, RuntimeMethod
 from kvcompile.evaluation.prefill import shared_prefill
 from kvcompile.evaluation.runner import Scoring
-from kvruntime import KVRuntimeError
+from kvruntime import KVRuntimeError, Request
 from kvruntime.recording import recorded_prefill
 
 LENGTH = 180
@@ -84,6 +84,7 @@ def test_the_eval_answers_from_a_shared_prefill_as_from_its_own(setup, contestan
     question = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
     scoring = Scoring([7, 3, 9], [11, 12])
     artifacts = artifacts_for(contestant.method, paths) if isinstance(contestant, RuntimeMethod) else []
+    contestant = contestant.resolved(artifacts, [Request(ratio=ratio)])  # once for the run, as eval resolves it
     arguments = (model, tokenizer(), contestant, ratio, context, question, 6, artifacts, scoring)
     own = runner.answer(*arguments)
     shared = shared_prefill(model, context)

@@ -35,6 +35,7 @@ import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
+from kvcompile.recipe import default_artifact
 from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_ACTIONS
 from kvcompile.recipes.compilerkv.continuation_nll import kl_from_reference
 from kvcompile.recipes.compilerkv.experience_collection import greedy_continuation
@@ -43,7 +44,7 @@ from kvruntime.cache_ops import cache_argument
 from kvruntime.methods import CompilerKV
 from kvruntime.methods.compilerkv import CompilerKVTables
 
-TABLES = Path("artifacts/smollm2-135m-instruct/compilerkv_tables.safetensors")
+TABLES = default_artifact("default", "compilerkv_tables")
 FIXED_THRESHOLD = 0.9  # the middle of the threshold grid [0.8, 1.0]
 LEARNED, RANDOM = "learned tables", "random tables"
 VARIANTS = {  # label -> compilerkv options (RANDOM: other tables, the options of LEARNED)

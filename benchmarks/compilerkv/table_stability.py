@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import command_line, machine
+from kvcompile.recipe import artifact_folder
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
     HEAD_ACTIONS,
@@ -36,7 +37,7 @@ from kvcompile.recipes.compilerkv.settings import CQLSettings
 from kvcompile.recipes.compilerkv.tables import learn_gate_table, learn_head_table
 from kvruntime.artifact import read_artifact
 
-EXPERIENCE = Path("artifacts/smollm2-135m-instruct/compilerkv_tables.experience.safetensors")
+EXPERIENCE = artifact_folder("default") / "compilerkv_tables.experience.safetensors"
 
 
 def _weighted(judged: list[tuple[float, int]]) -> float:

@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.reporting import command_line, machine, write_results
 from kvcompile.calibration.corpus import load_corpus
+from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
-ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
+ARTIFACTS = artifact_folder("default")
 METHODS = ("snapkv", "kvcompress", "srh", "compresskv")
 
 

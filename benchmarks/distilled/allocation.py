@@ -23,11 +23,12 @@ from benchmarks.reporting import machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.plotting import plt, save_figure
+from kvcompile.recipe import default_artifact
 from kvcompile.tasks.grid import parse_lengths
 from kvcompile.tasks.suite import suite_prompts
 
 TASKS = ("passkey", "needle", "multikey", "multivalue", "variable_tracking")
-SCORER = "artifacts/smollm2-135m-instruct/distilled_scorer.safetensors"
+SCORER = str(default_artifact("default", "distilled_scorer"))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.reporting import machine, write_results
 from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
+from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvruntime.attention import captured_logits
 from kvruntime.methods import KVCompose
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--repeating-prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--scorer", default="artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+    parser.add_argument("--scorer", default=str(default_artifact("default", "distilled_scorer")))
     parser.add_argument("--out", default="benchmarks/distilled/distilled_fit.md")
     args = parser.parse_args()
     model, tokenizer = kvruntime.load_model("default")

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from kvcompile.recipe import default_artifact
 from kvruntime.artifact import read_artifact, save_artifact
 
-SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+SCORER = default_artifact("default", "distilled_scorer")
 
 
 def capped_layers(shares: torch.Tensor, capped: list[int], cap: float) -> torch.Tensor:

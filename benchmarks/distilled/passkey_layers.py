@@ -17,8 +17,9 @@ from benchmarks.reporting import command_line, machine, markdown_table, write_re
 from kvcompile.calibration.corpus import HELD_OUT_CORPUS, load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.evaluation.settings import SuiteSettings
+from kvcompile.recipe import default_artifact
 
-SCORER = "artifacts/smollm2-135m-instruct/distilled_scorer.safetensors"
+SCORER = str(default_artifact("default", "distilled_scorer"))
 VARIANTS = {  # label: (ratio, options)
     "compiled 0.5": (0.5, {}),
     "compiled 0.75": (0.75, {}),

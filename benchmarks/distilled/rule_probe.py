@@ -32,15 +32,16 @@ from benchmarks.distilled import leverage_fit
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
+from kvcompile.recipe import default_artifact
 from kvcompile.tasks.suite import suite_prompts
 from kvruntime.cache_ops import attention_modules
+from kvruntime.composite_tokens import composite_curve
 from kvruntime.methods import Distilled
 from kvruntime.methods.base import Selection
 from kvruntime.methods.distilled import DistilledScorer, with_leverage
-from kvruntime.methods.kvcompose.composite_tokens import composite_curve
 from kvruntime.selection import global_head_counts, pooled_top_counts
 
-SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+SCORER = default_artifact("default", "distilled_scorer")
 TASKS = ("passkey", "needle", "multikey")
 FITTED = leverage_fit.OUT.with_suffix(".csv")
 

@@ -19,14 +19,14 @@ import torch
 
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
-from kvcompile.recipe import load_model
+from kvcompile.recipe import default_artifact, load_model
 from kvcompile.recipes.distilled.distill import SHARE_RATIOS, prompt_features_and_targets, teacher_layer_shares
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.methods.distilled.features import likeness_to_earlier
 from kvruntime.methods.distilled.spec import SPEC
 
-SCORER = Path("artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+SCORER = default_artifact("default", "distilled_scorer")
 NOVELS = 6  # austen-repeats: the six novels, then the repeating documents
 SHOWN_RATIOS = (0.5, 0.75, 0.9)
 LIKENESS_TOKENS = 512

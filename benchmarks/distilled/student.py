@@ -30,6 +30,7 @@ from kvcompile.calibration.corpus import (
     load_corpus,
     repeating_documents,
 )
+from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import ALPHAS, prompt_features_and_targets, ridge
 from kvruntime.methods.distilled import DistilledScorer
 
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-prompt", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--scorer", default="artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+    parser.add_argument("--scorer", default=str(default_artifact("default", "distilled_scorer")))
     parser.add_argument("--out", default="benchmarks/distilled/distilled_student.md")
     args = parser.parse_args()
     model, tokenizer = kvruntime.load_model("default")

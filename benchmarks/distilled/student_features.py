@@ -18,7 +18,9 @@ distill` reads), the ridge strength chosen on its last tenth:
   token is its predecessor's);
 - `ridge + attention received`: the log of the largest attention the token gets from any later query of the prefill
   itself (the whole causal attention, a non-local feature one pass holds; max over the KV head's query heads, mean,
-  plus the layer's mean, as the teacher's scores are pooled).
+  plus the layer's mean, as the teacher's scores are pooled);
+- `ridge + Compactor's two terms`: that attention and the log leverage of the token's key among the layer's keys
+  beside (the two terms Compactor blends, each exact here, the ridge choosing their weights per head).
 The shipped scorer (ridge on every token of 32 prompts) is scored beside them; `student.py` measured an MLP.
 """
 
@@ -37,42 +39,56 @@ from benchmarks.distilled.student import fit_ridge
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import REPEATING_CORPUS, Corpus, calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
+from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.tasks.real_text import held_out_text
 from kvruntime.attention import captured_logits
+from kvruntime.composite_tokens import kv_head_scores
 from kvruntime.methods.distilled import DistilledScorer, oracle_targets
-from kvruntime.methods.kvcompose.composite_tokens import kv_head_scores
+from kvruntime.methods.distilled.leverage import key_leverage
 from kvruntime.request import kept_per_head
 from kvruntime.window import query_hooks, window_attention
 
 RATIOS = (0.5, 0.75, 0.9)
 WINDOW, SINKS = 16, 1  # the default's
 BASELINE = "ridge"
-# What each variant reads beside a token's shipped features [N, F]: (previous-token states [N, H], received [Hkv, N]).
-VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
-    "ridge": lambda x, previous, received, head: x,
-    "ridge, teacher's top weighted": lambda x, previous, received, head: x,
-    "ridge + previous token": lambda x, previous, received, head: torch.cat([x, previous], dim=-1),
-    "ridge + attention received": lambda x, previous, received, head: torch.cat([x, received[head, :, None]], -1),
+# What each variant reads for one layer and KV head: the shipped features x [N, F], the previous token's states
+# [N, H], the attention each token receives and its key's log leverage [Hkv, N].
+LayerInputs = dict[str, torch.Tensor]
+VARIANTS: dict[str, Callable[[LayerInputs, int], torch.Tensor]] = {
+    "ridge": lambda layer, head: layer["x"],
+    "ridge, teacher's top weighted": lambda layer, head: layer["x"],
+    "ridge + previous token": lambda layer, head: torch.cat([layer["x"], layer["previous"]], dim=-1),
+    "ridge + attention received": lambda layer, head: torch.cat([layer["x"], layer["received"][head, :, None]], -1),
+    "ridge + Compactor's two terms": lambda layer, head: torch.cat(
+        [layer["x"], layer["received"][head, :, None], layer["leverage"][head, :, None]], -1
+    ),
 }
 WEIGHTED = "ridge, teacher's top weighted"
-PER_HEAD = (WEIGHTED, "ridge + attention received")  # their inputs or weights differ per KV head
+PER_HEAD = (
+    WEIGHTED,
+    "ridge + attention received",
+    "ridge + Compactor's two terms",
+)  # their inputs or weights differ per KV head
 
 
-def attention_received(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """[L, Hkv, N]: per layer, the log of the largest attention each token gets from a later query of the prefill
-    (pooled over query heads as the teacher's scores are)."""
-    layers: dict[int, torch.Tensor] = {}
+def attention_received_and_leverage(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two [L, Hkv, N]: per layer, the log of the largest attention each token gets from a later query of the prefill
+    (pooled over query heads as the teacher's scores are), and the log leverage of its key among the layer's keys
+    (Compactor's two terms, each exact here where Compactor sketches them)."""
+    received: dict[int, torch.Tensor] = {}
+    leverage: dict[int, torch.Tensor] = {}
     length = ids.shape[1]
 
     def keep(layer, module, queries, keys, values, *_):
         attention = window_attention(queries, keys, captured_logits(module))[0]  # [Hkv, g, N queries, N keys]
         later = attention.tril(diagonal=-1).amax(dim=-2)  # [Hkv, g, N]: from queries after the key only
-        layers[layer] = oracle_targets(kv_head_scores(later.flatten(0, 1)[None], keys.shape[1])[0]).float()
+        received[layer] = oracle_targets(kv_head_scores(later.flatten(0, 1)[None], keys.shape[1])[0]).float()
+        leverage[layer] = key_leverage(keys)[0].log().float()
 
     with query_hooks(model, keep, window=length), torch.no_grad():
         model.base_model(input_ids=ids, use_cache=True)
-    return torch.stack([layers[i] for i in sorted(layers)])
+    return tuple(torch.stack([terms[i] for i in sorted(terms)]) for terms in (received, leverage))
 
 
 def prompt_inputs(model, tokenizer, ids: torch.Tensor, oracle: str) -> dict[str, torch.Tensor]:
@@ -82,7 +98,8 @@ def prompt_inputs(model, tokenizer, ids: torch.Tensor, oracle: str) -> dict[str,
     x = torch.stack([f.float() for f in features])
     hidden = model.config.hidden_size
     previous = torch.cat([torch.zeros_like(x[:, :1, :hidden]), x[:, :-1, :hidden]], dim=1)
-    return {"x": x, "previous": previous, "received": attention_received(model, ids), "y": targets.float()}
+    received, leverage = attention_received_and_leverage(model, ids)
+    return {"x": x, "previous": previous, "received": received, "leverage": leverage, "y": targets.float()}
 
 
 def teacher_weights(log_scores: torch.Tensor) -> torch.Tensor:
@@ -92,7 +109,7 @@ def teacher_weights(log_scores: torch.Tensor) -> torch.Tensor:
 
 
 def variant_inputs(name: str, inputs: dict[str, torch.Tensor], layer: int, head: int) -> torch.Tensor:
-    return VARIANTS[name](inputs["x"][layer], inputs["previous"][layer], inputs["received"][layer], head)
+    return VARIANTS[name]({key: inputs[key][layer] for key in ("x", "previous", "received", "leverage")}, head)
 
 
 def fit_variants(samples: list[dict[str, torch.Tensor]], layers: int) -> dict[str, list[torch.Tensor]]:
@@ -136,6 +153,7 @@ def sampled(inputs: dict[str, torch.Tensor], tokens: int, generator: torch.Gener
         "x": inputs["x"][:, chosen],
         "previous": inputs["previous"][:, chosen],
         "received": inputs["received"][..., chosen],
+        "leverage": inputs["leverage"][..., chosen],
         "y": inputs["y"][..., chosen],
         "weights": teacher_weights(inputs["y"])[..., chosen],
     }
@@ -147,7 +165,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-prompt", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=5, help="held-out prompts per text type")
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--scorer", default="artifacts/smollm2-135m-instruct/distilled_scorer.safetensors")
+    parser.add_argument("--scorer", default=str(default_artifact("default", "distilled_scorer")))
     parser.add_argument("--out", default="benchmarks/distilled/student_features.md")
     args = parser.parse_args()
     model, tokenizer = kvruntime.load_model("default")

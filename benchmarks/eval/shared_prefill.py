@@ -23,9 +23,10 @@ from kvcompile.evaluation.contestants import artifact_paths, parse_methods
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import evaluate
+from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.grid import parse_lengths
 
-ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
+ARTIFACTS = artifact_folder("default")
 # What differs between the two ways by design: the prefill's timing and memory, and how it was made.
 PREFILL_FIELDS = {"prefill_seconds", "prefill_vs_full", "peak_mib", "prefill"}
 

@@ -29,9 +29,10 @@ from benchmarks.reporting import command_line, machine, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import FullCache, Press, RuntimeMethod
 from kvcompile.evaluation.runner import answer, split_prompt
+from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 
-STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
+STATS = default_artifact("default", "kvcompose_stats")
 FULL = "full cache"
 METHODS = (  # label, what runs it
     ("kvcompose compiled", RuntimeMethod("kvcompose compiled", "kvcompose")),

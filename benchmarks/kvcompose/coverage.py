@@ -21,12 +21,13 @@ from pathlib import Path
 import kvruntime
 from benchmarks.coverage import coverage, coverage_sessions, ratio_coverage_arguments
 from benchmarks.reporting import command_line, machine, write_results
+from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS
+from kvruntime.composite_tokens import kv_head_scores
 from kvruntime.methods import KVCompose
 from kvruntime.methods.kvcompose import KVComposeStats
-from kvruntime.methods.kvcompose.composite_tokens import kv_head_scores
 
-STATS = Path("artifacts/smollm2-135m-instruct/kvcompose_stats.safetensors")
+STATS = default_artifact("default", "kvcompose_stats")
 HYBRID = "two-pass scores, compiled allocation"
 MODES = ("compiled", "dynamic", HYBRID)
 

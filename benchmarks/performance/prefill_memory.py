@@ -27,10 +27,11 @@ from tqdm import tqdm
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods
+from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
 from kvruntime.cache_ops import cache_bytes, hooked_cache
 
-ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
+ARTIFACTS = artifact_folder("default")
 MIB = 1 << 20
 CHUNKED = (
     "snapkv",

@@ -19,9 +19,10 @@ from pathlib import Path
 import kvruntime
 from benchmarks.reporting import command_line, machine
 from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods
+from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
 
-ARTIFACTS = Path("artifacts/smollm2-135m-instruct")
+ARTIFACTS = artifact_folder("default")
 
 
 def main() -> None:

@@ -19,13 +19,16 @@ import dataclasses
 import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
 from kvruntime.bundle import locate
 from kvruntime.quantized_cache import check_kv_bits
 from kvruntime.registry import COMPARED_NAMES, method_spec
-from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds
+from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds, typed_value
+
+if TYPE_CHECKING:
+    from kvruntime.resolved import ResolvedRequest
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -72,15 +75,17 @@ class Contestant(abc.ABC):
         with the command that makes it."""
         return []
 
-    def check(self, files: list[Path], requests: list[Request]) -> None:
-        """Refuse, from its files' headers, a request it cannot serve (before torch loads)."""
+    def resolved(self, files: list[Path], requests: list[Request]) -> Contestant:
+        """Itself, its requests resolved once for the run: refused, from its files' headers, where it cannot serve
+        one (before torch loads)."""
+        return self
 
     @abc.abstractmethod
     def prefilled(
         self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
     ) -> contextlib.AbstractContextManager:
         """Prefill and compress `context_ids` at `ratio` (cut from the `shared` prefill where it can), timed; the
-        block yields a `prefill.Prefill` to answer from."""
+        block yields a `prefill.AnswerableContext` to answer from."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +112,8 @@ class RuntimeMethod(Contestant):
     prefill_chunk_size: int | None = None  # stream the context in chunks of this many tokens
     artifacts: Path | None = None  # its artifacts' folder, when not --artifacts
     kv_bits: int | None = None
+    # Its method, options, artifacts and the run's ratios, resolved once per run (`resolved`).
+    request: ResolvedRequest | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def batches(self) -> bool:
@@ -118,10 +125,16 @@ class RuntimeMethod(Contestant):
     def artifact_kinds(self) -> list[str]:
         return required_artifact_kinds(self.method, self.options)
 
-    def check(self, files: list[Path], requests: list[Request]) -> None:
-        from kvruntime.serving import check_serves
+    def resolved(self, files: list[Path], requests: list[Request]) -> RuntimeMethod:
+        from kvruntime.resolved import resolve_request
+        from kvruntime.serving import method_facts
 
-        check_serves(self.method, files, self.options, requests, self.prefill_chunk_size)
+        memory = method_facts(self.method, self.options).memory or "padded"
+        ratios = [request.ratio for request in requests]
+        resolved = resolve_request(
+            self.method, ratios, None, memory, files, self.options, self.prefill_chunk_size, self.kv_bits
+        )
+        return dataclasses.replace(self, request=resolved)
 
     def prefilled(
         self, model: Any, ratio: float, context_ids: Any, files: list[Path], shared: Any = None
@@ -131,20 +144,12 @@ class RuntimeMethod(Contestant):
         return compressed_prefill(self.compressing(model, ratio, files), context_ids, shared)
 
     def compressing(self, model: Any, ratio: float, files: list[Path]) -> contextlib.AbstractContextManager:
-        """`kvruntime.compress` as this contestant asks for it (in the memory mode its options need, if any)."""
+        """`kvruntime.compress` on its request resolved for the run, at `ratio`."""
         import kvruntime
-        from kvruntime.serving import method_facts
 
-        return kvruntime.compress(
-            model,
-            self.method,
-            ratio=ratio,
-            memory=method_facts(self.method, self.options).memory or "padded",
-            artifacts=files,
-            options=self.options,
-            prefill_chunk_size=self.prefill_chunk_size,
-            kv_bits=self.kv_bits,
-        )
+        if self.request is None:
+            raise KVRuntimeError(f"{self.label} was not resolved for the run (`resolve_contestants`)")
+        return kvruntime.compress(model, self.request, ratio=ratio)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,9 +258,9 @@ def parse_methods(text: str) -> list[Contestant]:
             continue
         name, *pairs = entry.split(":")
         method_spec(name)  # refuses an unknown method with the list of known ones
-        given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
-        chunk = given.pop(CHUNK_OPTION, None)
-        if chunk is not None and (not isinstance(chunk, float) or not chunk.is_integer() or chunk < 1):
+        given = parse_option_pairs(pairs, name, f"--methods {entry!r}: option")
+        chunk = _whole_number(given.pop(CHUNK_OPTION, None))
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise KVRuntimeError(f"--methods {entry!r}: {CHUNK_OPTION} must be a positive number of tokens")
         folder = given.pop(ARTIFACTS_OPTION, None)
         if folder is not None and not locate(str(folder)).is_dir():
@@ -267,7 +272,7 @@ def parse_methods(text: str) -> list[Contestant]:
                 entry,
                 name,
                 options,
-                None if chunk is None else int(chunk),
+                chunk,
                 None if folder is None else Path(str(folder)),
                 bits,
             )
@@ -284,13 +289,17 @@ def _kv_bits(entry: str, pairs: list[str], given: dict[str, object]) -> int | No
     """The `kv_bits` of an entry, taken out of its parsed options `given` (or parsed from `pairs`, the full cache's,
     which takes no other), checked."""
     if pairs:
-        given = parse_option_pairs(pairs, f"--methods {entry!r}: option")
+        given = parse_option_pairs(pairs, None, f"--methods {entry!r}: option")
         if set(given) != {KV_BITS_OPTION}:
             raise KVRuntimeError(f"--methods {entry!r}: the full cache takes {KV_BITS_OPTION} only")
-    bits = given.pop(KV_BITS_OPTION, None)
-    bits = int(bits) if isinstance(bits, float) and bits.is_integer() else bits
+    bits = _whole_number(given.pop(KV_BITS_OPTION, None))
     check_kv_bits(bits)
     return bits
+
+
+def _whole_number(text: object) -> object:
+    """An entry's own option (not the method's: written as text) as an int where it is a whole number."""
+    return typed_value(int, text) if isinstance(text, str) else text
 
 
 def _presses(entry: str) -> list[Contestant]:
@@ -311,9 +320,11 @@ def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, lis
     return {contestant.label: contestant.files(folder) for contestant in contestants}
 
 
-def check_contestants(contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]) -> None:
-    """Let each contestant refuse a ratio it cannot serve from its files' headers, before torch loads (the
-    artifacts' tensors are checked when the methods are built, and against the model when they are applied)."""
+def resolve_contestants(
+    contestants: list[Contestant], paths: dict[str, list[Path]], ratios: tuple[float, ...]
+) -> list[Contestant]:
+    """The contestants with their requests resolved once for the run: each refuses a ratio it cannot serve from its
+    files' headers, before torch loads (the artifacts' tensors are checked when a method is built, once, and
+    against the model when they are applied)."""
     requests = [Request(ratio=ratio) for ratio in ratios]
-    for contestant in contestants:
-        contestant.check(paths[contestant.label], requests)
+    return [contestant.resolved(paths[contestant.label], requests) for contestant in contestants]

@@ -23,7 +23,7 @@ from kvruntime.recording import PrefillRecording, recorded_prefill
 
 
 @dataclasses.dataclass
-class Prefill:
+class AnswerableContext:
     """A context prefilled (and compressed) by a contestant, ready to answer."""
 
     seconds: float  # prefill + compression
@@ -53,7 +53,7 @@ def shared_prefill(model: nn.Module, context_ids: torch.Tensor) -> SharedPrefill
 @contextlib.contextmanager
 def compressed_prefill(
     compressing: contextlib.AbstractContextManager, context_ids: torch.Tensor, shared: SharedPrefill | None = None
-) -> Iterator[Prefill]:
+) -> Iterator[AnswerableContext]:
     """The context prefilled and compressed inside a `kvruntime.compress` block (`compressing`), timed, peak memory
     measured; answer inside the block. Cut from the `shared` prefill unless it streams: timed as the shared forward
     plus its hooks, peak memory not measured."""
@@ -63,7 +63,7 @@ def compressed_prefill(
             started = time.perf_counter()
             context = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)
             seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
-        yield Prefill(
+        yield AnswerableContext(
             seconds,
             None if replayed else peak.mib,
             context.report.bytes_after,
@@ -80,7 +80,7 @@ def cache_prefilled(
     kv_bits: int | None,
     context_ids: torch.Tensor,
     shared: SharedPrefill | None = None,
-) -> Iterator[Prefill]:
+) -> Iterator[AnswerableContext]:
     """The context prefilled into transformers' cache under a kvpress press (None: the full cache, quantized to
     `kv_bits` if given), timed, peak memory measured; from the `shared` prefill where the press can be replayed on
     it (`replays`)."""
@@ -116,7 +116,9 @@ def cache_prefilled(
         with answering():
             return logits_after_context(model, cache, context_ids.shape[1], ids, attention_mask)
 
-    yield Prefill(seconds, None if replayed else peak.mib, held_bytes(cache, masks), generate, logits, replayed)
+    yield AnswerableContext(
+        seconds, None if replayed else peak.mib, held_bytes(cache, masks), generate, logits, replayed
+    )
 
 
 def replays(press: object) -> bool:

@@ -194,25 +194,32 @@ def check_option_value(method: str, key: str, option: Option, value: object) -> 
     return int(value) if kind is int else float(value)
 
 
-def parse_option_pairs(pairs: Iterable[str], where: str = "--option") -> dict[str, object]:
-    """`key=value` strings (the command line's) to option values: true/false are booleans, numbers are numbers,
-    anything else a word. `check_method_options` then checks them against the method. A key given twice is refused
-    (which value was meant is not for us to guess)."""
+def parse_option_pairs(pairs: Iterable[str], method: str | None = None, where: str = "--option") -> dict[str, object]:
+    """`key=value` strings (the command line's) to option values, each in the type `method` declares for it: a
+    boolean from true or false, an int from a whole number, a float from a number, a word as written. A key the
+    method does not declare (or with no method), or text that is not of its type, stays as written: the caller's own
+    keys are the caller's to read, and `check_method_options` refuses the rest by name. A key given twice is
+    refused (which value was meant is not for us to guess)."""
+    declared = method_spec(method)[0].all_options if method is not None else {}
     options: dict[str, object] = {}
     for pair in pairs:
-        key, separator, text = pair.partition("=")
-        if not separator or not key.strip():
+        key, separator, text = (part.strip() for part in pair.partition("="))
+        if not separator or not key:
             raise KVRuntimeError(f"{where} {short_repr(pair)}: write it as key=value")
-        if key.strip() in options:
-            raise KVRuntimeError(f"{where} {short_repr(key.strip())} is given twice: give each option once")
-        options[key.strip()] = _option_value(text.strip())
+        if key in options:
+            raise KVRuntimeError(f"{where} {short_repr(key)} is given twice: give each option once")
+        options[key] = typed_value(declared[key].kind, text) if key in declared else text
     return options
 
 
-def _option_value(text: str) -> object:
-    if text in ("true", "false"):
-        return text == "true"
+def typed_value(kind: type | tuple[str, ...], text: str) -> object:
+    """`text` as a value of an option's `kind`, or as written when it is not one (for the check to refuse)."""
+    if kind is bool:
+        return {"true": True, "false": False}.get(text, text)
+    if kind not in (int, float):
+        return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         return text
+    return int(value) if kind is int and value.is_integer() else value

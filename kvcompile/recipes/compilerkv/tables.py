@@ -144,8 +144,8 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
     pool their records (in the order one process would have made them), and every rank continues with rank 0's
     table."""
     settings.check()
-    model, tokenizer, out, shard = job.model, job.tokenizer, job.out, job.shard
-    fingerprint = model_fingerprint(model)
+    shard = job.shard
+    fingerprint = model_fingerprint(job.model)
     if fingerprint.num_query_heads % fingerprint.num_kv_heads:
         raise KVRuntimeError("query heads must be a multiple of KV heads")
     checkpoint_settings = {
@@ -154,8 +154,63 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
         "settings": settings.to_dict(),
     }
     agree_on_settings(shard, checkpoint_settings)
+    experience, prompts, edges = _chosen_prompts(job, corpus, settings)
+    layers, heads = fingerprint.num_layers, fingerprint.num_query_heads
+    units = [(p, b) for p in prompts for b in range(len(settings.budgets))]  # this rank's, in its order
+    run = _starting_run(job, settings, checkpoint_settings, layers, heads, len(units))
+    learned: dict[str, LearnedTable] = {}
+    converged = False
+
+    def pool_records() -> None:
+        experience.head, experience.gate = (
+            pooled_records(shard, run.own_records[kind], settings.prompts, len(settings.budgets)) for kind in PHASES
+        )
+
+    progress = run.progress
+    for round_ in range(progress["round"], settings.rounds):
+        if round_ > progress["round"]:
+            run.round_start = {name: table.clone() for name, table in run.state.items()}
+        for phase in range(progress["phase"] if round_ == progress["round"] else 0, len(PHASES)):
+            kind = PHASES[phase]
+            first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
+            _collect_phase(job, settings, run, prompts, units, round_, phase, first_unit)
+            pool_records()
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+            learned[kind].values = from_rank(shard, learned[kind].values)
+            run.state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
+            run.history[f"{kind}_curves"].append(learned[kind].learning_curve)
+            run.save(round_, phase + 1, 0)
+        changes = [float((run.state[name] != run.round_start[name]).float().mean()) for name in run.state]
+        run.history["changes"].append(changes)
+        run.save(round_ + 1, 0, 0)
+        if round_ > 0 and max(changes) < settings.tolerance:
+            converged = True
+            break
+    pool_records()
+    for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
+        if kind not in learned:
+            learned[kind] = _learn(kind, experience, layers, heads, settings)
+    params = {**_params(settings, experience), "rounds_run": len(run.history["changes"]), "converged": converged}
+    source = provenance(corpus, settings.seed)
+    experience_artifact = Artifact(
+        kind="compilerkv_experience",
+        tensors=experience.tensors(),
+        model=fingerprint,
+        provenance=source,
+        params=params,
+    )
+    tables = tables_artifact(fingerprint, experience, learned, run.history, edges, source, params)
+    return tables, experience_artifact
+
+
+def _chosen_prompts(
+    job: CompileJob, corpus: Corpus, settings: TablesSettings
+) -> tuple[Experience, dict[int, object], tuple[torch.Tensor, torch.Tensor]]:
+    """The calibration prompts chosen by their risk (stratified), this rank's share of them prefilled and placed in
+    their risk bins, the experience they start (no records yet) and the bins' edges."""
+    model, shard = job.model, job.shard
     calibration = calibration_prompts(
-        corpus, tokenizer, settings.candidates, settings.context + settings.continuation, settings.seed
+        corpus, job.tokenizer, settings.candidates, settings.context + settings.continuation, settings.seed
     )
     candidate_risks = torch.zeros(settings.candidates, 2, dtype=torch.float64)
     for index in tqdm(shard.items(settings.candidates), desc="risk of candidate prompts", unit="prompt"):
@@ -163,7 +218,6 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
         candidate_risks[index] = torch.tensor([signals.entropy, signals.perplexity])
     candidate_risks = sum(part["risks"] for part in gather_dicts(shard, {"risks": candidate_risks}))
     chosen = stratified_choice(candidate_risks, settings.prompts, settings.strata, settings.seed)
-    own = list(shard.items(settings.prompts))
 
     def scored_text(index: int) -> torch.Tensor:
         ids = calibration[chosen[index]][1]
@@ -173,7 +227,7 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
 
     prompts = {
         index: prefill_prompt(model, scored_text(index), settings.context, index)
-        for index in tqdm(own, desc="prefill chosen prompts", unit="prompt")
+        for index in tqdm(list(shard.items(settings.prompts)), desc="prefill chosen prompts", unit="prompt")
     }
     signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
     for index, prompt in prompts.items():
@@ -196,112 +250,101 @@ def compile_tables(job: CompileJob, corpus: Corpus, settings: TablesSettings) ->
     for prompt in prompts.values():
         prompt.entropy_bin = risk_bin(prompt.signals.entropy, edges[0])
         prompt.perplexity_bin = risk_bin(prompt.signals.perplexity, edges[1])
-    layers, heads = fingerprint.num_layers, fingerprint.num_query_heads
-    shape_head = (len(settings.budgets), layers, heads)
+    return experience, prompts, edges
+
+
+@dataclasses.dataclass
+class _Run:
+    """Where the rounds stand: the tables now and at the round's start, this rank's own records (the pooled ones,
+    `Experience.head` and `.gate`, are rebuilt before every fit), the progress and the learning history."""
+
+    state: dict[str, torch.Tensor]
+    round_start: dict[str, torch.Tensor]
+    own_records: dict[str, Records]
+    progress: dict
+    history: dict[str, list]
+    job: CompileJob  # where the checkpoint goes, and the ranks
+    checkpoint_settings: dict
+
+    def save(self, round_: int, phase: int, unit: int) -> None:
+        tensors = {
+            **self.own_records["head"].tensors("head"),
+            **self.own_records["gate"].tensors("gate"),
+            **self.state,
+            **{f"round_start_{name}": table for name, table in self.round_start.items()},
+        }
+        progress = {"round": round_, "phase": phase, "unit": unit, "history": self.history}
+        save_checkpoint(self.job.out, tensors, progress, self.checkpoint_settings, self.job.shard)
+
+
+def _starting_run(
+    job: CompileJob, settings: TablesSettings, checkpoint_settings: dict, layers: int, heads: int, units: int
+) -> _Run:
+    """The run from its start, or from its checkpoint (`--resume`), caught up with the other ranks."""
     shape_gate = (len(settings.budgets), layers, settings.entropy_bins, settings.perplexity_bins)
     state = {
-        "head_reliability": torch.full(shape_head, HEAD_FALLBACK),
+        "head_reliability": torch.full((len(settings.budgets), layers, heads), HEAD_FALLBACK),
         "risk_thresholds": torch.full(shape_gate, gate_fallback(settings.elastic)),
     }
     history: dict[str, list] = {"head_curves": [], "gate_curves": [], "changes": []}
     progress = {"round": 0, "phase": 0, "unit": 0, "history": history}
     round_start = {name: table.clone() for name, table in state.items()}
-    # This rank's own records; the pooled ones (`experience.head`, `.gate`) are rebuilt before every fit.
     own_records = {kind: Records(experience_columns(kind)) for kind in PHASES}
-    units = [(p, b) for p in own for b in range(len(settings.budgets))]
-    saved = load_checkpoint(out, checkpoint_settings, shard, job.resume)
+    saved = load_checkpoint(job.out, checkpoint_settings, job.shard, job.resume)
     if saved is not None:
         tensors, progress = saved
         own_records = {kind: Records.from_tensors(experience_columns(kind), tensors, kind) for kind in PHASES}
         state = {name: tensors[name] for name in state}
         round_start = {name: tensors[f"round_start_{name}"] for name in state}
         history = progress["history"]
-    if shard.in_process_group:
-        progress, state, round_start, history = _catch_up(shard, progress, state, round_start, len(units))
-    learned: dict[str, LearnedTable] = {}
-    converged = False
+    if job.shard.in_process_group:
+        progress, state, round_start, history = _catch_up(job.shard, progress, state, round_start, units)
+    return _Run(state, round_start, own_records, progress, history, job, checkpoint_settings)
 
-    def pool_records() -> None:
-        experience.head, experience.gate = (
-            pooled_records(shard, own_records[kind], settings.prompts, len(settings.budgets)) for kind in PHASES
+
+def _collect_phase(
+    job: CompileJob,
+    settings: TablesSettings,
+    run: _Run,
+    prompts: dict[int, object],
+    units: list[tuple[int, int]],
+    round_: int,
+    phase: int,
+    first_unit: int,
+) -> None:
+    """One phase's experience: every (prompt, budget) unit of this rank from `first_unit` on, probed under the
+    tables now, each saved in the checkpoint once collected."""
+    kind, fingerprint = PHASES[phase], model_fingerprint(job.model)
+    desc = f"round {round_ + 1}/{settings.rounds}: {kind} experience"
+    bar = tqdm(total=len(units), initial=first_unit, desc=desc, unit="unit")
+    for unit in range(first_unit, len(units)):
+        prompt_index, budget_index = units[unit]
+        prompt = prompts[prompt_index]
+        global_unit = prompt_index * len(settings.budgets) + budget_index  # the unit's seeds: shard-free
+        probed = probed_states(
+            kind, global_unit, fingerprint.num_layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_
         )
-
-    def save(round_: int, phase: int, unit: int) -> None:
-        tensors = {
-            **own_records["head"].tensors("head"),
-            **own_records["gate"].tensors("gate"),
-            **state,
-            **{f"round_start_{name}": table for name, table in round_start.items()},
-        }
-        progress = {"round": round_, "phase": phase, "unit": unit, "history": history}
-        save_checkpoint(out, tensors, progress, checkpoint_settings, shard)
-
-    for round_ in range(progress["round"], settings.rounds):
-        if round_ > progress["round"]:
-            round_start = {name: table.clone() for name, table in state.items()}
-        for phase in range(progress["phase"] if round_ == progress["round"] else 0, len(PHASES)):
-            kind = PHASES[phase]
-            first_unit = progress["unit"] if (round_, phase) == (progress["round"], progress["phase"]) else 0
-            bar = tqdm(
-                total=len(units),
-                initial=first_unit,
-                desc=f"round {round_ + 1}/{settings.rounds}: {kind} experience",
-                unit="unit",
-            )
-            for unit in range(first_unit, len(units)):
-                prompt_index, budget_index = units[unit]
-                prompt = prompts[prompt_index]
-                global_unit = prompt_index * len(settings.budgets) + budget_index  # the unit's seeds: shard-free
-                collect_unit(
-                    model,
-                    prompt,
-                    state["head_reliability"][budget_index],
-                    state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
-                    budget_index,
-                    settings.budgets[budget_index],
-                    SelectionRule(settings.elastic, settings.utility),
-                    kind,
-                    probed_states(
-                        kind, global_unit, layers, fingerprint.num_kv_heads, settings.design, settings.seed, round_
-                    ),
-                    settings.design,
-                    random.Random(f"{settings.seed}:{round_}:{kind}:{global_unit}"),
-                    round_,
-                    own_records[kind],
-                    settings.batch_size,
-                    settings.loss,
-                )
-                bar.update()
-                bar.set_postfix(records=len(own_records[kind]))
-                save(round_, phase, unit + 1)
-            bar.close()
-            pool_records()
-            learned[kind] = _learn(kind, experience, layers, heads, settings)
-            learned[kind].values = from_rank(shard, learned[kind].values)
-            state["head_reliability" if kind == "head" else "risk_thresholds"] = learned[kind].values
-            history[f"{kind}_curves"].append(learned[kind].learning_curve)
-            save(round_, phase + 1, 0)
-        changes = [float((state[name] != round_start[name]).float().mean()) for name in state]
-        history["changes"].append(changes)
-        save(round_ + 1, 0, 0)
-        if round_ > 0 and max(changes) < settings.tolerance:
-            converged = True
-            break
-    pool_records()
-    for kind in PHASES:  # a table fitted before an interruption: the same fit again (deterministic)
-        if kind not in learned:
-            learned[kind] = _learn(kind, experience, layers, heads, settings)
-    params = {**_params(settings, experience), "rounds_run": len(history["changes"]), "converged": converged}
-    source = provenance(corpus, settings.seed)
-    experience_artifact = Artifact(
-        kind="compilerkv_experience",
-        tensors=experience.tensors(),
-        model=fingerprint,
-        provenance=source,
-        params=params,
-    )
-    tables = tables_artifact(fingerprint, experience, learned, history, edges, source, params)
-    return tables, experience_artifact
+        collect_unit(
+            job.model,
+            prompt,
+            run.state["head_reliability"][budget_index],
+            run.state["risk_thresholds"][budget_index, :, prompt.entropy_bin, prompt.perplexity_bin],
+            budget_index,
+            settings.budgets[budget_index],
+            SelectionRule(settings.elastic, settings.utility),
+            kind,
+            probed,
+            settings.design,
+            random.Random(f"{settings.seed}:{round_}:{kind}:{global_unit}"),
+            round_,
+            run.own_records[kind],
+            settings.batch_size,
+            settings.loss,
+        )
+        bar.update()
+        bar.set_postfix(records=len(run.own_records[kind]))
+        run.save(round_, phase, unit + 1)
+    bar.close()
 
 
 def experience_columns(kind: str) -> tuple[str, ...]:

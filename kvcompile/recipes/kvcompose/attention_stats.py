@@ -23,7 +23,7 @@ from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.kvcompose.settings import WINDOW, StatsSettings, TaskSet
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.cache_ops import cache_argument
-from kvruntime.methods.kvcompose.composite_tokens import (
+from kvruntime.composite_tokens import (
     composite_curve,
     kv_head_scores,
     prompt_allocation,

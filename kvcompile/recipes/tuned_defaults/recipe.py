@@ -30,7 +30,7 @@ class TuneRecipe(Recipe):
         return max(suite.lengths) + suite.new_tokens, f"--lengths {max(suite.lengths)} and the answer"
 
     def prepare(self, settings: TuneSettings) -> tuple[list[Any], dict[str, list[Path]]]:
-        from kvcompile.evaluation.contestants import RuntimeMethod, artifact_paths, check_contestants, parse_methods
+        from kvcompile.evaluation.contestants import RuntimeMethod, artifact_paths, parse_methods, resolve_contestants
 
         check_run_folder(self.records, option="the run records' folder beside --out:")
         contestants = parse_methods(self.methods)
@@ -40,7 +40,7 @@ class TuneRecipe(Recipe):
                 "kvcompile eval only"
             )
         paths = artifact_paths(contestants, self.artifacts)
-        check_contestants(contestants, paths, settings.suite.ratios)
+        contestants = resolve_contestants(contestants, paths, settings.suite.ratios)
         return contestants, paths
 
     def run(self, job: Any, settings: TuneSettings, inputs: tuple) -> Any:

@@ -38,9 +38,10 @@ from ..bundle import resolve_artifact_path
 from ..cache_ops import attention_modules, sliding_layers
 from ..errors import KVRuntimeError
 from ..fingerprint import model_fingerprint
-from ..methods import Method, get_method
+from ..methods import Method
 from ..methods.distilled import with_leverage
 from ..registry import method_spec
+from ..resolved import ResolvedRequest, resolve_request
 from ..selection import protect_window
 
 
@@ -69,8 +70,24 @@ class CompiledScorerPress(ScorerPress):
         the method's (as `kvruntime.compress(..., options=...)` takes them)."""
         kind = method_spec(cls.method_name)[0].needs
         artifact = load_artifact(resolve_artifact_path(path, kind), kind=kind)
-        method = get_method(cls.method_name, [artifact], options)
-        return cls(compression_ratio=compression_ratio, method=method, artifact=artifact, force=force)
+        return cls.from_request(
+            resolve_request(cls.method_name, compression_ratio, None, "padded", [artifact], options), force=force
+        )
+
+    @classmethod
+    def from_request(cls, resolved: ResolvedRequest, force: bool = False) -> CompiledScorerPress:
+        """The press of a request resolved already (`kvruntime.resolved.resolve_request`) for this press's method at
+        one ratio: its method as built there, its artifact as read there."""
+        if resolved.method_name != cls.method_name:
+            raise KVRuntimeError(
+                f"{cls.__name__} applies {cls.method_name}, not {resolved.method_name or 'an instance'}"
+            )
+        request = resolved.request()
+        if request.ratio is None:
+            raise KVRuntimeError(f"{cls.__name__} takes a compression ratio, not a budget (kvpress's presses do)")
+        kind = method_spec(cls.method_name)[0].needs
+        artifact = next(artifact for artifact in resolved.artifacts if artifact.kind == kind)
+        return cls(compression_ratio=request.ratio, method=resolved.method, artifact=artifact, force=force)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
         if sliding_layers(model):

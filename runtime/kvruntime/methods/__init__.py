@@ -12,7 +12,7 @@ __getattr__, __dir__ = lazy_exports(
     {
         **dict.fromkeys(("LayerPrefill", "Method", "Prefill", "ScoringMethod", "Selection"), "base"),
         "check_prefill_chunk_size": "base",
-        **dict.fromkeys(("check_method_serves", "get_method"), "build"),
+        **dict.fromkeys(("build_method", "get_method"), "build"),
         "WithLayerBudgets": "layer_budgets",
         "CompilerKV": "compilerkv.method",
         "Distilled": "distilled.method",

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
+from ...composite_tokens import prompt_allocation
 from ...errors import KVRuntimeError
 from ...registry import option_fields
 from ...repetition import repeats
 from ...request import KeepPlan
 from ...selection import protect_sinks, protect_window
 from ..base import LayerPrefill, Method, Prefill, Selection
-from ..kvcompose.composite_tokens import prompt_allocation
 from .features import feature_count, predicted_token_scores, running_state_sum
 from .leverage import with_leverage
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target

@@ -30,8 +30,8 @@ def second_pass_target(oracle: str) -> str:
 
 def oracle_scores(task_max: torch.Tensor, num_kv_heads: int, oracle: str) -> torch.Tensor:
     """One layer's second-pass maxima [B, Hq, N] as the oracle's scores per KV head [B, Hkv, N]."""
+    from ...composite_tokens import kv_head_scores
     from ...second_pass import kv_head_max
-    from ..kvcompose.composite_tokens import kv_head_scores
 
     return kv_head_max(task_max, num_kv_heads) if oracle == "kvzip_plus" else kv_head_scores(task_max, num_kv_heads)
 

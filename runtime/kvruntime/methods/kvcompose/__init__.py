@@ -1,5 +1,6 @@
-"""KVCompose at run time: its registration (`spec.py`), the method (`method.py`), its compiled statistics
-(`stats.py`) and the composite-token math both share with the compile stage (`composite_tokens.py`)."""
+"""KVCompose at run time: its registration (`spec.py`), the method (`method.py`) and its compiled statistics
+(`stats.py`), which it shares with the compile stage; its composite-token math is `kvruntime.composite_tokens`
+(distilled allocates with it too)."""
 
 from __future__ import annotations
 

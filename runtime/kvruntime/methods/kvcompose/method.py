@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from ...allocation import apportion
+from ...composite_tokens import kv_head_scores, prompt_allocation
 from ...errors import KVRuntimeError
 from ...registry import option_fields
 from ...request import KeepPlan, Request
 from ..base import LayerPrefill, Prefill, ScoringMethod, Selection
-from .composite_tokens import kv_head_scores, prompt_allocation
 from .spec import SPEC
 from .stats import KVComposeStats
 

@@ -1,5 +1,6 @@
 """KVCompose's math (paper section 3): token scores from task attention, composite tokens, and the global
-layer-adaptive allocation. Pure functions, batch size 1 for the allocations.
+layer-adaptive allocation, which kvcompose, distilled and the compile stage share. Pure functions, batch size 1 for
+the allocations.
 
 Shapes: task maxima are [B, Hq, N] (`kvruntime.second_pass`: one per query head and context token), head scores [B, Hkv, N], and a
 layer's composite curve [N] (composite token r = the r-th best entry of every KV head, scores averaged).
