@@ -12,7 +12,7 @@ from kvruntime.artifact import Artifact, save_artifact
 from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.fingerprint import model_fingerprint
-from kvruntime.methods import CompilerKV, Prefill, get_method
+from kvruntime.methods import CompilerKV, PrefillResult, get_method
 from kvruntime.methods.compilerkv import CompilerKVTables
 from kvruntime.methods.compilerkv.signals import LayerSignals
 
@@ -135,8 +135,8 @@ def test_kept_entries_match_the_specs_selection_from_eager_attention(tiny, tmp_p
         assert sum(session.report.slots_per_layer) == 4 * BUDGETS[budget_index]
 
 
-def _signals_prefill(length: int) -> Prefill:
-    return Prefill(
+def _signals_prefill(length: int) -> PrefillResult:
+    return PrefillResult(
         length=length,
         num_kv_heads=2,
         input_ids=torch.randint(0, 96, (1, length)),

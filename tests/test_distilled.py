@@ -35,7 +35,7 @@ from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
 from kvruntime.allocation import apportion, error_aware_budgets, refloored_shares
 from kvruntime.attention import AttentionLogits
 from kvruntime.methods import Distilled, get_method
-from kvruntime.methods.base import LayerPrefill
+from kvruntime.methods.base import LayerInputs
 from kvruntime.methods.distilled import (
     DistilledScorer,
     feature_count,
@@ -369,7 +369,7 @@ def test_the_copy_penalty_lowers_each_token_by_the_later_copies_of_its_8gram_in_
         method, held, carry = Distilled(scorer=scorer, window=8, copy_penalty=penalty), None, None
         for start in range(0, 80, chunk):
             part = states[:, start : start + chunk]
-            layer = LayerPrefill(
+            layer = LayerInputs(
                 0, None, None, None, AttentionLogits(1.0), part, start=start, final=start + chunk >= 80, plan=plan
             )
             held, carry = method.stream_scores(layer, held, carry)

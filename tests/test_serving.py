@@ -4,38 +4,37 @@ option that changes them, on the shipped artifacts."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, get_method, read_artifact
-from kvruntime.registry import BUDGETABLE_NAMES, METHOD_NAMES
+from kvruntime.registry import ALIASES, BUDGETABLE_NAMES, METHODS, MethodSpec
 from kvruntime.request import required_artifact_kinds
 from kvruntime.resolved import resolve_request
 from kvruntime.serving import method_facts
 
 ARTIFACTS = artifact_folder("default")
+
+
+def option_variants(spec: MethodSpec) -> list[dict]:
+    """Its defaults, each other value of each of its words and switches alone, and a window of 16."""
+    variants: list[dict] = [{}]
+    for key, option in spec.options.items():
+        values = option.kind if isinstance(option.kind, tuple) else (False, True) if option.kind is bool else ()
+        variants += [{key: value} for value in values if value != option.default]
+    return [*variants, {"window": 16}]
+
+
+# Every registered method and alias, every `+budgets`: derived from the registry, so a method added is covered.
 COMBOS = [
-    *((name, {}) for name in ("snapkv", "kvcompress", "srh", "compresskv", "compilerkv")),
-    *(
-        ("kvcompose", {"mode": m, "unstructured": u})
-        for m, u in itertools.product(("compiled", "dynamic"), (False, True))
-    ),
-    *(("distilled", {"allocation": a}) for a in ("dynamic", "compiled", "uniform")),
-    *((f"{name}+budgets", {}) for name in BUDGETABLE_NAMES),
-    # every method takes the window as an option
-    *((name, {"window": 16}) for name in ("snapkv", "srh", "compresskv", "compilerkv", "kvcompose", "distilled")),
-    ("distilled+budgets", {"window": 128}),
+    *((name, options) for name, spec in METHODS.items() for options in option_variants(spec)),
+    *((alias, {}) for alias in ALIASES),
+    *((f"{name}+budgets", options) for name in BUDGETABLE_NAMES for options in ({}, {"window": 16})),
 ]
 
 
 def paths(name: str, options: dict) -> list:
     return [ARTIFACTS / f"{kind}.safetensors" for kind in required_artifact_kinds(name, options)]
-
-
-def test_every_method_is_covered():
-    assert {name.partition("+")[0] for name, _ in COMBOS} | {"compresskv"} == set(METHOD_NAMES)
 
 
 @pytest.mark.parametrize("name, options", COMBOS, ids=lambda x: str(x))
@@ -61,7 +60,7 @@ def outcome(check, *args) -> str:
 REQUESTS = [Request(ratio=r) for r in (0.05, 0.5, 0.99)] + [Request(budget=b) for b in (256, 300, 512)]
 
 
-@pytest.mark.parametrize("name, options", [*COMBOS, ("compilerkv", {"nearest_budget": True})], ids=lambda x: str(x))
+@pytest.mark.parametrize("name, options", COMBOS, ids=lambda x: str(x))
 @pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.describe())
 @pytest.mark.parametrize("chunk", [None, 4, 512])
 def test_the_header_check_refuses_exactly_what_the_built_method_refuses(name, options, request_, chunk):

@@ -17,7 +17,7 @@ import kvruntime
 from kvcompile.cli import app
 from kvruntime import KVRuntimeError, Method
 from kvruntime.engine import chunk_bounds
-from kvruntime.methods import LayerPrefill, Selection, SnapKV
+from kvruntime.methods import LayerInputs, Selection, SnapKV
 from kvruntime.methods.distilled import running_state_sum, token_features
 from kvruntime.request import KeepPlan, kept_per_head
 from kvruntime.selection import protect_window
@@ -42,10 +42,10 @@ class FixedPriority(Method):
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         return [plan.keep] * num_layers
 
-    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
+    def layer_statistics(self, layer: LayerInputs) -> torch.Tensor:
         return self.stream_scores(layer, None, None)[0]
 
-    def stream_scores(self, layer: LayerPrefill, held: torch.Tensor | None, carry: object) -> tuple[torch.Tensor, None]:
+    def stream_scores(self, layer: LayerInputs, held: torch.Tensor | None, carry: object) -> tuple[torch.Tensor, None]:
         fresh = self.priority[:, layer.start : layer.start + layer.hidden_states.shape[1]][None]
         scores = fresh if held is None else torch.cat([held, fresh], dim=-1)
         return (protect_window(scores, self.window) if layer.final else scores), None

@@ -1,6 +1,6 @@
 """A second pass over a prefilled context: a task (the context itself, task-agnostic, or a downstream prompt) fed
 right after it in the same cache, and each context token's largest attention from it. KVCompose scores this way
-(the runtime's dynamic mode through `Prefill.second_pass_attention`, the compile stage's `kvcompile stats`).
+(the runtime's dynamic mode through `PrefillResult.second_pass_attention`, the compile stage's `kvcompile stats`).
 
 The task goes through the model a chunk at a time; after every attention layer whose cache grows the chunk's
 queries (as the model computed them, `window.query_hooks`) are attended against the cached keys: the largest

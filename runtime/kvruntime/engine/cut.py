@@ -10,7 +10,7 @@ from transformers import Cache
 from ..allocation import apportion
 from ..cache_ops import check_growing_layer, keep_entries
 from ..errors import KVRuntimeError, UnsupportedModelError
-from ..methods import LayerPrefill, Method, Prefill
+from ..methods import LayerInputs, Method, PrefillResult
 from ..second_pass import task_attention_maxima
 from ..selection import top_indices, top_mask
 from .state import Cut, HeldEntries, PrefillState
@@ -27,7 +27,7 @@ def window_notes(state: PrefillState) -> list[str]:
 
 
 def cut_cache(
-    method: Method, modules: list[nn.Module], cache: Cache, state: PrefillState, prefill: Prefill, memory: str
+    method: Method, modules: list[nn.Module], cache: Cache, state: PrefillState, prefill: PrefillResult, memory: str
 ) -> Cut:
     """The growing layers of `cache` (those of the attention `modules`) cut to what the method keeps (done already
     when they were cut inside the prefill)."""
@@ -40,7 +40,7 @@ def cut_cache(
 
 
 def cut_after_prefill(
-    method: Method, layers: list, layer_ids: list[int], state: PrefillState, prefill: Prefill, memory: str
+    method: Method, layers: list, layer_ids: list[int], state: PrefillState, prefill: PrefillResult, memory: str
 ) -> Cut:
     """Cut each of the growing cache `layers` (model layer ids `layer_ids`) to the method's selection from every
     layer's statistics, in `memory` mode."""
@@ -91,7 +91,7 @@ def cut_inside_prefill(method: Method, layers: list, state: PrefillState) -> Cut
     return Cut(slots, entries, kept, {}, [*window_notes(state), note])
 
 
-def cut_layer(method: Method, cache_layer: object, layer: LayerPrefill, state: PrefillState) -> None:
+def cut_layer(method: Method, cache_layer: object, layer: LayerInputs, state: PrefillState) -> None:
     """Keep the layer's best entries under its budget, right after its attention (one chunk of the prompt went
     in: the whole prompt when it is not streamed)."""
     earlier = state.held.get(layer.index)
@@ -113,8 +113,10 @@ def cut_layer(method: Method, cache_layer: object, layer: LayerPrefill, state: P
     state.held[layer.index] = HeldEntries(positions, scores, carry)
 
 
-def method_prefill(model: nn.Module, method_name: str, cache: Cache, state: PrefillState, output: object) -> Prefill:
-    """What the method may ask of the prefill when it selects (`methods.Prefill`): the prompt, its final hidden
+def method_prefill(
+    model: nn.Module, method_name: str, cache: Cache, state: PrefillState, output: object
+) -> PrefillResult:
+    """What the method may ask of the prefill when it selects (`methods.PrefillResult`): the prompt, its final hidden
     states, and the prompt fed again after itself in the filled cache, timed as part of the scoring."""
 
     def second_pass(prefix: tuple[int, ...] = (), target: str = "attention") -> list[torch.Tensor]:
@@ -124,7 +126,7 @@ def method_prefill(model: nn.Module, method_name: str, cache: Cache, state: Pref
         prefixed = torch.tensor([prefix], dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
         return task_attention_maxima(model, cache, torch.cat([prefixed, ids], 1), state.length, target=target)
 
-    return Prefill(
+    return PrefillResult(
         length=state.length,
         num_kv_heads=cache.layers[0].keys.shape[1],
         input_ids=state.input_ids,

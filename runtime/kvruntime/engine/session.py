@@ -30,7 +30,7 @@ from ..cache_ops import (
     window_attention_modules,
 )
 from ..errors import KVRuntimeError
-from ..methods import LayerPrefill
+from ..methods import LayerInputs
 from ..model_spec import check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
 from ..recording import RECORDED_QUERIES, PrefillRecording
@@ -269,7 +269,7 @@ class CompressionSession:
         started = time.perf_counter()
         with torch.no_grad():
             queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
-            layer = LayerPrefill(
+            layer = LayerInputs(
                 self._position[module],
                 queries,
                 cache_layer.keys,

@@ -10,7 +10,7 @@ from ..lazy_exports import lazy_exports
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        **dict.fromkeys(("LayerPrefill", "Method", "Prefill", "ScoringMethod", "Selection"), "base"),
+        **dict.fromkeys(("LayerInputs", "Method", "PrefillResult", "ScoringMethod", "Selection"), "base"),
         "check_prefill_chunk_size": "base",
         **dict.fromkeys(("build_method", "get_method"), "build"),
         "WithLayerBudgets": "layer_budgets",

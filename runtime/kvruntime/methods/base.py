@@ -5,7 +5,7 @@ model has run, turns what it gathered and the request (ratio or budget) into a `
 token) in every layer and how many entries each (layer, KV head) keeps. Most methods score tokens by window
 attention layer by layer (`ScoringMethod`); a method that needs every layer's statistics at once (CompilerKV's
 global attention mass) does its work in `select`, and a method that scores with a second pass over the prompt
-(KVCompose's dynamic mode) asks the `Prefill` for it there.
+(KVCompose's dynamic mode) asks the `PrefillResult` for it there.
 
 A method whose layer budgets are known before any layer has run (`layer_budgets`: uniform, compiled or error-aware
 shares) lets the engine cut each layer right after its attention, inside the prefill, and stream a long prompt in
@@ -30,7 +30,7 @@ from ..window import window_attention
 
 
 @dataclasses.dataclass
-class Prefill:
+class PrefillResult:
     """What the engine knows about the prefill when the method selects: the prompt, the model's final hidden
     states (after the last norm), from which the window's next-token log-probabilities can be had, and a second
     pass over the prompt on request."""
@@ -55,7 +55,7 @@ class Prefill:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerPrefill:
+class LayerInputs:
     """What the engine hands a method from one attention layer at the end of prefill."""
 
     index: int  # the layer's index
@@ -106,7 +106,7 @@ class Method(abc.ABC):
         """How `layer_budgets` decided, for the compression report (None: the counts say it all)."""
         return None
 
-    def stream_scores(self, layer: LayerPrefill, held: torch.Tensor | None, carry: Any) -> tuple[torch.Tensor, Any]:
+    def stream_scores(self, layer: LayerInputs, held: torch.Tensor | None, carry: Any) -> tuple[torch.Tensor, Any]:
         """Scores [B, Hkv, held + new] of every entry layer `layer` holds once a chunk of the prompt went in (the
         entries kept from earlier chunks, then the chunk's; the whole prompt is one chunk when it is not streamed).
         `held`: the scores the kept entries had (None on the first chunk); `carry`: what this method carried from
@@ -129,11 +129,11 @@ class Method(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def layer_statistics(self, layer: LayerPrefill) -> Any:
+    def layer_statistics(self, layer: LayerInputs) -> Any:
         """What the method keeps from one layer at the end of prefill."""
 
     @abc.abstractmethod
-    def select(self, statistics: list[Any], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[Any], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         """Turn every layer's statistics into a selection that serves the keep plan on this prompt: on average at
         most `plan.keep` entries per (layer, KV head)."""
 
@@ -155,7 +155,7 @@ class ScoringMethod(Method):
         """Token scores [B, Hkv, N] from the window's queries [B, Hq, w, D]; the window itself always stays."""
         return protect_window(self.token_scores(window_attention(queries, keys, logits), layer), queries.shape[2])
 
-    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor:
+    def layer_statistics(self, layer: LayerInputs) -> torch.Tensor:
         return self.window_scores(layer.queries, layer.keys, layer.logits, layer.index)
 
     @property
@@ -165,7 +165,7 @@ class ScoringMethod(Method):
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:
         return [plan.keep] * num_layers
 
-    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         return Selection(statistics, self.head_counts(statistics, plan))
 
     def head_counts(self, layer_scores: list[torch.Tensor], plan: KeepPlan) -> torch.Tensor:

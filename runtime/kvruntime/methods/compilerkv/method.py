@@ -27,7 +27,7 @@ import torch
 from ...errors import KVRuntimeError
 from ...registry import option_fields
 from ...request import KeepPlan, Request
-from ..base import LayerPrefill, Method, Prefill, Selection
+from ..base import LayerInputs, Method, PrefillResult, Selection
 from .operating_points import check_compilerkv_request
 from .risk_gate import kept_counts, risk_bin
 from .signals import LayerSignals, layer_scores, layer_signals, prompt_signals
@@ -44,10 +44,10 @@ class CompilerKV(option_fields(SPEC), Method):
     def check_request(self, request: Request) -> None:  # a budget not compiled is refused unless nearest_budget
         check_compilerkv_request(self.tables.budgets, self.nearest_budget, request)
 
-    def layer_statistics(self, layer: LayerPrefill) -> LayerSignals:
+    def layer_statistics(self, layer: LayerInputs) -> LayerSignals:
         return layer_signals(layer.queries, layer.keys, layer.values, layer.logits)
 
-    def select(self, statistics: list[LayerSignals], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[LayerSignals], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         try:
             logprobs = prefill.token_logprobs(self.window - 1)
         except ValueError as exc:

@@ -33,7 +33,7 @@ from ...registry import option_fields
 from ...repetition import repeats
 from ...request import KeepPlan
 from ...selection import protect_sinks, protect_window
-from ..base import LayerPrefill, Method, Prefill, Selection
+from ..base import LayerInputs, Method, PrefillResult, Selection
 from .features import feature_count, predicted_token_scores, running_state_sum
 from .leverage import with_leverage
 from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
@@ -111,12 +111,12 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
         return dataclasses.replace(self, layer_error=layer_error)
 
-    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
+    def layer_statistics(self, layer: LayerInputs) -> torch.Tensor | None:
         # The teacher scores in its second pass (`select`).
         return None if self.scores == "oracle" else self.stream_scores(layer, None, None)[0]
 
     def stream_scores(
-        self, layer: LayerPrefill, held: torch.Tensor | None, carry: torch.Tensor | None
+        self, layer: LayerInputs, held: torch.Tensor | None, carry: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact in chunks: a token's score depends on its own inputs, through `carry` (the running sum of the
         earlier states, `running_state_sum`) on the tokens before it, and through `copy_penalty` on the prompt's ids
@@ -148,7 +148,7 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         scores = predicted_token_scores(hidden_states, weights, start, carry)
         return protect_sinks(scores, self.sinks) if start == 0 else scores
 
-    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         if self.scores == "oracle":
             statistics = self._oracle_scores(plan, prefill)
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
@@ -171,7 +171,7 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         )
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
 
-    def _oracle_scores(self, plan: KeepPlan, prefill: Prefill) -> list[torch.Tensor]:
+    def _oracle_scores(self, plan: KeepPlan, prefill: PrefillResult) -> list[torch.Tensor]:
         """The teacher's log-scores per layer [B, Hkv, N], the window and the sinks protected as the student's are."""
         oracle = self.scorer.oracle
         maxima = prefill.second_pass_attention(prefix=self.scorer.task_prefix, target=second_pass_target(oracle))

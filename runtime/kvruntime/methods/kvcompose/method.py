@@ -27,7 +27,7 @@ from ...composite_tokens import kv_head_scores, prompt_allocation
 from ...errors import KVRuntimeError
 from ...registry import option_fields
 from ...request import KeepPlan, Request
-from ..base import LayerPrefill, Prefill, ScoringMethod, Selection
+from ..base import LayerInputs, PrefillResult, ScoringMethod, Selection
 from .spec import SPEC
 from .stats import KVComposeStats
 
@@ -60,7 +60,7 @@ class KVCompose(option_fields(SPEC), ScoringMethod):  # its options (mode, unstr
         counts = apportion(shares, plan.keep * shares.numel(), low=plan.window, high=plan.length)
         return counts, f"compiled allocation ({self.stats.task_mode} stats, {how})"
 
-    def layer_statistics(self, layer: LayerPrefill) -> torch.Tensor | None:
+    def layer_statistics(self, layer: LayerInputs) -> torch.Tensor | None:
         # The dynamic mode scores in its second pass (`select`): nothing to gather from the window.
         return None if self.mode == "dynamic" else super().layer_statistics(layer)
 
@@ -69,7 +69,7 @@ class KVCompose(option_fields(SPEC), ScoringMethod):  # its options (mode, unstr
         batch, num_kv_heads, groups, _, length = attention.shape
         return kv_head_scores(attention.amax(dim=-2).reshape(batch, num_kv_heads * groups, length), num_kv_heads)
 
-    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: Prefill) -> Selection:
+    def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         if self.mode == "dynamic":
             if prefill.input_ids is None:
                 raise KVRuntimeError("kvcompose's dynamic mode feeds the prompt again: give token ids, not embeddings")
