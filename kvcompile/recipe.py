@@ -12,7 +12,7 @@ goes through: check, claim the output, prepare, load the model, run, write, plot
 A new recipe is one package under `kvcompile/recipes/`: a torch-free `settings.py` whose settings dataclass declares
 the command's options (`kvcompile.settings.option`: help and choices beside each field), a torch-free `recipe.py`
 with its `Recipe` subclass (importing the work inside `run`, `finish`, `plot`), registered in
-`kvcompile/recipes/__init__.py`, and a short command in `commands.py` (`compile_command`) that makes the recipe from
+`kvcompile/recipes/__init__.py`, and a short command in `cli/commands.py` (`compile_command`) that makes the recipe from
 its inputs; the command line is derived from the settings. Every artifact a command writes ends in
 .safetensors, and only an artifact of the kind it writes is ever replaced (`claim_artifact`).
 """

@@ -1,5 +1,5 @@
 """A compile command's options declared once: its recipe's settings dataclass. A field made by `option` (its help,
-its choices) is a command-line option (`kvcompile.commands.compile_command` derives it); the other fields are
+its choices) is a command-line option (`kvcompile.cli.commands.compile_command` derives it); the other fields are
 settings the command line does not set. Torch-free."""
 
 from __future__ import annotations

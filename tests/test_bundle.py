@@ -18,7 +18,8 @@ from conftest import place_in_hub_cache, save_char_tokenizer, tiny_model
 from typer.testing import CliRunner
 
 import kvruntime
-from kvcompile import cli, cli_artifacts
+from kvcompile import cli
+from kvcompile.cli import artifacts as cli_artifacts
 from kvruntime.artifact import read_artifact, save_artifact
 from kvruntime.bundle import read_bundle, resolve_artifact_path
 from kvruntime.fingerprint import ModelFingerprint

@@ -107,7 +107,7 @@ def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefil
     and its tensors once, run the serving checks once and build the method once (later steps trust it)."""
     from conftest import scorer_that_prefers, tiny_model
 
-    from kvcompile.generation import compression_asked
+    from kvcompile.cli.generation import compression_asked
     from kvruntime import compress, save_artifact
     from kvruntime.request import kept_per_head, parse_option_pairs
 
@@ -132,7 +132,7 @@ def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_defaul
     """Gemma's shipped tuned_defaults found no method within its tolerance: `kvcompile generate --model gemma-3-270m`
     without --method serves the runtime's default (and says why) instead of refusing; the default model's tuning
     still names its method, ratio and artifacts."""
-    from kvcompile.generation import compression_asked
+    from kvcompile.cli.generation import compression_asked
     from kvruntime.registry import DEFAULT_METHOD
 
     gemma = compression_asked("gemma-3-270m", None, None, None, "padded", [], {}, False, None, None)

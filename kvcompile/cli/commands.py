@@ -179,7 +179,12 @@ def generate(
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
     template (`--prompt-format auto`, for instruct models) or raw text."""
     with clear_errors():
-        from kvcompile.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
+        from kvcompile.cli.generation import (
+            check_generation_inputs,
+            compression_asked,
+            generate_compressed,
+            read_prompts,
+        )
         from kvruntime.request import parse_option_pairs
 
         prompts = read_prompts(prompt_file)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kvcompile import recipe
-from kvcompile.commands import (
+from kvcompile.cli.commands import (
     DeviceOption,
     ModelOption,
     PromptFormatOption,

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kvcompile.commands import COMPILE_COMMANDS, app, clear_errors
+from kvcompile.cli.commands import COMPILE_COMMANDS, app, clear_errors
 from kvcompile.recipe import claim_output
 from kvruntime import KVRuntimeError
 from kvruntime.errors import printable
