@@ -1,5 +1,5 @@
 """Writing and reproducing artifact bundles (`kvcompile bundle`, `kvcompile reproduce`); the format and its checks
-are the runtime's (`kvruntime.bundle`), which reads a bundle without the compile stage.
+are the runtime's (`kvruntime.artifacts.bundle`), which reads a bundle without the compile stage.
 
 A bundle is one folder per compiled model: the artifacts (with their pictures and run records), `manifest.json`
 (per artifact: kind, sha256 of its bytes, provenance with the command that reruns it, the calibration data and its
@@ -27,8 +27,8 @@ from kvcompile.evaluation.published import PICTURE, results_lines
 from kvcompile.markdown import markdown_code, markdown_text
 from kvcompile.recipe import OUTPUT_OPTIONS, PARTIAL_KIND, picture_path, read_run_record, run_record_path
 from kvruntime import KVRuntimeError
-from kvruntime.artifact_header import ARTIFACT_SUFFIX, read_header
-from kvruntime.bundle import (
+from kvruntime.artifacts.artifact_header import ARTIFACT_SUFFIX, read_header
+from kvruntime.artifacts.bundle import (
     BUNDLE_FORMAT,
     BUNDLE_FORMAT_VERSION,
     CARD_NAME,
@@ -40,8 +40,8 @@ from kvruntime.bundle import (
     manifest_problem,
     read_bundle,
 )
-from kvruntime.default_model import DEFAULT_MODEL, SHIPPED_MODELS
 from kvruntime.errors import printable, short_repr
+from kvruntime.models.default_model import DEFAULT_MODEL, SHIPPED_MODELS
 
 CARD_TAGS = ("kvcompile", "kv-cache-compression", "kv-cache", "kvpress", "long-context")
 # What `kvcompile reproduce` needs in an artifact's provenance: written by kvcompile since commands were recorded
@@ -92,8 +92,8 @@ def write_bundle(
     `measured`: an eval run's results (`evaluation.published.eval_results`) and its folder, carried in the manifest
     and the card with its plot. Returns the manifest."""
     from kvruntime import read_artifact
-    from kvruntime.artifact import check_tensors
-    from kvruntime.files import replace_folder
+    from kvruntime.artifacts.artifact import check_tensors
+    from kvruntime.artifacts.files import replace_folder
 
     artifacts = [read_artifact(path) for path in files]
     for artifact in artifacts:
@@ -464,7 +464,7 @@ def _verdict(entry: dict[str, Any], made: Path, returncode: int, installed: dict
 
 def describe_bundle(bundle: Bundle) -> list[str]:
     """What `kvcompile info` prints for a bundle (its manifest's text escaped: it may come from anyone)."""
-    from kvruntime.fingerprint import ModelFingerprint
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
 
     base = bundle.manifest.get("base_model")
     lines = [

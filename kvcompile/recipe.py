@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import KVRuntimeError
-from kvruntime.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
-from kvruntime.default_model import SHIPPED_MODELS
+from kvruntime.artifacts.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
 from kvruntime.errors import short_repr
+from kvruntime.models.default_model import SHIPPED_MODELS
 
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
@@ -132,7 +132,7 @@ def claim_output(
 ) -> Path:
     """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
     for the rest of the command, so that two runs never write the same output at once."""
-    from kvruntime.files import check_output_file, check_output_folder, path_lock
+    from kvruntime.artifacts.files import check_output_file, check_output_folder, path_lock
 
     (check_output_folder if folder else check_output_file)(path, option)
     if lock:
@@ -166,7 +166,7 @@ def claim_artifact(
     """`claim_output` for an artifact and its picture: the name ends in .safetensors (so the picture never takes
     its place), and what is already there is replaced only when it is an artifact of one of `kinds` (a picture: a
     PNG). A command never writes over a file it did not make."""
-    from kvruntime.artifact_header import header_kind
+    from kvruntime.artifacts.artifact_header import header_kind
 
     claim_output(resources, path, lock=lock, option=option)  # a folder, or a folder nothing can be written in
     if path.suffix != ARTIFACT_SUFFIX:
@@ -293,7 +293,7 @@ def compile_artifact(
     `command` is the command line that reruns it (every setting spelled out, the output left out), recorded in the
     artifact's provenance."""
     from kvcompile.calibration.shards import Shard, planned_shard
-    from kvruntime.model_spec import check_model_spec, check_positions, position_limit
+    from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
 
     started = time.perf_counter()
     recipe.check(settings)
@@ -359,7 +359,7 @@ def write_result(
     from kvcompile.calibration.checkpoint import discard_checkpoint
     from kvcompile.calibration.distributed import wait_for_all
     from kvruntime import save_artifact
-    from kvruntime.files import write_atomically
+    from kvruntime.artifacts.files import write_atomically
 
     if shard.writes_results:
         save_artifact(artifact, out)

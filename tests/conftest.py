@@ -14,7 +14,7 @@ import transformers
 from hypothesis import settings
 
 import kvruntime
-import kvruntime.model_loading
+import kvruntime.models.model_loading
 from kvruntime.cache_ops import hooked_cache
 from kvruntime.methods.distilled import feature_count
 
@@ -192,8 +192,8 @@ def real_model_only_in_integration_tests(request: pytest.FixtureRequest, monkeyp
     def refuse(*args, **kwargs):
         pytest.fail("this test loads the real default model: mark it integration")
 
-    monkeypatch.setattr(kvruntime.model_loading, "load_shipped_model", refuse)
-    monkeypatch.setattr(kvruntime.model_loading, "load_gguf_model", refuse)
+    monkeypatch.setattr(kvruntime.models.model_loading, "load_shipped_model", refuse)
+    monkeypatch.setattr(kvruntime.models.model_loading, "load_gguf_model", refuse)
 
 
 def dynamic_layer_shares(model: torch.nn.Module, prompts: list[tuple[int, torch.Tensor]], ratio: float) -> torch.Tensor:

@@ -22,9 +22,9 @@ from kvcompile.recipes.distilled.distill import compile_distilled_scorer
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import KVRuntimeError
-from kvruntime.fingerprint import model_fingerprint
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 7 + j * j * 13) % 26) for j in range(9000)) for i in range(3)))
 STATS = StatsSettings(ratios=(0.3, 0.6), prompts=5, prompt_tokens=96)

@@ -14,7 +14,7 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv.tables import compile_tables
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
 
 STATS = StatsSettings(ratios=(0.3, 0.6), prompts=150, prompt_tokens=256)
 

@@ -9,9 +9,9 @@ import torch
 from conftest import tiny_model
 from safetensors.torch import save_file
 
-from kvruntime.artifact import Artifact, load_artifact, read_artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, load_artifact, read_artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.fingerprint import model_fingerprint
 
 
 @pytest.fixture

@@ -22,10 +22,17 @@ from hypothesis import strategies as st
 from test_artifact import _rewrite_metadata
 
 import kvruntime
-from kvruntime.artifact import KNOWN_KINDS, Artifact, load_artifact, read_artifact, save_artifact, tensors_checksum
+from kvruntime.artifacts.artifact import (
+    KNOWN_KINDS,
+    Artifact,
+    load_artifact,
+    read_artifact,
+    save_artifact,
+    tensors_checksum,
+)
+from kvruntime.artifacts.fingerprint import ModelFingerprint, model_fingerprint
+from kvruntime.artifacts.tuned_defaults import TunedDefaults
 from kvruntime.errors import KVRuntimeError
-from kvruntime.fingerprint import ModelFingerprint, model_fingerprint
-from kvruntime.tuned_defaults import TunedDefaults
 
 # KVCOMPILE_FUZZ_EXAMPLES=3000 for a longer search (about 2 minutes); the default keeps this file near 5 s.
 FUZZ = settings(

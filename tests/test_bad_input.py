@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 import kvcompile.cli as cli
 from kvcompile import recipe
-from kvruntime.artifact import Artifact, save_artifact, tensors_checksum
-from kvruntime.fingerprint import model_fingerprint
+from kvruntime.artifacts.artifact import Artifact, save_artifact, tensors_checksum
+from kvruntime.artifacts.fingerprint import model_fingerprint
 
 runner = CliRunner()
 LLAMA = tiny_model("llama")

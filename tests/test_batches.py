@@ -24,7 +24,7 @@ from kvcompile.evaluation.runner import Scoring, answer_batch, until_stop
 from kvruntime import Request
 from kvruntime.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.errors import UnsupportedModelError
-from kvruntime.request import required_artifact_kinds
+from kvruntime.requests.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (150, 210, 120)  # the rows' own prompt lengths

@@ -1,4 +1,4 @@
-"""Artifact bundles (`kvcompile bundle`, `kvcompile reproduce`, `kvruntime.bundle`) on a tiny Llama saved as a model
+"""Artifact bundles (`kvcompile bundle`, `kvcompile reproduce`, `kvruntime.artifacts.bundle`) on a tiny Llama saved as a model
 folder: a compile writes the same bytes for the same command (so a bundle's manifest can be checked by rerunning
 it), a bundle applies exactly as its files do, by folder and by a hub repo id in a local Hugging Face cache, and a
 bundle that does not match its manifest or its model is refused in one line."""
@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 import kvruntime
 from kvcompile import cli
 from kvcompile.cli import artifacts as cli_artifacts
-from kvruntime.artifact import read_artifact, save_artifact
-from kvruntime.bundle import read_bundle, resolve_artifact_path
-from kvruntime.fingerprint import ModelFingerprint
+from kvruntime.artifacts.artifact import read_artifact, save_artifact
+from kvruntime.artifacts.bundle import read_bundle, resolve_artifact_path
+from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 runner = CliRunner()
 STATS = ["stats", "--prompts", "2", "--prompt-tokens", "64", "--ratios", "0.5,0.75"]
@@ -138,7 +138,7 @@ def test_a_bundle_applies_as_its_files_by_folder_and_by_hub_id(compiled, bundle,
 def test_a_mistyped_folder_is_refused_as_a_folder_not_looked_up_on_the_hub(tmp_path, monkeypatch):
     """`dir/bundle` has the shape of a hub repo id; beside a folder `dir` it is a path with a typo: refused as
     such, without a hub lookup. An id whose first part is no folder here is still looked up."""
-    from kvruntime.bundle import locate
+    from kvruntime.artifacts.bundle import locate
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "dir").mkdir()
@@ -575,7 +575,7 @@ GOOD_RESULTS = {"source": "kvcompile's suite", "prompts": 2, "command": "kvcompi
     ],
 )
 def test_each_way_results_can_be_malformed_is_named(results, problem):
-    from kvruntime.bundle import results_problem
+    from kvruntime.artifacts.bundle import results_problem
 
     assert results_problem(GOOD_RESULTS) is None
     assert results_problem({**GOOD_RESULTS, "command": None, "table": []}) is None

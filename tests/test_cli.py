@@ -6,8 +6,8 @@ from conftest import tiny_model
 from typer.testing import CliRunner
 
 from kvcompile.cli import app
-from kvruntime.artifact import Artifact, save_artifact
-from kvruntime.fingerprint import model_fingerprint
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 
 runner = CliRunner()
 

@@ -7,8 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvcompile import commands
-from kvcompile.cli import app
+from kvcompile.cli import app, commands
 from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings

@@ -35,7 +35,7 @@ from kvcompile.recipes.compilerkv.experience_collection import design_actions, g
 from kvcompile.recipes.compilerkv.offline_cql import fit_greedy_table, one_hot
 from kvcompile.recipes.compilerkv.settings import DESIGNS, CQLSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
-from kvruntime.artifact import load_artifact, read_artifact, save_artifact
+from kvruntime.artifacts.artifact import load_artifact, read_artifact, save_artifact
 from kvruntime.attention import per_layer_attention
 from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import ArtifactError, KVRuntimeError

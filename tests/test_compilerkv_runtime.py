@@ -8,10 +8,10 @@ from test_engine import answer_and_reference
 from transformers import DynamicCache
 
 import kvruntime
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.fingerprint import model_fingerprint
 from kvruntime.methods import CompilerKV, PrefillResult, get_method
 from kvruntime.methods.compilerkv import CompilerKVTables
 from kvruntime.methods.compilerkv.signals import LayerSignals

@@ -14,7 +14,7 @@ from kvcompile.cli import app
 from kvcompile.recipes.compresskv.budgets import compile_layer_errors
 from kvcompile.recipes.compresskv.heads import compile_head_scores
 from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
-from kvruntime.artifact import load_artifact, save_artifact
+from kvruntime.artifacts.artifact import load_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 
 pytestmark = pytest.mark.integration

@@ -6,9 +6,9 @@ from conftest import tiny_model
 
 import kvruntime
 from kvruntime.allocation import error_aware_budgets
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.fingerprint import model_fingerprint
 
 LAYER_ERROR = torch.tensor([0.1, 0.4, 0.2, 0.3])
 

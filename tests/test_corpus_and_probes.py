@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from kvcompile.calibration.corpus import load_corpus, repeating_documents
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, needle_probe
 from kvruntime.errors import KVRuntimeError
-from kvruntime.model_loading import DEFAULT_MODEL, load_model
+from kvruntime.models.model_loading import DEFAULT_MODEL, load_model
 
 SENTENCES = " ".join(f"Sentence number {i} tells of the weather on day {i}." for i in range(4000))
 

@@ -12,7 +12,7 @@ import kvruntime
 from kvcompile.cli import app
 from kvcompile.prompt_format import chat_frame
 from kvcompile.tasks.passkey import PasskeyPrompt, passkey_prompt
-from kvruntime.model_spec import position_limit
+from kvruntime.models.model_spec import position_limit
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import pytest
 from conftest import tiny_model
 from transformers import AutoTokenizer
 
-from kvruntime import default_model as dm
 from kvruntime.errors import KVRuntimeError
+from kvruntime.models import default_model as dm
 
 ROOT = Path(__file__).resolve().parents[1]
 

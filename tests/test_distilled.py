@@ -48,7 +48,7 @@ from kvruntime.methods.distilled import (
 )
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.repetition import later_occurrences, repeated_ngram_fraction, repeats
-from kvruntime.request import Request, kept_per_head
+from kvruntime.requests.request import Request, kept_per_head
 
 runner = CliRunner()
 

@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 from distributed_worker import RECIPES, compile_all, rank_main
 
 from kvcompile.calibration.distributed import Shard
-from kvruntime.artifact import read_artifact
+from kvruntime.artifacts.artifact import read_artifact
 
 
 @pytest.fixture(scope="module")

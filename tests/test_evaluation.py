@@ -39,11 +39,11 @@ from kvcompile.evaluation.suite_run import run_order
 from kvcompile.recipes.tuned_defaults.tuning import recommendation
 from kvcompile.tasks.grid import parse_tasks, suite_cells
 from kvruntime import Request
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.attention import per_layer_attention
 from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import KVRuntimeError
-from kvruntime.fingerprint import model_fingerprint
 
 
 # -- scores ------------------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def test_the_capability_check_reads_the_attention_calls_in_transformers_source()
     """Gemma 2 runs its attention eagerly with a soft cap, which kvruntime's attention function implements: accepted
     from its config alone; gpt-oss passes attention sinks (`s_aux`) as well: refused, naming why."""
     from kvruntime.errors import UnsupportedModelError
-    from kvruntime.model_spec import _modeling_source, attention_call_keywords, check_config_compressible
+    from kvruntime.models.model_spec import _modeling_source, attention_call_keywords, check_config_compressible
 
     assert attention_call_keywords(_modeling_source("gemma2")) == {"dropout", "scaling", "sliding_window", "softcap"}
     assert "s_aux" in attention_call_keywords(_modeling_source("gpt_oss"))

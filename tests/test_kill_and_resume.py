@@ -16,7 +16,7 @@ from kill_worker import compile_recipe
 from safetensors import safe_open
 
 from kvcompile.calibration.checkpoint import checkpoint_path
-from kvruntime.artifact import read_artifact
+from kvruntime.artifacts.artifact import read_artifact
 
 WORKER = Path(__file__).with_name("kill_worker.py")
 

@@ -12,11 +12,11 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvruntime.allocation import apportion
-from kvruntime.artifact import save_artifact
+from kvruntime.artifacts.artifact import save_artifact
 from kvruntime.composite_tokens import composite_curve, kv_head_scores, layer_allocation
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.kvcompose.stats import KVComposeStats
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
 from kvruntime.selection import protect_window
 

@@ -179,6 +179,22 @@ def test_a_press_from_a_bundle_by_folder_and_by_hub_id_scores_as_from_its_file(
         assert torch.equal(kept[0][layer], kept[1][layer]) and torch.equal(kept[0][layer], kept[2][layer])
 
 
+def test_a_press_takes_a_request_resolved_once(artifacts):
+    """A request resolved once (`kvruntime.resolve_request`) gives its press the method it built and the artifact it
+    read; a request of another method, or for a budget (kvpress's presses take a ratio), is refused."""
+    scorer, heads = artifacts / "distilled_scorer.safetensors", artifacts / "srh_heads.safetensors"
+    options = {"allocation": "uniform", "copy_penalty": 0.0}
+    request = kvruntime.resolve_request("distilled", RATIO, artifacts=[scorer], options=options)
+    press = DistilledPress.from_request(request)
+    assert press.method is request.method and press.artifact is request.artifacts[0]
+    assert press.compression_ratio == RATIO
+    with pytest.raises(kvruntime.KVRuntimeError, match="^DistilledPress applies distilled, not srh$"):
+        DistilledPress.from_request(kvruntime.resolve_request("srh", RATIO, artifacts=[heads]))
+    budget = kvruntime.resolve_request("distilled", budget=64, artifacts=[scorer], options=options)
+    with pytest.raises(kvruntime.KVRuntimeError, match="takes a compression ratio, not a budget"):
+        DistilledPress.from_request(budget)
+
+
 def test_a_folder_without_the_artifact_and_a_bad_option_are_refused(artifacts, tmp_path):
     with pytest.raises(kvruntime.ArtifactError, match="no distilled_scorer artifact in this folder"):
         DistilledPress.from_artifact(tmp_path)

@@ -11,7 +11,7 @@ import kvruntime
 from kvcompile.recipes.distilled.distill import oracle_prefix, prompt_features_and_targets
 from kvruntime import save_artifact
 from kvruntime.composite_tokens import kv_head_scores
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.second_pass import kv_head_max, task_attention_maxima
 
 

@@ -15,7 +15,7 @@ from kvcompile.cli import app
 from kvcompile.recipes.compresskv.budgets import compile_layer_errors
 from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
-from kvruntime.artifact import read_artifact, save_artifact
+from kvruntime.artifacts.artifact import read_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 
 runner = CliRunner()

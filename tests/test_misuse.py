@@ -19,10 +19,10 @@ from typer.testing import CliRunner
 import kvruntime
 from kvcompile import cli, recipe
 from kvcompile.calibration.job import CompileJob
-from kvruntime.artifact import Artifact, save_artifact
+from kvruntime.artifacts.artifact import Artifact, save_artifact
+from kvruntime.artifacts.files import path_lock
+from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import KVRuntimeError
-from kvruntime.files import path_lock
-from kvruntime.fingerprint import model_fingerprint
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ import pytest
 from test_refusals_before_torch import PROMPT, run_blocked
 
 from kvruntime import KVRuntimeError
-from kvruntime.model_spec import check_model_spec
+from kvruntime.models.model_spec import check_model_spec
 
 
 def _cache_model(cache: Path, repo_id: str, files: tuple[str, ...] = ("config.json",)) -> None:

@@ -244,7 +244,7 @@ def test_eval_and_tune_run_a_suite_end_to_end_on_a_tiny_model(tmp_path, monkeypa
         app, ["tune", "--suite", "mine.jsonl", "--methods", "snapkv", "--ratios", "0.5", "--out", "tuned.safetensors"]
     )
     assert tuned.exit_code == 0, tuned.output
-    from kvruntime.artifact import read_artifact
+    from kvruntime.artifacts.artifact import read_artifact
 
     params = read_artifact(tmp_path / "tuned.safetensors").params
     assert params["suite"] == "mine" and params["scoring"] == "substring"

@@ -14,7 +14,7 @@ from test_compilerkv_runtime import BUDGETS, save_tables
 
 import kvruntime
 from kvruntime.recording import recorded_prefill
-from kvruntime.request import required_artifact_kinds
+from kvruntime.requests.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]
 RATIOS = (0.1, 0.25, 0.5, 0.6, 0.75, 0.8, 0.9, 0.95)

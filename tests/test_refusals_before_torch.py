@@ -102,7 +102,7 @@ def _manifest_edited(folder: Path, edit: Callable[[dict], object]) -> str:
 
 def _tuned_naming(folder: Path, names: list[str]) -> str:
     """The shipped tuned defaults, their recommendation naming `names` as the artifacts it needs."""
-    from kvruntime.artifact import read_artifact, save_artifact
+    from kvruntime.artifacts.artifact import read_artifact, save_artifact
 
     artifact = read_artifact(ARTIFACTS / "tuned_defaults.safetensors")
     artifact.params["recommended"]["artifacts"] = names
@@ -112,7 +112,7 @@ def _tuned_naming(folder: Path, names: list[str]) -> str:
 
 def _tuned_without_recommendation(folder: Path) -> str:
     """The shipped tuned defaults as a tuning that found no method within its tolerance writes them."""
-    from kvruntime.artifact import read_artifact, save_artifact
+    from kvruntime.artifacts.artifact import read_artifact, save_artifact
 
     artifact = read_artifact(ARTIFACTS / "tuned_defaults.safetensors")
     artifact.params["recommended"] = None

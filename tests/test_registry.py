@@ -159,7 +159,7 @@ from conftest import tiny_model
 
 import kvruntime
 from kvruntime.registry import METHOD_NAMES
-from kvruntime.serving import method_facts
+from kvruntime.requests.serving import method_facts
 
 model = tiny_model("llama")
 ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))

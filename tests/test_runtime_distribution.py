@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvruntime import default_model
 from kvruntime.errors import KVRuntimeError
+from kvruntime.models import default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = ROOT / "runtime"

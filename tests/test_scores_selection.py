@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvruntime.errors import KVRuntimeError
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.scores import kvcompress_scores, pool_tokens, snapkv_scores
 from kvruntime.selection import global_head_counts, protect_window, top_indices, top_mask
 

@@ -1,4 +1,4 @@
-"""The command line's torch-free view of each method (`kvruntime.serving`: declared windows, streaming and memory,
+"""The command line's torch-free view of each method (`kvruntime.requests.serving`: declared windows, streaming and memory,
 refusals read from the artifacts' headers) agrees with the method built from its artifacts, for every method and
 option that changes them, on the shipped artifacts."""
 
@@ -9,9 +9,9 @@ import pytest
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, get_method, read_artifact
 from kvruntime.registry import ALIASES, BUDGETABLE_NAMES, METHODS, MethodSpec
-from kvruntime.request import required_artifact_kinds
-from kvruntime.resolved import resolve_request
-from kvruntime.serving import method_facts
+from kvruntime.requests.request import required_artifact_kinds
+from kvruntime.requests.resolved import resolve_request
+from kvruntime.requests.serving import method_facts
 
 ARTIFACTS = artifact_folder("default")
 
@@ -85,16 +85,20 @@ def count_resolution(monkeypatch, calls: list, methods: tuple[str, ...]) -> None
     check on a built method ("method check")."""
     import importlib
 
-    import kvruntime.artifact
-    import kvruntime.artifact_header
-    import kvruntime.request
-    import kvruntime.resolved
+    import kvruntime.artifacts.artifact
+    import kvruntime.artifacts.artifact_header
+    import kvruntime.requests.request
+    import kvruntime.requests.resolved
     from kvruntime.methods.base import Method
 
-    count_calls(monkeypatch, calls, kvruntime.request, "check_option_value", lambda method, key, option, value: key)
-    count_calls(monkeypatch, calls, kvruntime.artifact_header, "_header", lambda source: ("header", source.name))
-    count_calls(monkeypatch, calls, kvruntime.artifact, "_read_safetensors", lambda data: "tensors")
-    count_calls(monkeypatch, calls, kvruntime.resolved, "check_serves", lambda *args: "serving")
+    count_calls(
+        monkeypatch, calls, kvruntime.requests.request, "check_option_value", lambda method, key, option, value: key
+    )
+    count_calls(
+        monkeypatch, calls, kvruntime.artifacts.artifact_header, "_header", lambda source: ("header", source.name)
+    )
+    count_calls(monkeypatch, calls, kvruntime.artifacts.artifact, "_read_safetensors", lambda data: "tensors")
+    count_calls(monkeypatch, calls, kvruntime.requests.resolved, "check_serves", lambda *args: "serving")
     count_calls(monkeypatch, calls, Method, "check_request", lambda *args: "method check")
     for name in methods:
         module = importlib.import_module(f"kvruntime.methods.{name}.method")
@@ -109,7 +113,7 @@ def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefil
 
     from kvcompile.cli.generation import compression_asked
     from kvruntime import compress, save_artifact
-    from kvruntime.request import kept_per_head, parse_option_pairs
+    from kvruntime.requests.request import kept_per_head, parse_option_pairs
 
     model = tiny_model("llama")
     scorer = save_artifact(scorer_that_prefers(model, 0), tmp_path / "distilled_scorer.safetensors")

@@ -18,9 +18,9 @@ import kvruntime
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.prompt_format import opened, opening_ids
 from kvcompile.recipe import artifact_folder
-from kvruntime import default_model as dm
 from kvruntime.errors import KVRuntimeError
-from kvruntime.model_spec import position_limit
+from kvruntime.models import default_model as dm
+from kvruntime.models.model_spec import position_limit
 
 GGUF_BYTES = b"GGUF" + bytes(range(40))
 
@@ -89,7 +89,9 @@ def test_a_gguf_file_loads_through_the_same_cache(tmp_path, monkeypatch):
     gguf = tmp_path / "my-model.Q4_K_M.gguf"
     gguf.write_bytes(GGUF_BYTES)
     calls = []
-    monkeypatch.setattr(kvruntime.model_loading, "load_gguf_model", lambda *args: calls.append(args[:2]) or (1, 2))
+    monkeypatch.setattr(
+        kvruntime.models.model_loading, "load_gguf_model", lambda *args: calls.append(args[:2]) or (1, 2)
+    )
     assert kvruntime.load_model(str(gguf)) == (1, 2)
     assert calls == [(gguf.resolve(), "my-model.Q4_K_M")]
 

@@ -19,7 +19,7 @@ from kvruntime import KVRuntimeError, Method
 from kvruntime.engine import chunk_bounds
 from kvruntime.methods import LayerInputs, Selection, SnapKV
 from kvruntime.methods.distilled import running_state_sum, token_features
-from kvruntime.request import KeepPlan, kept_per_head
+from kvruntime.requests.request import KeepPlan, kept_per_head
 from kvruntime.selection import protect_window
 
 BUDGET, WINDOW = 24, 4

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvruntime.artifact import read_artifact
+from kvruntime.artifacts.artifact import read_artifact
 
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "docs" / "calibration.md"

@@ -91,7 +91,7 @@ def measure(path: Path, materialise: bool) -> dict:
     from transformers import AutoTokenizer
 
     from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus
-    from kvruntime.default_model import DEFAULT_MODEL, load_shipped_model
+    from kvruntime.models.default_model import DEFAULT_MODEL, load_shipped_model
 
     _, tokenizer = load_shipped_model(
         DEFAULT_MODEL, lambda folder: (None, AutoTokenizer.from_pretrained(str(folder), local_files_only=True))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reporting import machine, write_results
-from kvruntime.artifact import read_artifact
+from kvruntime.artifacts.artifact import read_artifact
 
 
 def timed(args: list[str], folder: Path, threads: int) -> float:

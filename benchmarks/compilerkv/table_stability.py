@@ -35,7 +35,7 @@ from kvcompile.recipes.compilerkv.bandit_experience import (
 )
 from kvcompile.recipes.compilerkv.settings import CQLSettings
 from kvcompile.recipes.compilerkv.tables import learn_gate_table, learn_head_table
-from kvruntime.artifact import read_artifact
+from kvruntime.artifacts.artifact import read_artifact
 
 EXPERIENCE = artifact_folder("default") / "compilerkv_tables.experience.safetensors"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvcompile.recipe import default_artifact
-from kvruntime.artifact import read_artifact, save_artifact
+from kvruntime.artifacts.artifact import read_artifact, save_artifact
 
 SCORER = default_artifact("default", "distilled_scorer")
 

@@ -22,7 +22,7 @@ from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact, load_model
 from kvcompile.recipes.distilled.distill import SHARE_RATIOS, prompt_features_and_targets, teacher_layer_shares
 from kvcompile.recipes.distilled.settings import DistillSettings
-from kvruntime.artifact import read_artifact, save_artifact
+from kvruntime.artifacts.artifact import read_artifact, save_artifact
 from kvruntime.methods.distilled.features import likeness_to_earlier
 from kvruntime.methods.distilled.spec import SPEC
 

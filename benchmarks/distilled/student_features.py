@@ -46,7 +46,7 @@ from kvruntime.attention import captured_logits
 from kvruntime.composite_tokens import kv_head_scores
 from kvruntime.methods.distilled import DistilledScorer, oracle_targets
 from kvruntime.methods.distilled.leverage import key_leverage
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.window import query_hooks, window_attention
 
 RATIOS = (0.5, 0.75, 0.9)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from kvcompile.calibration.distributed import Shard, differing_settings
 from kvruntime import KVRuntimeError
-from kvruntime.artifact import write_safetensors_atomically
+from kvruntime.artifacts.artifact import write_safetensors_atomically
 
 
 def checkpoint_path(out: Path, shard: Shard = Shard()) -> Path:

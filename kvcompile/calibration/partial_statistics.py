@@ -25,7 +25,7 @@ from kvcompile.calibration.distributed import agree_on_settings, differing_setti
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipe import PARTIAL_KIND
 from kvruntime import Artifact, KVRuntimeError
-from kvruntime.fingerprint import ModelFingerprint
+from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 DONE = "items_done"
 ERROR = ".error"

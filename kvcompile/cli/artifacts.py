@@ -28,7 +28,7 @@ def merge(
         import time
 
         from kvcompile.recipe import PARTIAL_KIND, claim_artifact
-        from kvruntime.artifact_header import header_params, read_header
+        from kvruntime.artifacts.artifact_header import header_params, read_header
 
         started = time.perf_counter()
         if out.resolve() in {path.resolve() for path in partials}:
@@ -65,7 +65,7 @@ def info(
     """Print an artifact's kind, model, tensors and metadata, or a bundle's artifacts; refuse a file that is not a
     valid artifact and a bundle whose files do not match its manifest."""
     with clear_errors():
-        from kvruntime.bundle import locate, read_bundle
+        from kvruntime.artifacts.bundle import locate, read_bundle
 
         folder = locate(path)  # a hub repo id is looked up once
         if folder.is_dir():
@@ -74,12 +74,12 @@ def info(
             for line in describe_bundle(read_bundle(folder)):
                 typer.echo(line)
             return
-        from kvruntime.artifact_header import read_header
+        from kvruntime.artifacts.artifact_header import read_header
 
         read_header(path)  # a missing file or one that is not an artifact is refused before torch loads
         from kvcompile.recipe import read_run_record
         from kvruntime import read_artifact
-        from kvruntime.artifact import check_tensors
+        from kvruntime.artifacts.artifact import check_tensors
 
         artifact = read_artifact(path)
         check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept
@@ -170,7 +170,7 @@ def reproduce(
     with clear_errors():
         from kvcompile.bundle import check_kinds
         from kvcompile.bundle import reproduce as rerun
-        from kvruntime.bundle import read_bundle
+        from kvruntime.artifacts.bundle import read_bundle
 
         bundle = read_bundle(path)
         check_kinds(bundle, only or [])
@@ -203,7 +203,7 @@ def export_kvzap(
 ) -> None:
     """Write a distilled scorer as a KVzap checkpoint that kvpress's KVzapModel.from_pretrained loads."""
     with clear_errors():
-        from kvruntime.artifact_header import read_header
+        from kvruntime.artifacts.artifact_header import read_header
 
         kind = read_header(path).get("kind")  # a missing file or one that is not an artifact is refused here
         if kind != "distilled_scorer":

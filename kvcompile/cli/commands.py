@@ -185,7 +185,7 @@ def generate(
             generate_compressed,
             read_prompts,
         )
-        from kvruntime.request import parse_option_pairs
+        from kvruntime.requests.request import parse_option_pairs
 
         prompts = read_prompts(prompt_file)
         positions = check_generation_inputs(

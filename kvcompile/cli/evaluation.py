@@ -211,7 +211,7 @@ def eval_(
     with clear_errors() as resources:
         from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
         from kvcompile.evaluation.store import RunStore
-        from kvruntime.model_spec import check_model_spec, position_limit
+        from kvruntime.models.model_spec import check_model_spec, position_limit
 
         check_model_spec(model)
         recipe.check_device_name(device)

@@ -14,7 +14,7 @@ from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
 
 if TYPE_CHECKING:
-    from kvruntime.resolved import ResolvedRequest
+    from kvruntime.requests.resolved import ResolvedRequest
 
 
 def read_text(path: Path, what: str = "prompt file") -> str:
@@ -97,7 +97,7 @@ def check_generation_inputs(
 ) -> int | None:
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
-    from kvruntime.model_spec import check_model_spec, check_positions, position_limit
+    from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
     from kvruntime.quantized_cache import check_kv_bits
 
     if batch_size < 1:
@@ -135,16 +135,16 @@ def compression_asked(
     positions: int | None,
     kv_bits: int | None = None,
 ) -> ResolvedRequest:
-    """A generate request resolved once, without torch (`kvruntime.resolved`): the method (named, else a tuned
+    """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
     ones), what the method can serve; then the method built from its artifacts, before the model loads."""
     from kvruntime import ARTIFACT_KINDS
-    from kvruntime.artifact_header import header_params
-    from kvruntime.bundle import artifact_files
-    from kvruntime.model_spec import check_positions
+    from kvruntime.artifacts.artifact_header import header_params
+    from kvruntime.artifacts.bundle import artifact_files
+    from kvruntime.models.model_spec import check_positions
     from kvruntime.registry import DEFAULT_METHOD
-    from kvruntime.request import check_method_options, required_artifact_kinds
-    from kvruntime.resolved import resolve_request, tuned_defaults_among
+    from kvruntime.requests.request import check_method_options, required_artifact_kinds
+    from kvruntime.requests.resolved import resolve_request, tuned_defaults_among
 
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
@@ -215,7 +215,7 @@ def encoded_prompts(
     a prompt is the user's turn, stripped as a chat front end sends it; raw: the text as it is. Question mode: the
     context inside the user's turn, then per question its ids after that context."""
     from kvcompile.prompt_format import chat_frame
-    from kvruntime.model_spec import check_positions
+    from kvruntime.models.model_spec import check_positions
 
     turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
 

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
-from kvruntime.bundle import locate
+from kvruntime.artifacts.bundle import locate
 from kvruntime.quantized_cache import check_kv_bits
 from kvruntime.registry import COMPARED_NAMES, method_spec
-from kvruntime.request import check_method_options, parse_option_pairs, required_artifact_kinds, typed_value
+from kvruntime.requests.request import check_method_options, parse_option_pairs, required_artifact_kinds, typed_value
 
 if TYPE_CHECKING:
-    from kvruntime.resolved import ResolvedRequest
+    from kvruntime.requests.resolved import ResolvedRequest
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -126,8 +126,8 @@ class RuntimeMethod(Contestant):
         return required_artifact_kinds(self.method, self.options)
 
     def resolved(self, files: list[Path], requests: list[Request]) -> RuntimeMethod:
-        from kvruntime.resolved import resolve_request
-        from kvruntime.serving import method_facts
+        from kvruntime.requests.resolved import resolve_request
+        from kvruntime.requests.serving import method_facts
 
         memory = method_facts(self.method, self.options).memory or "padded"
         ratios = [request.ratio for request in requests]
@@ -226,7 +226,7 @@ def at_model_layers(model: Any, modules: Any) -> Any:
 
 def _artifact_file(label: str, folder: Path, kind: str) -> Path:
     """The artifact of `kind` in `folder` (a bundle's, or `<kind>.safetensors` in a plain folder)."""
-    from kvruntime.bundle import resolve_artifact_path
+    from kvruntime.artifacts.bundle import resolve_artifact_path
 
     try:
         return resolve_artifact_path(folder, kind)

@@ -17,7 +17,7 @@ from kvcompile.evaluation.report import summary_table
 from kvcompile.evaluation.store import BUNDLING, read_saved_records, read_saved_settings
 from kvcompile.markdown import markdown_code, markdown_text
 from kvruntime import KVRuntimeError
-from kvruntime.bundle import results_problem
+from kvruntime.artifacts.bundle import results_problem
 from kvruntime.errors import printable
 
 NUMBER = ((int, float), "a number")

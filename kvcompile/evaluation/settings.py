@@ -12,7 +12,7 @@ from kvcompile.prompt_format import check_prompt_format
 from kvcompile.tasks.grid import check_tasks
 from kvcompile.tasks.scoring import SCORINGS
 from kvruntime import KVRuntimeError
-from kvruntime.model_spec import check_positions
+from kvruntime.models.model_spec import check_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

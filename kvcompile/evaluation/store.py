@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from kvruntime import KVRuntimeError
-from kvruntime.files import write_atomically
+from kvruntime.artifacts.files import write_atomically
 
 RUN_FILES = ("run.json", "runs.jsonl")
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvcompile.evaluation.store import NotJSON, parse_json
 from kvruntime import KVRuntimeError
-from kvruntime.bundle import is_plain_name
+from kvruntime.artifacts.bundle import is_plain_name
 from kvruntime.errors import printable, short_repr
 
 if TYPE_CHECKING:

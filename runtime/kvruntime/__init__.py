@@ -23,17 +23,17 @@ _EXPORTS = {
         "engine",
     ),
     **dict.fromkeys(("BatchReport", "CompressionReport"), "report"),
-    "DEFAULT_MODEL": "default_model",
-    "load_model": "model_loading",
+    "DEFAULT_MODEL": "models.default_model",
+    "load_model": "models.model_loading",
     # Methods and requests.
     "METHOD_NAMES": "registry",
-    "Request": "request",
-    **dict.fromkeys(("ResolvedRequest", "resolve_request"), "resolved"),
+    "Request": "requests.request",
+    **dict.fromkeys(("ResolvedRequest", "resolve_request"), "requests.resolved"),
     **dict.fromkeys(("Method", "get_method"), "methods"),
     # Artifacts.
-    **dict.fromkeys(("Artifact", "load_artifact", "read_artifact", "save_artifact"), "artifact"),
-    "ARTIFACT_KINDS": "artifact_kinds",
-    "model_fingerprint": "fingerprint",
+    **dict.fromkeys(("Artifact", "load_artifact", "read_artifact", "save_artifact"), "artifacts.artifact"),
+    "ARTIFACT_KINDS": "artifacts.artifact_kinds",
+    "model_fingerprint": "artifacts.fingerprint",
     # Errors.
     **dict.fromkeys(("ArtifactError", "KVRuntimeError", "UnsupportedModelError"), "errors"),
 }

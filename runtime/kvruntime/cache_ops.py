@@ -14,7 +14,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
-from .model_spec import (
+from .models.model_spec import (
     ATTENTION_FLAGS,
     ATTENTION_REFUSAL,
     BOUNDED,

@@ -35,7 +35,7 @@ class TablesRecipe(Recipe):
 
     def prepare(self, settings: TablesSettings) -> Any:
         from kvcompile.calibration.corpus import load_corpus
-        from kvruntime.artifact_header import header_params, read_header
+        from kvruntime.artifacts.artifact_header import header_params, read_header
 
         if self.from_experience is not None:
             kind = read_header(self.from_experience).get("kind")

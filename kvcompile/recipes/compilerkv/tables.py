@@ -54,7 +54,7 @@ from kvcompile.recipes.compilerkv.offline_cql import (
 )
 from kvcompile.recipes.compilerkv.settings import WINDOW, CQLSettings, TablesSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
-from kvruntime.fingerprint import ModelFingerprint
+from kvruntime.artifacts.fingerprint import ModelFingerprint
 from kvruntime.methods.compilerkv.risk_gate import quantile_edges, risk_bin
 
 PHASES = ("head", "gate")

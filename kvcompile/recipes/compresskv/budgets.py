@@ -18,7 +18,7 @@ from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import attention_output
 from kvcompile.recipes.compresskv.settings import BudgetsSettings
 from kvruntime import Artifact, model_fingerprint
-from kvruntime.artifact import tensors_checksum
+from kvruntime.artifacts.artifact import tensors_checksum
 from kvruntime.attention import captured_logits
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads

@@ -53,7 +53,7 @@ class BudgetsRecipe(CorpusRecipe):
         return tokens, f"--prompt-tokens {settings.prompt_tokens} and --new-tokens {settings.new_tokens}"
 
     def prepare(self, settings: BudgetsSettings) -> Any:
-        from kvruntime.artifact_header import read_header
+        from kvruntime.artifacts.artifact_header import read_header
 
         if self.heads is not None:
             kind = read_header(self.heads).get("kind")  # a missing or foreign file is refused before torch loads

@@ -41,7 +41,7 @@ from kvruntime.methods.distilled import (
 from kvruntime.methods.distilled.method import dynamic_layer_counts
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.repetition import repeated_ngram_fraction, repeats
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
 from kvruntime.selection import protect_sinks, protect_window
 

@@ -30,7 +30,7 @@ from kvruntime.composite_tokens import (
     rank_quantile_values,
     sorted_head_scores,
 )
-from kvruntime.request import kept_per_head
+from kvruntime.requests.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
 
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.

@@ -27,11 +27,11 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from torch import nn
 
-from ..artifact import Artifact, load_artifact
+from ..artifacts.artifact import Artifact, load_artifact
 from ..attention import per_layer_attention
 from ..errors import KVRuntimeError
 from ..methods import Method
-from ..resolved import ResolvedRequest, resolve_request
+from ..requests.resolved import ResolvedRequest, resolve_request
 from .answering import CompressedContext, generate_after_context, logits_after_context
 from .session import CompressionSession
 from .state import chunk_bounds

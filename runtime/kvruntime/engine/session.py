@@ -31,12 +31,12 @@ from ..cache_ops import (
 )
 from ..errors import KVRuntimeError
 from ..methods import LayerInputs
-from ..model_spec import check_positions
+from ..models.model_spec import check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
 from ..recording import RECORDED_QUERIES, PrefillRecording
 from ..report import BatchReport, CompressionReport
-from ..request import Request
-from ..resolved import ResolvedRequest
+from ..requests.request import Request
+from ..requests.resolved import ResolvedRequest
 from ..window import hooked_input, hooked_window_queries
 from .answering import CompressedContext
 from .cut import cut_cache, cut_layer, method_prefill

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from ..report import CompressionReport
-from ..request import KeepPlan
+from ..requests.request import KeepPlan
 
 
 @dataclasses.dataclass

@@ -32,16 +32,16 @@ from kvpress import ScorerPress
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..artifact import Artifact, check_artifact_matches_model, load_artifact
+from ..artifacts.artifact import Artifact, check_artifact_matches_model, load_artifact
+from ..artifacts.bundle import resolve_artifact_path
+from ..artifacts.fingerprint import model_fingerprint
 from ..attention import captured_logits, captured_queries, capturing_queries, per_layer_attention
-from ..bundle import resolve_artifact_path
 from ..cache_ops import attention_modules, sliding_layers
 from ..errors import KVRuntimeError
-from ..fingerprint import model_fingerprint
 from ..methods import Method
 from ..methods.distilled import with_leverage
 from ..registry import method_spec
-from ..resolved import ResolvedRequest, resolve_request
+from ..requests.resolved import ResolvedRequest, resolve_request
 from ..selection import protect_window
 
 
@@ -76,7 +76,7 @@ class CompiledScorerPress(ScorerPress):
 
     @classmethod
     def from_request(cls, resolved: ResolvedRequest, force: bool = False) -> CompiledScorerPress:
-        """The press of a request resolved already (`kvruntime.resolved.resolve_request`) for this press's method at
+        """The press of a request resolved already (`kvruntime.requests.resolved.resolve_request`) for this press's method at
         one ratio: its method as built there, its artifact as read there."""
         if resolved.method_name != cls.method_name:
             raise KVRuntimeError(

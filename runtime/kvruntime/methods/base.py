@@ -23,9 +23,9 @@ import torch
 
 from ..attention import AttentionLogits
 from ..errors import KVRuntimeError
-from ..request import KeepPlan, Request
+from ..requests.request import KeepPlan, Request
+from ..requests.serving import check_chunk_size
 from ..selection import protect_window
-from ..serving import check_chunk_size
 from ..window import window_attention
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 
-from ..artifact import Artifact, applied_form
+from ..artifacts.artifact import Artifact, applied_form
 from ..errors import KVRuntimeError
 from ..registry import LAYER_BUDGETS_KIND, method_spec, registration_of
-from ..request import check_method_options, required_artifact_kinds
-from ..serving import check_has_artifact
+from ..requests.request import check_method_options, required_artifact_kinds
+from ..requests.serving import check_has_artifact
 from .base import Method
 from .layer_budgets import WithLayerBudgets
 

@@ -9,7 +9,7 @@ import torch
 
 from ..allocation import error_aware_budgets
 from ..registry import canonical_name
-from ..request import KeepPlan
+from ..requests.request import KeepPlan
 from .base import ScoringMethod
 
 

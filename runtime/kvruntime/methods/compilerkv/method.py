@@ -26,7 +26,7 @@ import torch
 
 from ...errors import KVRuntimeError
 from ...registry import option_fields
-from ...request import KeepPlan, Request
+from ...requests.request import KeepPlan, Request
 from ..base import LayerInputs, Method, PrefillResult, Selection
 from .operating_points import check_compilerkv_request
 from .risk_gate import kept_counts, risk_bin

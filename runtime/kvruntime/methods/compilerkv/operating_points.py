@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 
-from ...artifact_header import small_tensor_values
+from ...artifacts.artifact_header import small_tensor_values
 from ...errors import KVRuntimeError
-from ...request import Request
+from ...requests.request import Request
 
 UTILITIES = ("global", "head")  # the spec's stabilized utility, or the head-aware one
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...artifact import ArtifactReader
+from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError
 from .operating_points import UTILITIES, compiled_budget_index
 from .spec import THRESHOLD_RANGE

@@ -31,7 +31,7 @@ from ...composite_tokens import prompt_allocation
 from ...errors import KVRuntimeError
 from ...registry import option_fields
 from ...repetition import repeats
-from ...request import KeepPlan
+from ...requests.request import KeepPlan
 from ...selection import protect_sinks, protect_window
 from ..base import LayerInputs, Method, PrefillResult, Selection
 from .features import feature_count, predicted_token_scores, running_state_sum

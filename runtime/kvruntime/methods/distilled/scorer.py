@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ...artifact import ArtifactReader
+from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError, short_repr
-from ...serving import compiled_ratios
+from ...requests.serving import compiled_ratios
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ...allocation import apportion
 from ...composite_tokens import kv_head_scores, prompt_allocation
 from ...errors import KVRuntimeError
 from ...registry import option_fields
-from ...request import KeepPlan, Request
+from ...requests.request import KeepPlan, Request
 from ..base import LayerInputs, PrefillResult, ScoringMethod, Selection
 from .spec import SPEC
 from .stats import KVComposeStats

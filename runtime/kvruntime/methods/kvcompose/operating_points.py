@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 
-from ...artifact_header import small_tensor_values
+from ...artifacts.artifact_header import small_tensor_values
 from ...errors import KVRuntimeError
-from ...request import Request
-from ...serving import compiled_ratios
+from ...requests.request import Request
+from ...requests.serving import compiled_ratios
 
 
 def check_compiled_ratio(ratios: Sequence[float], ratio: float) -> None:

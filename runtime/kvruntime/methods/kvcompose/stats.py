@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ...allocation import shares_at_ratio
-from ...artifact import ArtifactReader
+from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError
-from ...serving import compiled_ratios
+from ...requests.serving import compiled_ratios
 from .operating_points import check_compiled_ratio
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...registry import option_fields
-from ...request import KeepPlan
+from ...requests.request import KeepPlan
 from ...scores import kvcompress_scores
 from ...selection import global_head_counts
 from ..base import ScoringMethod

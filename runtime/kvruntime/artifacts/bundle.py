@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import ArtifactError, first_line, printable, short_repr
 from .artifact_header import ARTIFACT_SUFFIX, artifact_file_name, check_artifact_file, read_header
-from .errors import ArtifactError, first_line, printable, short_repr
 
 MANIFEST_NAME = "manifest.json"
 CARD_NAME = "README.md"

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..errors import KVRuntimeError, first_line
 from .default_model import DEFAULT_MODEL, SHIPPED_MODELS, load_gguf_model, load_shipped_model
-from .errors import KVRuntimeError, first_line
 from .model_spec import check_model_spec
 
 

@@ -14,18 +14,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .artifact_header import header_kind, header_params
-from .bundle import artifact_files
-from .errors import KVRuntimeError
-from .quantized_cache import check_kv_bits
-from .registry import DEFAULT_METHOD
+from ..artifacts.artifact_header import header_kind, header_params
+from ..artifacts.bundle import artifact_files
+from ..artifacts.tuned_defaults import TunedDefaults
+from ..errors import KVRuntimeError
+from ..quantized_cache import check_kv_bits
+from ..registry import DEFAULT_METHOD
 from .request import CheckedOptions, Request, check_method_options
 from .serving import check_serves
-from .tuned_defaults import TunedDefaults
 
 if TYPE_CHECKING:
-    from .artifact import Artifact
-    from .methods import Method
+    from ..artifacts.artifact import Artifact
+    from ..methods import Method
 
 TUNED_DEFAULTS = "tuned_defaults"
 
@@ -49,7 +49,7 @@ class ResolvedRequest:
     @functools.cached_property
     def artifacts(self) -> tuple[Artifact, ...]:
         """Every artifact of the request, each file read once (the first time it is asked for)."""
-        from .artifact import read_artifact
+        from ..artifacts.artifact import read_artifact
 
         return (*self.given_artifacts, *(read_artifact(path) for path in self.artifact_files))
 
@@ -58,7 +58,7 @@ class ResolvedRequest:
         """The method, built once from the artifacts (the instance given, as it is)."""
         if self.instance is not None:
             return self.instance
-        from .methods.build import build_method
+        from ..methods.build import build_method
 
         return build_method(self.method_name, self.artifacts, self.options)
 
@@ -109,7 +109,7 @@ def resolve_request(
     requests = tuple(Request(r, budget, memory) for r in ratios)
     check_kv_bits(kv_bits)
     if not isinstance(method, str):  # an instance: its options are its fields, checked as a name's would be
-        from .methods.build import get_method
+        from ..methods.build import get_method
 
         resolved = ResolvedRequest(
             "", {}, requests, files, read, prefill_chunk_size, kv_bits, instance=get_method(method)
@@ -127,7 +127,7 @@ def resolve_request(
 
 def _check_built(resolved: ResolvedRequest) -> None:
     """The serving checks on the built method: what it refuses of the requests, a memory mode, a chunked prefill."""
-    from .methods.base import check_prefill_chunk_size
+    from ..methods.base import check_prefill_chunk_size
     from .serving import check_memory
 
     method = resolved.method
@@ -151,5 +151,5 @@ def tuned_defaults_among(artifacts: Sequence[Path | Artifact]) -> tuple[str, Tun
 def _read_already(source: object) -> bool:
     """Whether `source` is an artifact read already, asked without importing torch: an `Artifact` exists only once
     its module (which imports torch) has been imported."""
-    module = sys.modules.get(f"{__package__}.artifact")
+    module = sys.modules.get(f"{__name__.split('.')[0]}.artifacts.artifact")
     return module is not None and isinstance(source, module.Artifact)

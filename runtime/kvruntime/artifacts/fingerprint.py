@@ -6,8 +6,8 @@ import dataclasses
 import hashlib
 from typing import TYPE_CHECKING
 
-from .errors import short_repr
-from .model_spec import GROWING, loaded_layer_kinds
+from ..errors import short_repr
+from ..models.model_spec import GROWING, loaded_layer_kinds
 
 if TYPE_CHECKING:  # torch only where a model is fingerprinted: a manifest's fingerprint is checked without it
     import torch

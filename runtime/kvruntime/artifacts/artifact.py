@@ -23,9 +23,9 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from torch import nn
 
+from ..errors import ArtifactError, first_line, short_repr
 from .artifact_header import FORMAT_NAME, FORMAT_VERSION, check_artifact_file
 from .artifact_kinds import ARTIFACT_KINDS, KNOWN_KINDS
-from .errors import ArtifactError, first_line, short_repr
 from .files import write_atomically
 from .fingerprint import ModelFingerprint, model_fingerprint
 
@@ -230,7 +230,8 @@ def applied_form(artifact: Artifact) -> object:
     if not reader:
         return artifact
     module, name = reader.split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name).from_artifact(artifact)
+    runtime = __name__.split(".")[0]  # readers are named under kvruntime
+    return getattr(importlib.import_module(f"{runtime}.{module}"), name).from_artifact(artifact)
 
 
 def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int]) -> bool:

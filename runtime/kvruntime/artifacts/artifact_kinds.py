@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import KVRuntimeError
+from ..errors import KVRuntimeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
             "tuned_defaults",
             "kvcompile tune",
             {"full_accuracy": ("numeric", (1,))},
-            reader="tuned_defaults:TunedDefaults",
+            reader="artifacts.tuned_defaults:TunedDefaults",
         ),
         ArtifactKind(
             "distilled_scorer",

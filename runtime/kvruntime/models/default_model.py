@@ -24,8 +24,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .errors import KVRuntimeError, first_line
-from .files import cache_root, path_lock, replace_folder, write_atomically
+from ..artifacts.files import cache_root, path_lock, replace_folder, write_atomically
+from ..errors import KVRuntimeError, first_line
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ import dataclasses
 import os
 from collections.abc import Collection, Mapping, Sequence
 
-from .artifact_header import read_header
-from .artifact_kinds import ARTIFACT_KINDS
-from .errors import KVRuntimeError
-from .registry import canonical_name, method_spec, operating_point_check
+from ..artifacts.artifact_header import read_header
+from ..artifacts.artifact_kinds import ARTIFACT_KINDS
+from ..errors import KVRuntimeError
+from ..registry import canonical_name, method_spec, operating_point_check
 from .request import Request, check_method_options, required_artifact_kinds
 
 

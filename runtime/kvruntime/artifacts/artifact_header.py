@@ -10,7 +10,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError, first_line
+from ..errors import ArtifactError, first_line
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1

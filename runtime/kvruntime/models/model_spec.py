@@ -11,8 +11,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..errors import KVRuntimeError, UnsupportedModelError
 from .default_model import SHIPPED_MODELS
-from .errors import KVRuntimeError, UnsupportedModelError
 
 # Layer kinds (transformers' `layer_types`): a full-attention layer's cache grows with the prompt and is what the
 # methods cut; a sliding-window layer's is bounded by the model and left to it. Any other kind (chunked, linear,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ArtifactError, KVRuntimeError
 from .bundle import beside
-from .errors import ArtifactError, KVRuntimeError
 
 if TYPE_CHECKING:
     from .artifact import Artifact

@@ -11,8 +11,8 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import KVRuntimeError, short_repr
-from .registry import LAYER_BUDGETS_KIND, Option, method_spec
+from ..errors import KVRuntimeError, short_repr
+from ..registry import LAYER_BUDGETS_KIND, Option, method_spec
 
 MEMORY_MODES = ("padded", "masked")
 
@@ -71,7 +71,7 @@ class KeepPlan:
         a method asks (0.2 s for 128k tokens on a CPU), once per prompt, from the same count as `later_occurrences`."""
         if self.later_occurrences is None:
             return None
-        from .repetition import repeated_share  # torch: this module stays importable without it
+        from ..repetition import repeated_share  # torch: this module stays importable without it
 
         return repeated_share(self.later_occurrences)
 
@@ -81,7 +81,7 @@ class KeepPlan:
         without its ids: counted when a method asks, once per prompt."""
         if self.input_ids is None:
             return None
-        from .repetition import later_occurrences
+        from ..repetition import later_occurrences
 
         return later_occurrences(self.input_ids)
 
