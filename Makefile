@@ -135,11 +135,11 @@ bench-batches: setup
 	$(BIN)/python -m benchmarks.performance.batch_throughput
 
 # What streaming the prefill in chunks of 256 tokens costs in answers: each streamable method one-shot and chunked,
-# on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/performance/eval_streaming/.
+# on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/performance/runs/eval_streaming/.
 STREAMED = distilled+budgets snapkv compresskv kvcompose
 bench-streaming: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/kvcompile eval --methods full,$(subst $(space),$(comma),$(foreach m,$(STREAMED),$(m),$(m):prefill_chunk_size=256)) \
-		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/performance/eval_streaming $(if $(RESUME),--resume)
+		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/performance/runs/eval_streaming $(if $(RESUME),--resume)
 
 # CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
 compresskv: setup

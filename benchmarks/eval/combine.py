@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def main() -> None:
             "",
             f"Command: `python -m benchmarks.eval.combine {' '.join(sys.argv[1:])}`",
             "",
-            "Runs: " + ", ".join(f"[{run}]({run}/results.md)" for run in args.runs),
+            # Each run's report, linked from where this one is written.
+            "Runs: " + ", ".join(f"[{run}]({os.path.relpath(run / 'results.md', args.out)})" for run in args.runs),
             "",
         ]
     )

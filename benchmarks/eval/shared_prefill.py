@@ -6,7 +6,7 @@ default model, and whether the records are the same but for the prefill's timing
         [--tasks passkey,passkey_prose,needle,multikey] [--lengths 1k,2k,4k] [--samples 1] [--seed 2]
         [--out benchmarks/eval/shared_prefill.md]
 
-The defaults are the settings of the 60-prompt suite (benchmarks/distilled/eval_sixty: its tasks, lengths, ratios,
+The defaults are the settings of the 60-prompt suite (benchmarks/distilled/runs/eval_sixty: its tasks, lengths, ratios,
 16 new tokens, seed 2) at one prompt per task and length, with the methods issue #49 compares.
 """
 
