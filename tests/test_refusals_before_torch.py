@@ -187,7 +187,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "chunk smaller than the tuned default's window": (
         lambda d: [*GENERATE, "--prefill-chunk-size", "4"],
-        "prefill_chunk_size 4 is smaller than compresskv's window of 8 tokens",
+        "prefill_chunk_size 4 is smaller than compresskv's window of 8 tokens: the last chunk must hold the window "
+        "(compresskv is what the tuned default tuned_defaults.safetensors chose)",
     ),
     "chunk size not a number": (
         lambda d: [*GENERATE, "--prefill-chunk-size", "abc"],

@@ -118,10 +118,16 @@ def resolve_request(
         return resolved
     options = check_method_options(method, options)
     resolved = ResolvedRequest(method, options, requests, files, read, prefill_chunk_size, kv_bits, tuned_default)
-    if read:  # artifacts in memory have no headers to read: the method built from them checks
-        _check_built(resolved)
-    else:
-        check_serves(method, files, options, requests, prefill_chunk_size, memory)
+    try:
+        if read:  # artifacts in memory have no headers to read: the method built from them checks
+            _check_built(resolved)
+        else:
+            check_serves(method, files, options, requests, prefill_chunk_size, memory)
+    except KVRuntimeError as exc:
+        if tuned_default is None:
+            raise
+        # Worded from what was asked: the method is not one the user named.
+        raise KVRuntimeError(f"{exc} ({method} is what the tuned default {tuned_default} chose)") from None
     return resolved
 
 
