@@ -146,3 +146,30 @@ def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_defaul
     assert (default.method_name, default.request().ratio, default.note) == ("compresskv", 0.25, "")
     assert (default.method.name, default.tuned_default) == ("compresskv", "tuned_defaults.safetensors")
     assert sorted(a.kind for a in default.artifacts) == ["layer_budgets", "srh_heads", "tuned_defaults"]
+
+
+def test_a_resolved_request_serves_what_it_was_resolved_for_and_takes_nothing_beside(tokens):
+    """`compress` given a resolved request serves one of its requests (the only one, or the ratio named), refuses
+    another, and refuses what the resolved request already holds (options, artifacts, memory, chunks, kv_bits)."""
+    from conftest import tiny_model
+
+    from kvruntime import compress, resolve_request
+
+    model = tiny_model("llama")
+    resolved = resolve_request("snapkv", ratio=[0.5, 0.75])
+    with pytest.raises(KVRuntimeError, match="^this request was resolved for 2 ratios or budgets: give the one"):
+        with compress(model, resolved):
+            pass
+    with pytest.raises(
+        KVRuntimeError, match=r"^ratio 0.6 was not among the requests resolved \(ratio 0.5, ratio 0.75\)"
+    ):
+        with compress(model, resolved, ratio=0.6):
+            pass
+    for beside in ({"options": {"window": 8}}, {"memory": "masked"}, {"prefill_chunk_size": 16}):
+        with pytest.raises(KVRuntimeError, match="give only ratio or budget beside it$"):
+            with compress(model, resolved, ratio=0.5, **beside):
+                pass
+    with compress(model, resolved, ratio=0.75) as session:
+        session.prefill(tokens)
+    assert session.report.requested == "ratio 0.75"
+    assert session.method is resolved.method  # built once, for every block that serves it
