@@ -473,7 +473,7 @@ def test_reproduce_reruns_a_command_that_writes_a_companion_once_and_compares_bo
 
 # Issue #52: a bundle carries an eval run's measured table.
 SHIPPED = Path(__file__).resolve().parent.parent / "artifacts" / "smollm2-135m-instruct"
-EVAL_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "distilled" / "eval_share_floor"
+EVAL_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "distilled" / "runs" / "eval_share_floor"
 
 
 def test_a_bundle_of_the_shipped_scorer_carries_an_eval_runs_table_into_its_manifest_card_and_info(tmp_path):
