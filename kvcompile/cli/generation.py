@@ -161,16 +161,14 @@ def compression_asked(
             method = DEFAULT_METHOD
         elif default.exists():
             paths = [default]
-    tuned = tuned_defaults_among(paths) if method is None else None
     if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         if not named:
+            tuned = tuned_defaults_among(paths) if method is None else None
             chosen_by, chosen = "without --method or a tuned default, the method is", DEFAULT_METHOD
             if tuned is not None:
                 chosen_by, chosen = f"the tuned default ({tuned[0]}) chose", tuned[1].method
             check_nearest_budget(chosen, chosen_by)
         options = {**options, "nearest_budget": True}
-    if ratio is None and budget is None and tuned is None:
-        ratio = 0.5
     if not paths and method is not None:  # the model's default artifacts of the kinds it needs
         options = check_method_options(method, options)
         kinds = required_artifact_kinds(method, options)
@@ -179,7 +177,9 @@ def compression_asked(
             if not path.exists():
                 command = ARTIFACT_KINDS[kind].command
                 raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
-    resolved = resolve_request(method, ratio, budget, memory, paths, options, prefill_chunk_size, kv_bits)
+    resolved = resolve_request(
+        method, ratio, budget, memory, paths, options, prefill_chunk_size, kv_bits, default_ratio=0.5
+    )
     resolved = dataclasses.replace(resolved, note=note)
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
     return resolved

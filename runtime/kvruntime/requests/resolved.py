@@ -87,12 +87,14 @@ def resolve_request(
     options: Mapping[str, object] = {},
     prefill_chunk_size: int | None = None,
     kv_bits: int | None = None,
+    default_ratio: float | None = None,
 ) -> ResolvedRequest:
     """Resolve and check a compression request once. `method` None takes the method, options and ratio of a
     tuned_defaults artifact among `artifacts` (its options joined by the ones given, its ratio unless one is given)
     and the artifacts it names; without one, the runtime's default method. `ratio` may list several ratios: one
-    request each. `artifacts`: files or bundles (checked from their headers, without torch) or artifacts read
-    already (checked on the built method)."""
+    request each; `default_ratio` serves when neither a ratio, a budget nor a tuned default gives one.
+    `artifacts`: files or bundles (checked from their headers, without torch) or artifacts read already (checked on
+    the built method)."""
     read = tuple(source for source in artifacts if _read_already(source))
     files = tuple(artifact_files([source for source in artifacts if not _read_already(source)]))
     tuned_default = None
@@ -105,6 +107,8 @@ def resolve_request(
             files += tuple(path for path in defaults.artifact_files if path.resolve() not in present)
         else:
             method = DEFAULT_METHOD
+    if ratio is None and budget is None:
+        ratio = default_ratio
     ratios = ratio if isinstance(ratio, list | tuple) else [ratio]
     requests = tuple(Request(r, budget, memory) for r in ratios)
     check_kv_bits(kv_bits)
