@@ -297,7 +297,7 @@ def test_eval_answers_a_batch_as_it_answers_each_prompt_alone(setup):
         runner.answer(model, tokenizer, contestant, 0.5, c, q, 6, [], scoring)
         for c, q, scoring in zip(contexts, questions, scorings)
     ]
-    batched = answer_batch(model, tokenizer, contestant, 0.5, contexts, questions, 6, [], scorings)
+    batched = answer_batch(model, tokenizer, contestant, 0.5, contexts, questions, 6, scorings)
     for one, row in zip(alone, batched):
         assert row.cache_bytes == one.cache_bytes and row.peak_mib is None
         torch.testing.assert_close(row.first_logits, one.first_logits, atol=2e-4, rtol=1e-4)

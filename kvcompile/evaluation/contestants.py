@@ -141,9 +141,9 @@ class RuntimeMethod(Contestant):
     ) -> contextlib.AbstractContextManager:
         from kvcompile.evaluation.prefill import compressed_prefill
 
-        return compressed_prefill(self.compressing(model, ratio, files), context_ids, shared)
+        return compressed_prefill(self.compressing(model, ratio), context_ids, shared)
 
-    def compressing(self, model: Any, ratio: float, files: list[Path]) -> contextlib.AbstractContextManager:
+    def compressing(self, model: Any, ratio: float) -> contextlib.AbstractContextManager:
         """`kvruntime.compress` on its request resolved for the run, at `ratio`."""
         import kvruntime
 

@@ -151,7 +151,6 @@ def answer_batch(
     contexts: list[torch.Tensor],
     questions: list[torch.Tensor],
     new_tokens: int,
-    artifacts: list[Path],
     scorings: list[Scoring],
 ) -> list[Answer]:
     """`answer` for several prompts at once (a kvcompile method): the contexts [1, n] compressed as one batch (each
@@ -161,7 +160,7 @@ def answer_batch(
     context_ids, context_mask = left_pad([ids[0] for ids in contexts], tokenizer.eos_token_id)
     question_ids, question_mask = left_pad([ids[0] for ids in questions], tokenizer.eos_token_id)
     rows = [ids[0] for ids in questions]
-    with contestant.compressing(model, ratio, artifacts) as session:
+    with contestant.compressing(model, ratio) as session:
         context = session.prefill(context_ids, attention_mask=context_mask)
         output = context.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
         references = forced_logits(context.logits, rows, [scoring.reference for scoring in scorings])

@@ -75,7 +75,7 @@ def evaluate(
         }
         bar.update(len(group))
         scorings = {index: references[index][1] for index in group}
-        answered = batched_answers(model, tokenizer, group, prompts, left, artifacts, settings, scorings)
+        answered = batched_answers(model, tokenizer, group, prompts, left, settings, scorings)
         for index in group:
             (reference, scoring, record) = references[index]
             results = run_prompt(
@@ -94,7 +94,6 @@ def batched_answers(
     group: list[int],
     prompts: list[TaskPrompt],
     left: dict[int, list[tuple[Contestant, float]]],
-    artifacts: dict[str, list[Path]],
     settings: SuiteSettings,
     scorings: dict[int, Scoring],
 ) -> dict[int, dict[tuple[str, float], Answer]]:
@@ -115,7 +114,6 @@ def batched_answers(
             [context.to(model.device) for context, _ in split],
             [question.to(model.device) for _, question in split],
             settings.new_tokens,
-            artifacts.get(contestant.label, []),
             [scorings[index] for index in indices],
         )
         for index, result in zip(indices, answers):

@@ -126,7 +126,7 @@ def resolve_request(
         if read:  # artifacts in memory have no headers to read: the method built from them checks
             _check_built(resolved)
         else:
-            check_serves(method, files, options, requests, prefill_chunk_size, memory)
+            check_serves(method, files, options, requests, prefill_chunk_size)
     except KVRuntimeError as exc:
         if tuned_default is None:
             raise

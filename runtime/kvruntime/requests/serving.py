@@ -79,11 +79,10 @@ def check_serves(
     options: Mapping[str, object],
     requests: Sequence[Request],
     prefill_chunk_size: int | None = None,
-    memory: str | None = None,
 ) -> None:
     """Refuse, from the artifacts' headers alone, what method `name` cannot serve: a missing or unreadable artifact
-    (or one of the wrong kind), a request outside its compiled operating points, a chunked prefill it cannot stream,
-    a memory mode it cannot use. The artifacts' tensors are checked when the method is built."""
+    (or one of the wrong kind), a request outside its compiled operating points or in a memory mode it cannot use,
+    a chunked prefill it cannot stream. The artifacts' tensors are checked when the method is built."""
     options = check_method_options(name, options)
     by_kind = {}
     for path in artifact_paths:
@@ -99,6 +98,4 @@ def check_serves(
         if check_operating_point is not None:
             check_operating_point(request)
         check_memory(facts.name, facts.memory, request.memory)
-    if memory is not None:
-        check_memory(facts.name, facts.memory, memory)
     check_chunk_size(facts.name, facts.window, facts.streams, prefill_chunk_size)
