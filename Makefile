@@ -136,7 +136,7 @@ bench-batches: setup
 
 # What streaming the prefill in chunks of 256 tokens costs in answers: each streamable method one-shot and chunked,
 # on the same held-out prompts (about 40 minutes on 2 CPU cores); results in benchmarks/performance/runs/eval_streaming/.
-STREAMED = distilled+budgets snapkv compresskv kvcompose
+STREAMED = distilled+error-aware snapkv compresskv kvcompose
 bench-streaming: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/kvcompile eval --methods full,$(subst $(space),$(comma),$(foreach m,$(STREAMED),$(m),$(m):prefill_chunk_size=256)) \
 		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/performance/runs/eval_streaming $(if $(RESUME),--resume)
@@ -144,7 +144,7 @@ bench-streaming: $(BENCH_VENV)/bin/.installed
 # CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
 compresskv: setup
 	$(BIN)/kvcompile heads
-	$(BIN)/kvcompile budgets
+	$(BIN)/kvcompile layer-errors
 
 bench-compresskv: setup
 	$(BIN)/python -m benchmarks.compresskv.accuracy --depths 0.05,0.2,0.35,0.5,0.65,0.8,0.95

@@ -1,6 +1,6 @@
-"""A compile command's options declared once: its recipe's settings dataclass. A field made by `option` (its help,
-its choices) is a command-line option (`kvcompile.cli.commands.compile_command` derives it); the other fields are
-settings the command line does not set. Torch-free."""
+"""A command's options declared once: a settings dataclass (a compile recipe's, or `generate`'s and `eval`'s). A field
+made by `option` (its help, its choices) is a command-line option (`kvcompile.cli.commands` derives it); the other
+fields are settings the command line does not set. Torch-free."""
 
 from __future__ import annotations
 
@@ -12,15 +12,48 @@ from typing import Any
 from kvruntime import KVRuntimeError
 
 
-def option(default: Any, help: str, *, choices: tuple | Mapping | None = None, flag: str | None = None) -> Any:
-    """A setting the command line sets. `choices`: the values allowed, or a mapping from the names the command line
-    takes to the values they stand for; `flag`: the option's name where it is not the field's (`--prompt-format`
-    for `chat`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | Mapping | None = None,
+    flag: str | None = None,
+    old_flags: tuple[str, ...] = (),
+    argument: bool = False,
+) -> Any:
+    """A setting the command line sets (`default` `dataclasses.MISSING`: an option it must be given). `choices`: the
+    values allowed, or a mapping from the names the command line takes to the values they stand for; `flag`: the
+    option's name where it is not the field's (`--prompt-format` for `chat`, `--a/--b` for a flag's two names);
+    `old_flags`: its names before a rename, still taken (recorded commands name them); `argument`: a positional
+    argument rather than an option."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "old_flags": old_flags, "argument": argument}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def seed_option() -> Any:
     return option(0, "Seed of the probe/prompt sampling.")
+
+
+MODEL_HELP = (
+    "A shipped model: 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m' (Gemma 3 270M, base, hybrid); a GGUF file, "
+    "a local model directory, or a cached hub id."
+)
+PROMPT_FORMAT_HELP = (
+    "chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
+)
+DEVICE_HELP = "Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."
+
+
+def model_option() -> Any:
+    return option("default", MODEL_HELP)
+
+
+def prompt_format_option() -> Any:
+    return option("auto", PROMPT_FORMAT_HELP)
+
+
+def device_option() -> Any:
+    return option("cpu", DEVICE_HELP)
 
 
 def prompt_tokens_option(default: int) -> Any:
@@ -36,8 +69,17 @@ def flag_of(field: dataclasses.Field) -> str:
     return field.metadata["flag"] or "--" + field.name.replace("_", "-")
 
 
+def command_line_kind(field: dataclasses.Field, kind: Any) -> Any:
+    """The type of the field's option: text for a choice's name or a tuple's comma-separated values, else the
+    field's own."""
+    return str if isinstance(field.metadata["choices"], Mapping) or typing.get_origin(kind) is tuple else kind
+
+
 def command_line_default(field: dataclasses.Field, kind: Any) -> Any:
-    """The field's default as its option reads it: a choice's name, a tuple's values comma-separated."""
+    """The field's default as its option reads it: a choice's name, a tuple's values comma-separated (MISSING for
+    an option the command line must be given)."""
+    if field.default is dataclasses.MISSING:
+        return dataclasses.MISSING
     choices = field.metadata["choices"]
     if isinstance(choices, Mapping):
         return next(name for name, value in choices.items() if value == field.default)

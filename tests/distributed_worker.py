@@ -16,8 +16,8 @@ from kvcompile.calibration.distributed import Shard, process_group_shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compilerkv.settings import CQLSettings, ExperienceDesign, TablesSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables
-from kvcompile.recipes.compresskv.budgets import compile_layer_errors
-from kvcompile.recipes.compresskv.settings import BudgetsSettings
+from kvcompile.recipes.compresskv.layer_errors import compile_layer_errors
+from kvcompile.recipes.compresskv.settings import LayerErrorsSettings
 from kvcompile.recipes.distilled.distill import compile_distilled_scorer
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
@@ -32,7 +32,7 @@ TABLES = TablesSettings(
     budgets=(80, 120),
     prompts=3,
     candidates=5,
-    context=160,
+    context_tokens=160,
     continuation=12,
     rounds=2,
     entropy_bins=3,
@@ -61,7 +61,7 @@ def compile_all(folder: Path, shard: Shard, stats: StatsSettings = STATS) -> Non
             CompileJob(model, CharTokenizer(), folder / "budgets", shard=shard),
             CORPUS,
             heads_artifact(model),
-            BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
+            LayerErrorsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
         ),
         "tables": compile_tables(CompileJob(model, CharTokenizer(), folder / "tables", shard=shard), CORPUS, TABLES)[0],
         "distilled": compile_distilled_scorer(

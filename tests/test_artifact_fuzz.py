@@ -123,7 +123,7 @@ def use(path: Path, kind: str) -> tuple[int, int] | None:
         return None
     method, request, per_head = {
         "srh_heads": ("srh", {"ratio": 0.5}, 80),
-        "layer_budgets": ("snapkv+budgets", {"budget": 40}, 40),
+        "layer_budgets": ("snapkv+error-aware", {"budget": 40}, 40),
         "compilerkv_tables": ("compilerkv", {"budget": 70}, 70),
         "kvcompose_stats": ("kvcompose", {"ratio": 0.5}, 80),
         "distilled_scorer": ("distilled", {"ratio": 0.5}, 80),

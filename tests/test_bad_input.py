@@ -165,7 +165,7 @@ def test_generate_refuses_a_bad_artifact_before_generating(workdir, problem):
 def test_a_compile_command_refuses_a_bad_input_artifact_before_writing(workdir, problem):
     make, message = ALL_PROBLEMS[problem]
     args = [
-        "budgets",
+        "layer-errors",
         "--heads",
         str(make(workdir)),
         "--corpus",

@@ -37,13 +37,13 @@ CASES = [
     ("kvcompress", dict(ratio=0.6, memory="masked"), {}, None),
     ("srh", dict(ratio=0.5), {}, None),
     ("compresskv", dict(ratio=0.5), {}, None),
-    ("snapkv+budgets", dict(ratio=0.5), {}, None),
+    ("snapkv+error-aware", dict(ratio=0.5), {}, None),
     ("kvcompose", dict(ratio=0.5), {}, None),
     ("kvcompose", dict(ratio=0.5), {"mode": "dynamic"}, None),
     ("kvcompose", dict(ratio=0.5, memory="masked"), {"unstructured": True}, None),
     ("distilled", dict(ratio=0.75), {}, None),
     ("distilled", dict(ratio=0.75), {"scores": "oracle"}, None),
-    ("distilled+budgets", dict(ratio=0.75), {}, None),
+    ("distilled+error-aware", dict(ratio=0.75), {}, None),
     ("compilerkv", dict(budget=70), {}, None),
     ("snapkv", dict(budget=40), {}, 32),
     ("distilled", dict(ratio=0.75), {"allocation": "uniform"}, 48),
@@ -264,7 +264,8 @@ def test_generate_answers_several_prompt_files_and_a_jsonl_the_same_in_a_batch(t
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "method", ["snapkv", "kvcompress", "srh", "compresskv", "kvcompose", "distilled", "distilled+budgets", "compilerkv"]
+    "method",
+    ["snapkv", "kvcompress", "srh", "compresskv", "kvcompose", "distilled", "distilled+error-aware", "compilerkv"],
 )
 def test_the_default_model_answers_a_batch_row_by_row_as_each_prompt_alone(default_model, method):
     model, tokenizer = default_model

@@ -28,7 +28,7 @@ runner = CliRunner()
 STATS = ["stats", "--prompts", "2", "--prompt-tokens", "64", "--ratios", "0.5,0.75"]
 HUB_ID = "someone/tiny-llama-kvcompile"
 # CompilerKV's tables at their smallest on the tiny model: one budget, two prompts, one round, one risk cell
-TABLES = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context", "160", "--continuation", "12"]
+TABLES = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context-tokens", "160", "--continuation", "12"]
 TABLES += ["--rounds", "1", "--entropy-bins", "1", "--perplexity-bins", "1"]
 
 
@@ -265,8 +265,9 @@ def test_a_recorded_input_resolves_to_the_bundles_file_or_kvcompiles_shipped_dat
     shipped = shipped_folder("calibration_data") / "tasks" / "reading_questions.txt"
     assert arguments == ["stats", "--task-set", str(shipped), "--seed", "0"]
     heads = "artifacts/m/kvcompose_stats.safetensors"  # recorded where it was compiled: the bundle holds its copy
-    arguments = rerun_arguments(f"kvcompile budgets --heads={heads} --corpus austen", read, commands, {})
-    assert arguments == ["budgets", f"--heads={bundle.resolve() / 'kvcompose_stats.safetensors'}", "--corpus", "austen"]
+    for name in ("layer-errors", "budgets"):  # the command as named now, and before issue #65 (older bundles record it)
+        arguments = rerun_arguments(f"kvcompile {name} --heads={heads} --corpus austen", read, commands, {})
+        assert arguments == [name, f"--heads={bundle.resolve() / 'kvcompose_stats.safetensors'}", "--corpus", "austen"]
     named = {"corpus": "/data/mine.txt", "model": None}
     assert rerun_arguments("kvcompile stats --corpus mine.txt", read, commands, named)[-1] == "/data/mine.txt"
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import typer
 from conftest import tiny_model
 from typer.testing import CliRunner
 
@@ -27,7 +28,7 @@ def tiny_artifact(path):
 
 
 def test_every_command_has_a_one_line_help():
-    for command in ("generate", "info", "heads", "budgets", "tables", "stats", "eval", "tune"):
+    for command in ("generate", "info", "heads", "layer-errors", "budgets", "tables", "stats", "eval", "tune"):
         result = runner.invoke(app, [command, "--help"])
         assert result.exit_code == 0
     listing = runner.invoke(app, ["--help"]).output
@@ -37,6 +38,11 @@ def test_every_command_has_a_one_line_help():
     assert "Measure each layer's compression error" in listing
     assert "Run the long-context suite through each method" in listing
     assert "Pick, per method, the largest compression ratio" in listing
+    # `budgets`, layer-errors' name before issue #65, still runs (recorded in older artifacts) but is not listed
+    commands = typer.main.get_command(app).commands
+    assert commands["budgets"].hidden and not commands["layer-errors"].hidden
+    assert [p.opts for p in commands["budgets"].params] == [p.opts for p in commands["layer-errors"].params]
+    assert "budgets" not in [line.split()[1] for line in listing.splitlines() if line.startswith("│ ")]
 
 
 def test_info_prints_kind_model_tensors_and_metadata(tmp_path):

@@ -1,5 +1,5 @@
 """What the compile stage measures, against references written here from the definitions (issue #37): the
-attention rows `kvcompile heads` captures during generation, the layer errors `kvcompile budgets` sums, and
+attention rows `kvcompile heads` captures during generation, the layer errors `kvcompile layer-errors` sums, and
 `kvcompile stats`' task-aware statistics. The references read the model's own eager attention or rebuild a layer's
 attention from its projections on a plain forward over the whole sequence; the compile stage's code runs the same
 model with its cache and hooks. Tiny models of test_selection_references' MODELS, 8 query heads over 2 KV heads."""
@@ -25,7 +25,7 @@ from test_selection_references import (
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.compresskv.attention_capture import generate_with_attention_rows
-from kvcompile.recipes.compresskv.budgets import PROBE_BUDGET, layer_errors_of_prompt
+from kvcompile.recipes.compresskv.layer_errors import PROBE_BUDGET, layer_errors_of_prompt
 from kvcompile.recipes.kvcompose.attention_stats import RANK_QUANTILES, compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet
 from kvruntime.cache_ops import attention_modules

@@ -422,7 +422,7 @@ def test_the_every_state_design_probes_every_state_on_every_prompt_with_its_own_
 def test_the_greedy_continuation_is_the_full_cache_models_own_argmax_tokens():
     model = tiny_model("qwen2")
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
-    text = greedy_continuation(model, ids, context=30, tokens=6)
+    text = greedy_continuation(model, ids, context_tokens=30, tokens=6)
     reference = ids[:, :30]
     with torch.no_grad():
         for _ in range(6):  # no cache: every step recomputes the whole prefix

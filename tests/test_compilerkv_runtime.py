@@ -262,8 +262,8 @@ def test_method_options_are_checked(tiny, tables):
         kvruntime.get_method("compilerkv", [kvruntime.read_artifact(tables)], {"budget_nearest": True})
     with pytest.raises(KVRuntimeError, match=r"unknown snapkv options \['nearest_budget'\] \(known: \['window'\]\)"):
         kvruntime.get_method("snapkv", [], {"nearest_budget": True})
-    with pytest.raises(KVRuntimeError, match="unknown method 'compilerkv\\+budgets'"):
-        kvruntime.get_method("compilerkv+budgets", [])
+    with pytest.raises(KVRuntimeError, match="unknown method 'compilerkv\\+error-aware'"):
+        kvruntime.get_method("compilerkv+error-aware", [])
     with pytest.raises(KVRuntimeError, match="needs a compilerkv_tables artifact"):
         kvruntime.get_method("compilerkv", [])
 

@@ -11,9 +11,9 @@ from kvcompile.calibration.checkpoint import checkpoint_path, save_checkpoint
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
-from kvcompile.recipes.compresskv.budgets import compile_layer_errors
 from kvcompile.recipes.compresskv.heads import compile_head_scores
-from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
+from kvcompile.recipes.compresskv.layer_errors import compile_layer_errors
+from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvruntime.artifacts.artifact import load_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
 
@@ -81,7 +81,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings(default_model, austen, tm
 
 def test_layer_budgets_compile_is_deterministic(default_model, austen, heads, tmp_path):
     model, tokenizer = default_model
-    settings = BudgetsSettings(prompts=2, prompt_tokens=192, new_tokens=4, seed=0)
+    settings = LayerErrorsSettings(prompts=2, prompt_tokens=192, new_tokens=4, seed=0)
     first = compile_layer_errors(CompileJob(model, tokenizer, tmp_path / "a.safetensors"), austen, heads, settings)
     second = compile_layer_errors(CompileJob(model, tokenizer, tmp_path / "b.safetensors"), austen, heads, settings)
     assert first.tensors["layer_error"].shape == (30,)
@@ -100,11 +100,11 @@ def test_heads_command_refuses_a_corpus_too_short_for_the_grid(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
 
-def test_budgets_command_refuses_heads_of_another_model(tmp_path):
+def test_layer_errors_command_refuses_heads_of_another_model(tmp_path):
     from test_cli import tiny_artifact
 
     heads_path = tiny_artifact(tmp_path / "srh_heads.safetensors")
-    result = runner.invoke(app, ["budgets", "--heads", str(heads_path), "--out", str(tmp_path / "b.safetensors")])
+    result = runner.invoke(app, ["layer-errors", "--heads", str(heads_path), "--out", str(tmp_path / "b.safetensors")])
     assert result.exit_code == 2
     assert "compiled for another model" in result.output
     assert not (tmp_path / "b.safetensors").exists()

@@ -52,9 +52,9 @@ def test_srh_selection_shares_one_index_set_across_the_kv_heads(tiny, tokens, co
 
 
 def test_budgets_compose_with_another_selection(tiny, tokens, compiled):
-    with kvruntime.compress(tiny, "snapkv+budgets", budget=40, artifacts=compiled) as session:
+    with kvruntime.compress(tiny, "snapkv+error-aware", budget=40, artifacts=compiled) as session:
         session.prefill(tokens)
-    assert session.report.method == "snapkv+budgets"
+    assert session.report.method == "snapkv+error-aware"
     assert session.report.slots_per_layer == error_aware_budgets(LAYER_ERROR.tolist(), 40, length=80)
     assert session.report.entries_removed_fraction == 0.5
 
@@ -67,7 +67,7 @@ def test_compresskv_generation_runs_and_ratio_zero_is_exact(tiny, tokens, compil
 
 
 def test_missing_artifact_is_named(tiny, compiled):
-    with pytest.raises(KVRuntimeError, match="needs a layer_budgets artifact.*kvcompile budgets"):
+    with pytest.raises(KVRuntimeError, match="needs a layer_budgets artifact.*kvcompile layer-errors"):
         with kvruntime.compress(tiny, "compresskv", ratio=0.5, artifacts=compiled[:1]):
             pass
 

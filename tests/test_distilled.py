@@ -171,17 +171,17 @@ def test_distilled_with_budgets_keeps_its_best_tokens_under_the_error_aware_laye
         session.prefill(tokens)
     length, window = tokens.shape[1], 8
     expected = error_aware_budgets(layer_error.tolist(), 24, length=length)
-    assert session.report.method == "distilled+budgets" and session.report.slots_per_layer == expected
+    assert session.report.method == "distilled+error-aware" and session.report.slots_per_layer == expected
     for positions, slots in zip(session.kept_positions, expected):
         assert all(
             p.tolist() == sorted({*range(slots - window), *range(length - window, length)}) for p in positions[0]
         )
-    with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options={"window": 8}) as named:
+    with kvruntime.compress(tiny, "distilled+error-aware", budget=24, artifacts=paths, options={"window": 8}) as named:
         named.prefill(tokens)
-    assert named.report.method == "distilled+budgets" and named.report.slots_per_layer == expected
+    assert named.report.method == "distilled+error-aware" and named.report.slots_per_layer == expected
     for options in ({"allocation": "uniform"}, {"floor": 0.1}):  # refused, never silently ignored
         with pytest.raises(KVRuntimeError, match=r"from the layer_budgets artifact: options \['(allocation|floor)'\]"):
-            with kvruntime.compress(tiny, "distilled+budgets", budget=24, artifacts=paths, options=options) as s:
+            with kvruntime.compress(tiny, "distilled+error-aware", budget=24, artifacts=paths, options=options) as s:
                 s.prefill(tokens)
 
 

@@ -79,12 +79,12 @@ def test_accuracy_auc_and_the_largest_ratio_within_tolerance():
 
 # -- contestants -----------------------------------------------------------------------------------------
 def test_methods_parse_with_options_and_the_full_cache_first():
-    parsed = parse_methods("kvcompose:mode=dynamic:unstructured=true,compilerkv,snapkv+budgets")
+    parsed = parse_methods("kvcompose:mode=dynamic:unstructured=true,compilerkv,snapkv+error-aware")
     assert [c.label for c in parsed] == [
         "full",
         "kvcompose:mode=dynamic:unstructured=true",
         "compilerkv",
-        "snapkv+budgets",
+        "snapkv+error-aware",
     ]
     assert parsed[1].options == {"mode": "dynamic", "unstructured": True}
     assert parsed[2].options == {}  # a ratio runs the nearest compiled budget's tables without an option

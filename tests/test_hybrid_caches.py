@@ -107,7 +107,18 @@ def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_th
     monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, CharTokenizer()))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.txt").write_text("".join(chr(97 + (j * j * 13) % 26) for j in range(6000)))
-    small = ["--budgets", "80", "--prompts", "2", "--candidates", "3", "--context", "160", "--continuation", "12"]
+    small = [
+        "--budgets",
+        "80",
+        "--prompts",
+        "2",
+        "--candidates",
+        "3",
+        "--context-tokens",
+        "160",
+        "--continuation",
+        "12",
+    ]
     result = CliRunner().invoke(
         app, ["tables", *small, "--rounds", "1", "--corpus", "corpus.txt", "--out", "t.safetensors"]
     )

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from kvcompile.calibration.distributed import Shard, parse_shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.cli import app
-from kvcompile.recipes.compresskv.budgets import compile_layer_errors
-from kvcompile.recipes.compresskv.settings import BudgetsSettings
+from kvcompile.recipes.compresskv.layer_errors import compile_layer_errors
+from kvcompile.recipes.compresskv.settings import LayerErrorsSettings
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvruntime.artifacts.artifact import read_artifact, save_artifact
 from kvruntime.errors import KVRuntimeError
@@ -66,7 +66,7 @@ def test_shards_merged_at_once_or_in_steps_give_the_artifact_of_one_run(tmp_path
 
 def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
     model = tiny_model("llama")
-    settings = BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0)
+    settings = LayerErrorsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0)
     half = compile_layer_errors(
         CompileJob(model, CharTokenizer(), tmp_path / "b", shard=Shard(1, 2)), CORPUS, heads_artifact(model), settings
     )
@@ -86,7 +86,7 @@ def test_a_budgets_shard_holds_only_its_prompts(tmp_path):
                     CompileJob(tiny_model("llama"), CharTokenizer(), folder / "b", shard=Shard(1, 2)),
                     CORPUS,
                     heads_artifact(tiny_model("llama")),
-                    BudgetsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
+                    LayerErrorsSettings(prompts=4, prompt_tokens=64, new_tokens=3, seed=0),
                 ),
                 folder / "budgets.safetensors",
             ),

@@ -26,14 +26,14 @@ CASES = [
     ("kvcompress", "masked", {}),
     ("srh", "padded", {}),
     ("compresskv", "padded", {}),
-    ("snapkv+budgets", "padded", {}),
-    ("kvcompress+budgets", "padded", {}),
+    ("snapkv+error-aware", "padded", {}),
+    ("kvcompress+error-aware", "padded", {}),
     ("kvcompose", "padded", {}),
     ("kvcompose", "padded", {"mode": "dynamic"}),
     ("kvcompose", "masked", {"unstructured": True}),
     ("distilled", "padded", {}),
     ("distilled", "padded", {"allocation": "uniform"}),
-    ("distilled+budgets", "padded", {}),
+    ("distilled+error-aware", "padded", {}),
 ]
 # compilerkv is served by budget (its tables' own compiled budgets; ratios like every other method are issue #35's):
 # its budgets are held as exactly, below.

@@ -160,7 +160,7 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     ),
     "nearest budget for a tuned method that is not compilerkv": (
         lambda d: [*GENERATE, "--nearest-budget"],
-        # the shipped tuned defaults recommend compresskv (srh+budgets): said so, not its options listed
+        # the shipped tuned defaults recommend compresskv (srh+error-aware): said so, not its options listed
         "--nearest-budget moves --budget to the nearest compiled budget, and the tuned default "
         "(tuned_defaults.safetensors) chose compresskv, which compiles none: give --method compilerkv with it, or leave it out",
     ),
@@ -504,8 +504,8 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["tables", "--from-experience", str(ARTIFACTS / "srh_heads.safetensors"), "--out", "t.safetensors"],
         "a srh_heads artifact, not compilerkv_experience",
     ),
-    "budgets: missing heads artifact": (
-        lambda d: ["budgets", "--heads", "nope.safetensors", "--out", "b.safetensors"],
+    "layer-errors: missing heads artifact": (
+        lambda d: ["layer-errors", "--heads", "nope.safetensors", "--out", "b.safetensors"],
         "nope.safetensors: no such artifact file",
     ),
     "unknown device": (lambda d: ["stats", "--device", "tpu"], "--device 'tpu': use cpu, cuda, cuda:N or mps"),

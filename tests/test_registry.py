@@ -20,7 +20,16 @@ import pytest
 
 import kvruntime
 from kvcompile.evaluation.contestants import default_methods
-from kvruntime.registry import COMPARED_NAMES, METHOD_NAMES, METHODS, method_spec, methods_table
+from kvruntime import KVRuntimeError
+from kvruntime.registry import (
+    COMPARED_NAMES,
+    ERROR_AWARE_NAMES,
+    METHOD_NAMES,
+    METHODS,
+    canonical_name,
+    method_spec,
+    methods_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS_FOLDER = ROOT / "runtime" / "kvruntime" / "methods"
@@ -55,8 +64,8 @@ NAMES_ALLOWED_IN |= {"kvcompile/evaluation/contestants.py"}
 
 
 def method_names_in(path: Path) -> set[str]:
-    """The registered method names (bare or `+budgets`) that are a whole string constant of a module's code."""
-    names = set(METHODS) | {f"{name}+budgets" for name in METHODS} | set(METHOD_NAMES)
+    """The registered method names (bare or `+error-aware`) that are a whole string constant of a module's code."""
+    names = set(METHODS) | {f"{name}+error-aware" for name in METHODS} | set(METHOD_NAMES)
     return {
         node.value
         for node in ast.walk(ast.parse(path.read_text()))
@@ -72,8 +81,8 @@ def test_no_code_outside_a_methods_folders_branches_on_its_name():
         if relative in NAMES_ALLOWED_IN or "/build/" in relative:
             continue
         for name in method_names_in(path):
-            base = method_spec(name)[0]  # an alias or a +budgets name: the method it is
-            folders = (base.name, *base.aliases)  # srh's recipes are CompressKV's (compresskv: srh+budgets)
+            base = method_spec(name)[0]  # an alias or a +error-aware name: the method it is
+            folders = (base.name, *base.aliases)  # srh's recipes are CompressKV's (compresskv: srh+error-aware)
             homes = tuple(
                 f"{root}/{f}/" for f in folders for root in ("runtime/kvruntime/methods", "kvcompile/recipes")
             )
@@ -96,6 +105,18 @@ def test_the_command_line_and_eval_name_the_registered_methods():
         assert all(name in help_text for name in METHOD_NAMES), command
     assert default_methods().split(",")[1 : 1 + len(COMPARED_NAMES)] == list(COMPARED_NAMES)
     assert set(COMPARED_NAMES) <= set(METHOD_NAMES)
+
+
+@pytest.mark.parametrize("name", ERROR_AWARE_NAMES)
+def test_the_error_aware_suffix_is_read_as_written_before_its_rename(name):
+    """`+error-aware` was `+budgets` until issue #65 (a budget is tokens per layer): eval records and tuned defaults
+    name it so, and it still names the same method, reported under its new name."""
+    assert method_spec(f"{name}+budgets") == method_spec(f"{name}+error-aware") == (METHODS[name], True)
+    reported = canonical_name(f"{name}+budgets")
+    assert reported == canonical_name(f"{name}+error-aware")
+    assert reported == {"srh": "compresskv"}.get(name, f"{name}+error-aware")
+    with pytest.raises(KVRuntimeError, match=f"unknown method '{name}\\+budget'.*<method>\\+error-aware"):
+        method_spec(f"{name}+budget")
 
 
 def run_cli(*args: str, runtime: Path | None = None) -> str:
@@ -124,7 +145,7 @@ SPEC = MethodSpec(
     summary="keeps the most recent tokens",
     window=4,
     options={"reverse": Option(bool, False, "keep the oldest tokens instead")},
-    budgetable=True,
+    error_aware=True,
 )
 '''
 EXAMPLE_METHOD = '''
@@ -167,7 +188,7 @@ for name, options in (("recent_tail", {}), ("recent_tail", {"reverse": True})):
     with kvruntime.compress(model, name, ratio=0.5, options=options) as session:
         session.prefill(ids)
     print(name, options, session.kept_positions[0][0, 0].tolist())
-print("recent_tail" in METHOD_NAMES, method_facts("recent_tail+budgets").streams)
+print("recent_tail" in METHOD_NAMES, method_facts("recent_tail+error-aware").streams)
 """
 
 

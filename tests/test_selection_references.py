@@ -269,10 +269,10 @@ def test_compresskv_keeps_srhs_choice_within_error_aware_layer_budgets(model, id
 def test_a_method_with_budgets_keeps_its_own_scores_best_within_the_layer_budgets(
     model, ids, method, window, memory, tmp_path
 ):
-    """<method>+budgets: each KV head keeps its own best entries under the method's scores (no global pool), as
+    """<method>+error-aware: each KV head keeps its own best entries under the method's scores (no global pool), as
     many as its layer's error-aware budget: 44, 44 and 56 for errors 1 : 1 : 2 at 48 per layer (as above)."""
     errors = saved(tmp_path, model, "layer_budgets", layer_error=torch.tensor([1.0, 1.0, 2.0]))
-    got = runtime_kept(model, ids, f"{method}+budgets", memory, ratio=0.6, artifacts=[errors])
+    got = runtime_kept(model, ids, f"{method}+error-aware", memory, ratio=0.6, artifacts=[errors])
     scores = (snapkv_scores if method == "snapkv" else kvcompress_scores)(model, ids, window)
     for layer, count in enumerate((44, 44, 56)):
         for head in range(2):

@@ -8,7 +8,7 @@ import pytest
 
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, get_method, read_artifact
-from kvruntime.registry import ALIASES, BUDGETABLE_NAMES, METHODS, MethodSpec
+from kvruntime.registry import ALIASES, ERROR_AWARE_NAMES, METHODS, MethodSpec
 from kvruntime.requests.request import required_artifact_kinds
 from kvruntime.requests.resolved import resolve_request
 from kvruntime.requests.serving import method_facts
@@ -25,11 +25,11 @@ def option_variants(spec: MethodSpec) -> list[dict]:
     return [*variants, {"window": 16}]
 
 
-# Every registered method and alias, every `+budgets`: derived from the registry, so a method added is covered.
+# Every registered method and alias, every `+error-aware`: derived from the registry, so a method added is covered.
 COMBOS = [
     *((name, options) for name, spec in METHODS.items() for options in option_variants(spec)),
     *((alias, {}) for alias in ALIASES),
-    *((f"{name}+budgets", options) for name in BUDGETABLE_NAMES for options in ({}, {"window": 16})),
+    *((f"{name}+error-aware", options) for name in ERROR_AWARE_NAMES for options in ({}, {"window": 16})),
 ]
 
 
@@ -111,7 +111,7 @@ def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefil
     and its tensors once, run the serving checks once and build the method once (later steps trust it)."""
     from conftest import scorer_that_prefers, tiny_model
 
-    from kvcompile.cli.generation import compression_asked
+    from kvcompile.cli.generation import GenerateOptions, compression_asked
     from kvruntime import compress, save_artifact
     from kvruntime.requests.request import kept_per_head, parse_option_pairs
 
@@ -122,7 +122,8 @@ def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefil
     assert [type(value) for value in options.values()] == [int, float, str, float]  # as the method declares them
     calls: list = []
     count_resolution(monkeypatch, calls, ("distilled",))
-    asked = compression_asked("default", "distilled", 0.5, None, "padded", [scorer], options, False, 16, None)
+    settings = GenerateOptions([], method="distilled", ratio=0.5, artifact=[scorer], prefill_chunk_size=16)
+    asked = compression_asked(settings, options, None)
     with compress(model, asked) as session:
         session.prefill(tokens)
         session.prefill(tokens)  # a second prompt in the block: nothing resolved again
@@ -136,13 +137,13 @@ def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_defaul
     """Gemma's shipped tuned_defaults found no method within its tolerance: `kvcompile generate --model gemma-3-270m`
     without --method serves the runtime's default (and says why) instead of refusing; the default model's tuning
     still names its method, ratio and artifacts."""
-    from kvcompile.cli.generation import compression_asked
+    from kvcompile.cli.generation import GenerateOptions, compression_asked
     from kvruntime.registry import DEFAULT_METHOD
 
-    gemma = compression_asked("gemma-3-270m", None, None, None, "padded", [], {}, False, None, None)
+    gemma = compression_asked(GenerateOptions([], model="gemma-3-270m"), {}, None)
     assert (gemma.method_name, gemma.request().ratio, gemma.artifacts) == (DEFAULT_METHOD, 0.5, ())
     assert gemma.note == f"tuned_defaults.safetensors recommends no method for this model; using {DEFAULT_METHOD}"
-    default = compression_asked("default", None, None, None, "padded", [], {}, False, None, None)
+    default = compression_asked(GenerateOptions([]), {}, None)
     assert (default.method_name, default.request().ratio, default.note) == ("compresskv", 0.25, "")
     assert (default.method.name, default.tuned_default) == ("compresskv", "tuned_defaults.safetensors")
     assert sorted(a.kind for a in default.artifacts) == ["layer_budgets", "srh_heads", "tuned_defaults"]

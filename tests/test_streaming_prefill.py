@@ -248,7 +248,7 @@ def test_the_default_model_streams_a_2k_prompt_at_ratio_0_9_within_its_budgets_a
     largest = LargestCache(model)
     try:
         with kvruntime.compress(
-            model, "distilled+budgets", ratio=0.9, artifacts=artifacts, prefill_chunk_size=chunk
+            model, "distilled+error-aware", ratio=0.9, artifacts=artifacts, prefill_chunk_size=chunk
         ) as session:
             output = model.generate(ids, max_new_tokens=12, do_sample=False)
     finally:

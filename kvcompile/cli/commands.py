@@ -1,12 +1,14 @@
-"""The command line's application (`app`, `main`), its shared options and checks, `generate`, and the compile
-commands (their options derived from each recipe's settings dataclass, `kvcompile/settings.py`, then the recipe:
-`kvcompile/recipe.py`). `kvcompile.cli` adds the other commands.
+"""The command line's application (`app`, `main`), its checks, `generate`, and the compile commands (then the recipe:
+`kvcompile/recipe.py`). Every command's options are dataclass fields, each declared once by `kvcompile.settings.option`
+(a recipe's settings, a command's inputs or options) and derived here (`settings_command`, `compile_command`).
+`kvcompile.cli` adds the other commands.
 
 Nothing heavy is imported before the options are checked: bad input is refused in one line before torch loads."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import shlex
 import signal
@@ -14,17 +16,27 @@ import sys
 import typing
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvcompile import recipe
+from kvcompile.cli.generation import GenerateOptions
 from kvcompile.recipe import compile_artifact, default_artifact
 from kvcompile.recipes.compilerkv.settings import TablesSettings
-from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
+from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvcompile.settings import command_line_default, command_line_fields, settings_from_command_line
+from kvcompile.settings import (
+    command_line_default,
+    command_line_fields,
+    command_line_kind,
+    device_option,
+    flag_of,
+    model_option,
+    option,
+    settings_from_command_line,
+)
 from kvruntime import KVRuntimeError
 from kvruntime.registry import methods_help
 
@@ -35,20 +47,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-ModelOption = Annotated[
-    str,
-    typer.Option(
-        help="A shipped model: 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m' (Gemma 3 270M, base, hybrid); a "
-        "GGUF file, a local model directory, or a cached hub id."
-    ),
-]
-PromptFormatOption = Annotated[
-    str,
-    typer.Option(
-        help="chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
-    ),
-]
 
 
 @contextlib.contextmanager
@@ -100,153 +98,8 @@ def main() -> None:
     sys.exit(code or 0)
 
 
-GenerateMethodOption = Annotated[
-    str | None,
-    typer.Option(
-        help=f"{methods_help()}. Default: the method and ratio of "
-        "artifacts/<model>/tuned_defaults.safetensors (`kvcompile tune`) if there is one, else kvcompress."
-    ),
-]
-QuestionOption = Annotated[
-    list[str] | None,
-    typer.Option(help="Question mode: compress the prompt without the question, then answer each --question."),
-]
-ArtifactOption = Annotated[
-    list[Path] | None,
-    typer.Option(
-        help="Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked "
-        "against the model."
-    ),
-]
-NearestBudgetOption = Annotated[
-    bool,
-    typer.Option(
-        help="compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does)."
-    ),
-]
-MethodOptionOption = Annotated[
-    list[str] | None,
-    typer.Option(help="A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."),
-]
-PrefillChunkOption = Annotated[
-    int | None,
-    typer.Option(
-        help="Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache "
-        "held never exceeds the budgets plus one chunk (methods whose layer budgets are known in advance)."
-    ),
-]
-GenerateBatchOption = Annotated[
-    int,
-    typer.Option(
-        help="Prompts generated together (left-padded): each row is compressed as it would be alone, and the "
-        "batch decodes at once."
-    ),
-]
-KvBitsOption = Annotated[
-    int | None,
-    typer.Option(help="Quantize the kept entries for decoding: 8 (FP8, built in) or 4 (int4, needs optimum-quanto)."),
-]
-
-
-@app.command()
-def generate(
-    prompt_file: Annotated[
-        list[Path],
-        typer.Option(
-            help="Text file holding the prompt (the context in question mode). Repeat it for several prompts, or "
-            'give a .jsonl file of prompts (a JSON string or {"prompt": ...} per line).'
-        ),
-    ],
-    method: GenerateMethodOption = None,
-    ratio: Annotated[
-        float | None, typer.Option(help="Fraction of cache entries removed, in [0, 1) (default 0.5).")
-    ] = None,
-    budget: Annotated[int | None, typer.Option(help="Tokens kept per layer (instead of --ratio).")] = None,
-    question: QuestionOption = None,
-    memory: Annotated[str, typer.Option(help="padded (default) or masked: how per-head counts are stored.")] = "padded",
-    artifact: ArtifactOption = None,
-    force: Annotated[bool, typer.Option(help="Apply artifacts of another checkpoint of the same shape.")] = False,
-    nearest_budget: NearestBudgetOption = False,
-    option: MethodOptionOption = None,
-    model: ModelOption = "default",
-    prompt_format: PromptFormatOption = "auto",
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 32,
-    prefill_chunk_size: PrefillChunkOption = None,
-    batch_size: GenerateBatchOption = 1,
-    kv_bits: KvBitsOption = None,
-) -> None:
-    """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
-    several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
-    template (`--prompt-format auto`, for instruct models) or raw text."""
-    with clear_errors():
-        from kvcompile.cli.generation import (
-            check_generation_inputs,
-            compression_asked,
-            generate_compressed,
-            read_prompts,
-        )
-        from kvruntime.requests.request import parse_option_pairs
-
-        prompts = read_prompts(prompt_file)
-        positions = check_generation_inputs(
-            prompts, model, prompt_format, max_new_tokens, batch_size, question, prefill_chunk_size, kv_bits
-        )
-        options = parse_option_pairs(option or [], method)
-        asked = compression_asked(
-            model, method, ratio, budget, memory, artifact or [], options, nearest_budget, prefill_chunk_size,
-            positions, kv_bits,
-        )  # fmt: skip
-        if asked.note:
-            typer.echo(f"note: {asked.note}", err=True)
-        generate_compressed(
-            asked, prompts, question, model, prompt_format, max_new_tokens, batch_size, force, typer.echo
-        )
-
-
-CorpusOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), "
-        "'mixed' (austen-repeats with shipped code, documentation and math text), "
-        "a .txt/.txt.gz file or folder, a jsonl/parquet."
-    ),
-]
-ResumeOption = Annotated[bool, typer.Option(help="Continue an interrupted run of the same settings.")]
-ShardOption = Annotated[
-    str | None,
-    typer.Option(
-        help="i/n: do share i of n, counted from 0 (0/2 and 1/2), as a separate job and write partial statistics "
-        "for `kvcompile merge` (under torchrun every rank takes its share without this)."
-    ),
-]
-CheckpointOption = Annotated[
-    int, typer.Option(help="Save the partial statistics after this many items (probes or prompts).")
-]
-SeedOption = Annotated[int, typer.Option(help="Seed of the probe/prompt sampling.")]
-DeviceOption = Annotated[
-    str,
-    typer.Option(help="Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."),
-]
-DtypeOption = Annotated[str, typer.Option(help="The model's dtype: float32, bfloat16 or float16.")]
-
-
-def _artifact_out(kind: str) -> object:
-    """The --out option of a command that writes a `kind` artifact."""
-    return Annotated[Path | None, typer.Option(help=f"Output artifact (default artifacts/<model>/{kind}.safetensors).")]
-
-
-# The commands that write an artifact (what `reproduce` may run), each with its parameters that read a file or folder.
-COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
-
-
-def _reads_path(hint: object) -> bool:
-    """Whether an option annotated `hint` (`Annotated[Path | None, ...]`) takes a path."""
-    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
-    return base is Path or Path in typing.get_args(base)
-
-
 def settings_options(settings_type: type | None) -> list[inspect.Parameter]:
-    """The command-line options of a recipe's settings: one per field made by `kvcompile.settings.option`, its type
+    """The command-line options of a settings dataclass: one per field made by `kvcompile.settings.option`, its type
     the field's (text for a choice's name or comma-separated values), its default and help the field's."""
     if settings_type is None:
         return []
@@ -254,135 +107,226 @@ def settings_options(settings_type: type | None) -> list[inspect.Parameter]:
     options = []
     for field in command_line_fields(settings_type):
         default = command_line_default(field, kinds[field.name])
-        names = [field.metadata["flag"]] if field.metadata["flag"] else []
-        hint = Annotated[type(default), typer.Option(*names, help=field.metadata["help"])]
+        old = field.metadata["old_flags"]
+        # No names given: typer's own (`--x/--no-x` for a bool).
+        names = [flag_of(field), *old] if field.metadata["flag"] or old else []
+        given = (
+            typer.Argument(help=field.metadata["help"])
+            if field.metadata["argument"]
+            else typer.Option(*names, help=field.metadata["help"])
+        )
+        hint = Annotated[command_line_kind(field, kinds[field.name]), given]
+        default = inspect.Parameter.empty if default is dataclasses.MISSING else default
         options.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint))
     return options
 
 
+def settings_command(settings_type: type, name: str | None = None) -> Callable:
+    """Register a command whose options are all `settings_type`'s fields (`settings_options`). The decorated function
+    takes the settings the options make (`settings_from_command_line`), the click context and the command's
+    resources (`clear_errors`); bad input ends it in one line."""
+    options = settings_options(settings_type)
+
+    def register(run: Callable) -> Callable:
+        def command(ctx: typer.Context, **given: object) -> None:
+            with clear_errors() as resources:
+                run(settings_from_command_line(settings_type, given), ctx, resources)
+
+        context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+        command.__signature__ = inspect.Signature([context, *options])
+        command.__name__, command.__doc__ = run.__name__, run.__doc__
+        app.command(name)(command)
+        return run
+
+    return register
+
+
+@settings_command(GenerateOptions)
+def generate(settings: GenerateOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
+    """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
+    several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
+    template (`--prompt-format auto`, for instruct models) or raw text."""
+    from kvcompile.cli.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
+    from kvruntime.requests.request import parse_option_pairs
+
+    prompts = read_prompts(settings.prompt_file)
+    positions = check_generation_inputs(prompts, settings)
+    asked = compression_asked(settings, parse_option_pairs(settings.option or [], settings.method), positions)
+    if asked.note:
+        typer.echo(f"note: {asked.note}", err=True)
+    generate_compressed(asked, prompts, settings, typer.echo)
+
+
+CORPUS_HELP = (
+    "Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), 'mixed' "
+    "(austen-repeats with shipped code, documentation and math text), a .txt/.txt.gz file or folder, a jsonl/parquet."
+)
+
+
+def job_options(kind: str, shardable: bool, checkpoint_every: int) -> type:
+    """The options every compile command shares (`compile_artifact`'s job), as a dataclass: --model, --out (its
+    artifact's default path), --resume, for recipes that split their work --shard and --checkpoint-every, --device,
+    --dtype."""
+    fields = [
+        ("model", str, model_option()),
+        ("out", Path | None, option(None, f"Output artifact (default artifacts/<model>/{kind}.safetensors).")),
+        ("resume", bool, option(False, "Continue an interrupted run of the same settings.")),
+    ]
+    if shardable:
+        shard = option(
+            None,
+            "i/n: do share i of n, counted from 0 (0/2 and 1/2), as a separate job and write partial statistics for "
+            "`kvcompile merge` (under torchrun every rank takes its share without this).",
+        )
+        checkpoint = option(checkpoint_every, "Save the partial statistics after this many items (probes or prompts).")
+        fields += [("shard", str | None, shard), ("checkpoint_every", int, checkpoint)]
+    fields += [
+        ("device", str, device_option()),
+        ("dtype", str, option("float32", "The model's dtype: float32, bfloat16 or float16.")),
+    ]
+    return dataclasses.make_dataclass("JobOptions", fields, frozen=True)
+
+
+# The commands that write an artifact (what `reproduce` may run), each with its inputs that read a file or folder.
+COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
+
+
+def _reads_path(kind: object) -> bool:
+    """Whether an option of type `kind` (`Path | None`) takes a path."""
+    return kind is Path or Path in typing.get_args(kind)
+
+
 def compile_command(
-    kind: str, settings: type | None = None, shardable: bool = False, checkpoint_every: int = 4
+    kind: str,
+    settings: type | None = None,
+    inputs: type = dataclasses.make_dataclass("NoInputs", [], frozen=True),
+    shardable: bool = False,
+    checkpoint_every: int = 4,
+    old_names: tuple[str, ...] = (),
 ) -> Callable:
-    """Register a compile command. Its options are the `settings` dataclass's (`settings_options`: declared there
-    once), the decorated function's own (the recipe's inputs, e.g. a corpus or another artifact), and the ones
-    every compile command shares, declared here once (--model, --out, --resume, --device, --dtype, and for recipes
-    that split their work --shard and --checkpoint-every). The function takes its own options (and `model`, `out`
-    or the click context `ctx` if it needs them) and returns the recipe, or (recipe, settings) where it has no settings dataclass to derive;
-    the command runs `compile_artifact`, refusing bad input in one line."""
-    shared = {
-        "model": (ModelOption, "default"),
-        "out": (_artifact_out(kind), None),
-        "resume": (ResumeOption, False),
-        **(
-            {"shard": (ShardOption, None), "checkpoint_every": (CheckpointOption, checkpoint_every)}
-            if shardable
-            else {}
-        ),
-        "device": (DeviceOption, "cpu"),
-        "dtype": (DtypeOption, "float32"),
-    }
-    derived = settings_options(settings)
+    """Register a compile command. Its options are three dataclasses' fields, each declared once: `inputs` (what
+    the recipe reads: a corpus, another artifact; tune's own options), `settings` (the recipe's settings, recorded in
+    its artifact) and the job's (`job_options`). The function takes the inputs, and `model`, `out` or the click
+    context `ctx` if it names them, and returns the recipe, or (recipe, settings) for a command without `settings`;
+    the command runs `compile_artifact`, refusing bad input in one line. `old_names`: the command's names before a
+    rename, kept hidden: the commands recorded in artifacts name them, and `reproduce` reruns those."""
+    job_type = job_options(kind, shardable, checkpoint_every)
+    parts = {"inputs": inputs, "settings": settings, "job": job_type}
+    options = {part: settings_options(declared) for part, declared in parts.items()}
 
     def register(build: Callable) -> Callable:
-        hints = typing.get_type_hints(build, include_extras=True)
         wanted = inspect.signature(build).parameters
-        keyword = inspect.Parameter.KEYWORD_ONLY
-        own = [inspect.Parameter(n, keyword, default=p.default, annotation=hints[n]) for n, p in wanted.items()]
-        own = [p for p in own if p.name not in shared and p.name != "ctx"]
 
         def command(ctx: typer.Context, **params: object) -> None:
-            job = {name: params.pop(name) for name in shared}
-            given = {option.name: params.pop(option.name) for option in derived}
+            given = {part: {o.name: params[o.name] for o in declared} for part, declared in options.items()}
             with clear_errors() as resources:
-                context = {"ctx": ctx} if "ctx" in wanted else {}
-                built = build(**params, **context, **{name: job[name] for name in ("model", "out") if name in wanted})
-                recipe_, settings_ = built if settings is None else (built, settings_from_command_line(settings, given))
+                job = dataclasses.asdict(settings_from_command_line(job_type, given["job"]))
+                known = {"ctx": ctx, "inputs": settings_from_command_line(inputs, given["inputs"]), **job}
+                built = build(**{name: value for name, value in known.items() if name in wanted})
+                recipe_, settings_ = (
+                    built if settings is None else (built, settings_from_command_line(settings, given["settings"]))
+                )
                 rerun = command_line(ctx, leave_out=recipe.OUTPUT_OPTIONS)
                 compile_artifact(recipe_, settings_, resources=resources, echo=typer.echo, command=rerun, **job)
 
         context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
-        command.__signature__ = inspect.Signature(
-            [context, *own, *derived]
-            + [inspect.Parameter(n, keyword, default=d, annotation=a) for n, (a, d) in shared.items()]
-        )
+        command.__signature__ = inspect.Signature([context, *options["inputs"], *options["settings"], *options["job"]])
         command.__name__, command.__doc__ = build.__name__, build.__doc__
-        app.command()(command)
-        COMPILE_COMMANDS[build.__name__] = frozenset(p.name for p in own if _reads_path(p.annotation))
+        kinds = typing.get_type_hints(inputs)
+        reads = frozenset(f.name for f in command_line_fields(inputs) if _reads_path(kinds[f.name]))
+        for name in (build.__name__.replace("_", "-"), *old_names):
+            app.command(name, hidden=name in old_names)(command)
+            COMPILE_COMMANDS[name] = reads
         return build
 
     return register
 
 
-@compile_command("srh_heads", HeadsSettings, shardable=True, checkpoint_every=8)
-def heads(corpus: CorpusOption = None) -> object:
+def corpus_option() -> Any:
+    return option(None, CORPUS_HELP)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusInputs:
+    corpus: str | None = corpus_option()
+
+
+@compile_command("srh_heads", HeadsSettings, CorpusInputs, shardable=True, checkpoint_every=8)
+def heads(inputs: CorpusInputs) -> object:
     """Score every query head as a Semantic Retrieval Head (and a classic retrieval head) on needle probes."""
     from kvcompile.recipes.compresskv.recipe import HeadsRecipe
 
-    return HeadsRecipe(corpus)
+    return HeadsRecipe(inputs.corpus)
 
 
-@compile_command("layer_budgets", BudgetsSettings, shardable=True)
-def budgets(
-    model: str,
-    heads_artifact: Annotated[
-        Path | None,
-        typer.Option("--heads", help="srh_heads artifact (default artifacts/<model>/srh_heads.safetensors)."),
-    ] = None,
-    corpus: CorpusOption = None,
-) -> object:
+@dataclasses.dataclass(frozen=True)
+class LayerErrorsInputs:
+    heads_artifact: Path | None = option(
+        None, "srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).", flag="--heads"
+    )
+    corpus: str | None = corpus_option()
+
+
+@compile_command("layer_budgets", LayerErrorsSettings, LayerErrorsInputs, shardable=True, old_names=("budgets",))
+def layer_errors(inputs: LayerErrorsInputs, model: str) -> object:
     """Measure each layer's compression error and write the inputs of the error-aware layer budgets."""
-    from kvcompile.recipes.compresskv.recipe import BudgetsRecipe
+    from kvcompile.recipes.compresskv.recipe import LayerErrorsRecipe
 
-    return BudgetsRecipe(corpus, heads_artifact or default_artifact(model, "srh_heads"))
+    return LayerErrorsRecipe(inputs.corpus, inputs.heads_artifact or default_artifact(model, "srh_heads"))
 
 
-@compile_command("compilerkv_tables", TablesSettings)
-def tables(
-    corpus: CorpusOption = None,
-    from_experience: Annotated[
-        Path | None, typer.Option(help="Relearn the tables from a stored compilerkv_experience artifact (no rollouts).")
-    ] = None,
-) -> object:
+@dataclasses.dataclass(frozen=True)
+class TablesInputs:
+    corpus: str | None = corpus_option()
+    from_experience: Path | None = option(
+        None, "Relearn the tables from a stored compilerkv_experience artifact (no rollouts)."
+    )
+
+
+@compile_command("compilerkv_tables", TablesSettings, TablesInputs)
+def tables(inputs: TablesInputs) -> object:
     """Learn CompilerKV's head-reliability and risk-threshold tables (offline contextual bandits, DiscreteCQL)."""
     from kvcompile.recipes.compilerkv.recipe import TablesRecipe
 
-    return TablesRecipe(corpus, from_experience)
+    return TablesRecipe(inputs.corpus, inputs.from_experience)
 
 
-@compile_command("kvcompose_stats", StatsSettings, shardable=True)
-def stats(
-    corpus: CorpusOption = None,
-    task_set: Annotated[
-        Path | None,
-        typer.Option(help="Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic)."),
-    ] = None,
-) -> object:
+@dataclasses.dataclass(frozen=True)
+class StatsInputs:
+    corpus: str | None = corpus_option()
+    task_set: Path | None = option(
+        None, "Task-aware mode: a text file of downstream prompts, one per line (default: task-agnostic)."
+    )
+
+
+@compile_command("kvcompose_stats", StatsSettings, StatsInputs, shardable=True)
+def stats(inputs: StatsInputs) -> object:
     """Measure KVCompose's attention statistics: composite-token curves and the layer allocation per ratio."""
     from kvcompile.recipes.kvcompose.recipe import StatsRecipe
 
-    return StatsRecipe(corpus, task_set)
+    return StatsRecipe(inputs.corpus, inputs.task_set)
 
 
-@compile_command("distilled_scorer", DistillSettings, shardable=True)
-def distill(corpus: CorpusOption = None) -> object:
+@compile_command("distilled_scorer", DistillSettings, CorpusInputs, shardable=True)
+def distill(inputs: CorpusInputs) -> object:
     """Distil a one-pass token scorer from a second pass over calibration prompts (ridge regression per layer)."""
     from kvcompile.calibration.corpus import REPEATING_CORPUS
     from kvcompile.recipes.distilled.recipe import DistillRecipe
 
-    return DistillRecipe(corpus or REPEATING_CORPUS)
+    return DistillRecipe(inputs.corpus or REPEATING_CORPUS)
 
 
 def command_line(ctx: typer.Context, leave_out: Collection[str] = ()) -> str:
     """The command with every setting spelled out (defaults included, the options named in `leave_out` left out):
     what reruns it, recorded in the reports and artifacts it writes."""
     parts = ["kvcompile", ctx.info_name]
-    for option in ctx.command.params:
-        value = ctx.params.get(option.name)
-        if option.name in leave_out or value is None:
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in leave_out or value is None:
             continue
         if isinstance(value, bool):
-            flags = option.opts if value else option.secondary_opts
+            flags = param.opts if value else param.secondary_opts
             parts += flags[:1]
         else:
-            parts += [option.opts[0], str(value)]
+            parts += [param.opts[0], str(value)]
     return shlex.join(parts)

@@ -3,90 +3,124 @@ on the command line's `app` when `kvcompile.cli` loads this module)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
 import typer
 
 from kvcompile import recipe
-from kvcompile.cli.commands import (
-    DeviceOption,
-    ModelOption,
-    PromptFormatOption,
-    SeedOption,
-    app,
-    clear_errors,
-    command_line,
-    compile_command,
-)
+from kvcompile.cli.commands import command_line, compile_command, settings_command
 from kvcompile.recipe import artifact_folder, claim_output, default_artifact
-from kvcompile.settings import comma_separated
+from kvcompile.settings import device_option, model_option, option, prompt_format_option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.registry import COMPARED_NAMES
 
-MethodsOption = Annotated[
-    str | None,
-    typer.Option(
-        help="Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress "
-        f"(all presses; needs the bench extra). Default: full, {', '.join(COMPARED_NAMES)}, and kvpress if installed."
-    ),
-]
-TasksOption = Annotated[
-    str,
-    typer.Option(
-        help="passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated); "
-        "task:N gives a task N prompts per length instead of --samples (common_words:2)."
-    ),
-]
-LengthsOption = Annotated[str, typer.Option(help="Context lengths: 2k, 4k, or token counts (comma-separated).")]
-QuestionAwareOption = Annotated[
-    bool,
-    typer.Option(
-        help="Compress with the question in the observation window (default: the context alone, then the question)."
-    ),
-]
-SuiteOption = Annotated[
-    Path | None,
-    typer.Option(
-        help="Your own prompts instead of the built-in tasks: a JSON Lines file (context, question, answers, optional "
-        "answer_prefix and id on each line) or a folder saved by datasets (or of .jsonl/.json/.parquet files)."
-    ),
-]
-ScoringOption = Annotated[
-    str,
-    typer.Option(
-        help="How --suite's answers are scored: substring (one of the answers appears, RULER), fraction (the share of "
-        "the answers that appear, RULER's string_match_all), all (1 when every answer appears, else 0), exact "
-        "(SQuAD's exact match) or f1 (token F1, SQuAD/LongBench)."
-    ),
-]
-RatiosOption = Annotated[str, typer.Option(help="Compression ratios (fraction of the cache removed).")]
-EvalResumeOption = Annotated[
-    bool, typer.Option(help="Continue an interrupted run of the same settings, or add methods to a finished one.")
-]
-EvalBatchOption = Annotated[
-    int,
-    typer.Option(
-        help="Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not "
-        "measured per prompt). The full cache and kvpress's presses answer one by one."
-    ),
-]
-SharedPrefillOption = Annotated[
-    bool,
-    typer.Option(
-        "--shared-prefill/--own-prefills",
-        help="Prefill each context once with the full cache and cut every method's cache from that forward (the "
-        "same records, several times faster: each method's prefill time is the shared forward plus its own "
-        "scoring and cut, and peak memory is not measured); streamed prompts and presses with passes of their "
-        "own still prefill alone. --own-prefills gives every method its own prefill, timed and measured.",
-    ),
-]
-ArtifactsOption = Annotated[
-    Path | None,
-    typer.Option(
-        help="Folder of the compiled artifacts, or a bundle's folder or hub repo id (default artifacts/<model>/)."
-    ),
-]
+TASKS_HELP = (
+    "passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated); task:N gives a task "
+    "N prompts per length instead of --samples (common_words:2)."
+)
+
+
+def tasks_option() -> Any:
+    return option("passkey,needle,multikey,multivalue,variable_tracking,common_words,qa", TASKS_HELP)
+
+
+def lengths_option() -> Any:
+    return option("2k", "Context lengths: 2k, 4k, or token counts (comma-separated).")
+
+
+def suite_option() -> Any:
+    return option(
+        None,
+        "Your own prompts instead of the built-in tasks: a JSON Lines file (context, question, answers, optional "
+        "answer_prefix and id on each line) or a folder saved by datasets (or of .jsonl/.json/.parquet files).",
+    )
+
+
+def scoring_option() -> Any:
+    return option(
+        "substring",
+        "How --suite's answers are scored: substring (one of the answers appears, RULER), fraction (the share of the "
+        "answers that appear, RULER's string_match_all), all (1 when every answer appears, else 0), exact (SQuAD's "
+        "exact match) or f1 (token F1, SQuAD/LongBench).",
+    )
+
+
+def question_aware_option() -> Any:
+    return option(
+        False,
+        "Compress with the question in the observation window (default: the context alone, then the question).",
+    )
+
+
+def artifacts_option() -> Any:
+    return option(
+        None, "Folder of the compiled artifacts, or a bundle's folder or hub repo id (default artifacts/<model>/)."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """`kvcompile eval`'s options, each declared once (`kvcompile.settings.option`)."""
+
+    model: str = model_option()
+    methods: str | None = option(
+        None,
+        "Comma-separated: full, runtime method names (options as name:key=value), kvpress-<press> or kvpress (all "
+        f"presses; needs the bench extra). Default: full, {', '.join(COMPARED_NAMES)}, and kvpress if installed.",
+    )
+    ratios: tuple[float, ...] = option((0.5, 0.75, 0.9), "Compression ratios (fraction of the cache removed).")
+    tasks: str = tasks_option()
+    lengths: str = lengths_option()
+    samples: int = option(3, "Prompts per task and length (facts at depths spread over 0.1-0.9).")
+    seed: int = seed_option()
+    suite: Path | None = suite_option()
+    scoring: str = scoring_option()
+    question_aware: bool = question_aware_option()
+    prompt_format: str = prompt_format_option()
+    new_tokens: int = option(48, "Greedy tokens generated per answer (fidelity compares the first 32).")
+    artifacts: Path | None = artifacts_option()
+    out: Path = option(Path("eval_results"), "Output folder: results.md/.csv, summary.csv, plots, run records.")
+    resume: bool = option(False, "Continue an interrupted run of the same settings, or add methods to a finished one.")
+    batch_size: int = option(
+        1,
+        "Prompts a kvcompile method answers at once (each compressed as alone; peak memory is then not measured per "
+        "prompt). The full cache and kvpress's presses answer one by one.",
+    )
+    shared_prefill: bool = option(
+        True,
+        "Prefill each context once with the full cache and cut every method's cache from that forward (the same "
+        "records, several times faster: each method's prefill time is the shared forward plus its own scoring and "
+        "cut, and peak memory is not measured); streamed prompts and presses with passes of their own still prefill "
+        "alone. --own-prefills gives every method its own prefill, timed and measured.",
+        flag="--shared-prefill/--own-prefills",
+    )
+    device: str = device_option()
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+    """`kvcompile tune`'s own options (beside every compile command's), each declared once."""
+
+    tolerance: float = option(0.02, "Largest accuracy loss against the full cache accepted (0.02 = 2 points).")
+    methods: str = option(
+        ",".join(COMPARED_NAMES), "Runtime methods to tune (comma-separated, options as name:key=value)."
+    )
+    ratios: tuple[float, ...] = option(
+        (0.25, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9),
+        "Ratios tried, in increasing order until a method leaves the tolerance.",
+    )
+    tasks: str = tasks_option()
+    lengths: str = lengths_option()
+    samples: int = option(2, "Validation prompts per task and length.")
+    seed: int = option(1, "Seed of the validation prompts (kvcompile eval uses 0 by default).")
+    suite: Path | None = suite_option()
+    scoring: str = scoring_option()
+    question_aware: bool = question_aware_option()
+    prompt_format: str = prompt_format_option()
+    artifacts: Path | None = artifacts_option()
 
 
 def _samples_text(settings: object) -> str:
@@ -95,38 +129,27 @@ def _samples_text(settings: object) -> str:
     return f"{settings.samples} per task and length" + (f", {own}" if own else "")
 
 
-def _suite_settings(
-    ratios: tuple[float, ...],
-    tasks: str,
-    lengths: str,
-    samples: int,
-    seed: int,
-    question_aware: bool,
-    new_tokens: int,
-    prompt_format: str,
-    suite: Path | None = None,
-    scoring: str = "substring",
-) -> object:
-    """The suite settings of eval and tune, from their options: the built-in tasks, or a user's `suite` file scored
-    by `scoring`."""
+def _suite_settings(options: EvalOptions | TuneOptions, ratios: tuple[float, ...], new_tokens: int) -> object:
+    """The suite settings of eval and tune, from their options: the built-in tasks, or a user's suite file scored by
+    `options.scoring`."""
     from kvcompile.evaluation.settings import SuiteSettings
     from kvcompile.tasks.grid import parse_lengths, parse_tasks
     from kvcompile.tasks.own_suite import read_suite
 
-    task_names, task_samples = parse_tasks(tasks)
+    task_names, task_samples = parse_tasks(options.tasks)
     own = {}
-    if suite is not None:  # every row checked here, before torch loads
-        own = dict(suite=str(suite), suite_sha256=read_suite(suite).sha256, scoring=scoring)
+    if options.suite is not None:  # every row checked here, before torch loads
+        own = dict(suite=str(options.suite), suite_sha256=read_suite(options.suite).sha256, scoring=options.scoring)
     return SuiteSettings(
         ratios=ratios,
         tasks=task_names,
         task_samples=task_samples,
-        lengths=tuple(parse_lengths(lengths)),
-        samples=samples,
-        seed=seed,
-        question_aware=question_aware,
+        lengths=tuple(parse_lengths(options.lengths)),
+        samples=options.samples,
+        seed=options.seed,
+        question_aware=options.question_aware,
         new_tokens=new_tokens,
-        prompt_format=prompt_format,
+        prompt_format=options.prompt_format,
         **own,
     )
 
@@ -179,113 +202,61 @@ def check_suite_alone(ctx: typer.Context, suite: Path | None) -> None:
         raise KVRuntimeError("--scoring scores a --suite of your own: the built-in tasks are scored by their rule")
 
 
-@app.command(name="eval")
-def eval_(
-    ctx: typer.Context,
-    model: ModelOption = "default",
-    methods: MethodsOption = None,
-    ratios: RatiosOption = "0.5,0.75,0.9",
-    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
-    lengths: LengthsOption = "2k",
-    samples: Annotated[
-        int, typer.Option(help="Prompts per task and length (facts at depths spread over 0.1-0.9).")
-    ] = 3,
-    seed: SeedOption = 0,
-    suite: SuiteOption = None,
-    scoring: ScoringOption = "substring",
-    question_aware: QuestionAwareOption = False,
-    prompt_format: PromptFormatOption = "auto",
-    new_tokens: Annotated[
-        int, typer.Option(help="Greedy tokens generated per answer (fidelity compares the first 32).")
-    ] = 48,
-    artifacts: ArtifactsOption = None,
-    out: Annotated[Path, typer.Option(help="Output folder: results.md/.csv, summary.csv, plots, run records.")] = Path(
-        "eval_results"
-    ),
-    resume: EvalResumeOption = False,
-    batch_size: EvalBatchOption = 1,
-    shared_prefill: SharedPrefillOption = True,
-    device: DeviceOption = "cpu",
-) -> None:
+@settings_command(EvalOptions, name="eval")
+def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
-    with clear_errors() as resources:
-        from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
-        from kvcompile.evaluation.store import RunStore
-        from kvruntime.models.model_spec import check_model_spec, position_limit
+    from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
+    from kvcompile.evaluation.store import RunStore
+    from kvruntime.models.model_spec import check_model_spec, position_limit
 
-        check_model_spec(model)
-        recipe.check_device_name(device)
-        check_suite_alone(ctx, suite)
-        settings = _suite_settings(
-            comma_separated(ratios, float), tasks, lengths, samples, seed, question_aware, new_tokens, prompt_format,
-            suite, scoring,
-        )  # fmt: skip
-        settings.check()
-        settings.check_positions(position_limit(model))
-        if batch_size < 1:
-            raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
-        ctx.params["methods"] = methods = methods or default_methods()
-        contestants = parse_methods(methods)
-        paths = artifact_paths(contestants, artifacts or artifact_folder(model))
-        contestants = resolve_contestants(contestants, paths, settings.ratios)
-        record = {"model": model, "methods": [c.label for c in contestants], **settings.record()}
-        if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
-            del record["task_samples"]
-        claim_output(resources, out, folder=True)
-        store = RunStore(out, record, resume, extendable=("methods",))
+    check_model_spec(options.model)
+    recipe.check_device_name(options.device)
+    check_suite_alone(ctx, options.suite)
+    settings = _suite_settings(options, options.ratios, options.new_tokens)
+    settings.check()
+    settings.check_positions(position_limit(options.model))
+    if options.batch_size < 1:
+        raise KVRuntimeError(f"--batch-size {options.batch_size}: give at least 1 prompt per batch")
+    ctx.params["methods"] = methods = options.methods or default_methods()
+    contestants = parse_methods(methods)
+    paths = artifact_paths(contestants, options.artifacts or artifact_folder(options.model))
+    contestants = resolve_contestants(contestants, paths, settings.ratios)
+    record = {"model": options.model, "methods": [c.label for c in contestants], **settings.record()}
+    if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
+        del record["task_samples"]
+    claim_output(resources, options.out, folder=True)
+    store = RunStore(options.out, record, options.resume, extendable=("methods",))
 
-        from kvcompile.evaluation.measure import machine
-        from kvcompile.evaluation.report import write_report
-        from kvcompile.evaluation.suite_run import evaluate
+    from kvcompile.evaluation.measure import machine
+    from kvcompile.evaluation.report import write_report
+    from kvcompile.evaluation.suite_run import evaluate
 
-        loaded, tokenizer = recipe.load_model(model, device=recipe.resolve_device(device))
-        settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
-        records = evaluate(loaded, tokenizer, contestants, paths, settings, store, batch_size, shared_prefill)
-        # What reruns it: the built-in suite's options are refused beside --suite, --scoring without it.
-        unused = ("tasks", "lengths", "samples", "seed") if suite is not None else ("scoring",)
-        header = _report_header(model, command_line(ctx, leave_out=unused), machine(), records, settings)
-        # The first method after the full cache (a quantized full cache runs at ratio 0 only: nothing to pair with).
-        subject = next((c.label for c in contestants[1:] if c.compresses), None)
-        written, summary = write_report(records, out, header, subject)
-        for path in written:
-            typer.echo(f"wrote {path}")
-        typer.echo(summary)
+    loaded, tokenizer = recipe.load_model(options.model, device=recipe.resolve_device(options.device))
+    settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
+    records = evaluate(
+        loaded, tokenizer, contestants, paths, settings, store, options.batch_size, options.shared_prefill
+    )
+    # What reruns it: the built-in suite's options are refused beside --suite, --scoring without it.
+    unused = ("tasks", "lengths", "samples", "seed") if options.suite is not None else ("scoring",)
+    header = _report_header(options.model, command_line(ctx, leave_out=unused), machine(), records, settings)
+    # The first method after the full cache (a quantized full cache runs at ratio 0 only: nothing to pair with).
+    subject = next((c.label for c in contestants[1:] if c.compresses), None)
+    written, summary = write_report(records, options.out, header, subject)
+    for path in written:
+        typer.echo(f"wrote {path}")
+    typer.echo(summary)
 
 
-@compile_command("tuned_defaults")
-def tune(
-    ctx: typer.Context,
-    model: str,
-    out: Path | None,
-    tolerance: Annotated[
-        float, typer.Option(help="Largest accuracy loss against the full cache accepted (0.02 = 2 points).")
-    ] = 0.02,
-    methods: Annotated[
-        str, typer.Option(help="Runtime methods to tune (comma-separated, options as name:key=value).")
-    ] = ",".join(COMPARED_NAMES),
-    ratios: Annotated[
-        str, typer.Option(help="Ratios tried, in increasing order until a method leaves the tolerance.")
-    ] = "0.25,0.5,0.6,0.7,0.75,0.8,0.85,0.9",
-    tasks: TasksOption = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa",
-    lengths: LengthsOption = "2k",
-    samples: Annotated[int, typer.Option(help="Validation prompts per task and length.")] = 2,
-    seed: Annotated[int, typer.Option(help="Seed of the validation prompts (kvcompile eval uses 0 by default).")] = 1,
-    suite: SuiteOption = None,
-    scoring: ScoringOption = "substring",
-    question_aware: QuestionAwareOption = False,
-    prompt_format: PromptFormatOption = "auto",
-    artifacts: ArtifactsOption = None,
-) -> tuple:
+@compile_command("tuned_defaults", inputs=TuneOptions)
+def tune(inputs: TuneOptions, ctx: typer.Context, model: str, out: Path | None) -> tuple:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
     from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
 
-    check_suite_alone(ctx, suite)
-    validation = _suite_settings(
-        tuple(sorted(comma_separated(ratios, float))), tasks, lengths, samples, seed, question_aware, 48, prompt_format,
-        suite, scoring,
-    )  # fmt: skip
+    check_suite_alone(ctx, inputs.suite)
+    validation = _suite_settings(inputs, tuple(sorted(inputs.ratios)), 48)
     target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
     records = target.with_name(target.stem + ".runs")
-    return TuneRecipe(methods, artifacts or target.parent, records, model), TuneSettings(validation, tolerance)
+    settings = TuneSettings(validation, inputs.tolerance)
+    return TuneRecipe(inputs.methods, inputs.artifacts or target.parent, records, model), settings

@@ -9,12 +9,64 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcompile import recipe
+from kvcompile import recipe, settings
 from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
+from kvruntime.registry import methods_help
 
 if TYPE_CHECKING:
     from kvruntime.requests.resolved import ResolvedRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """`kvcompile generate`'s options, each declared once (`kvcompile.settings.option`)."""
+
+    prompt_file: list[Path] = settings.option(
+        dataclasses.MISSING,
+        "Text file holding the prompt (the context in question mode). Repeat it for several prompts, or give a .jsonl "
+        'file of prompts (a JSON string or {"prompt": ...} per line).',
+    )
+    method: str | None = settings.option(
+        None,
+        f"{methods_help()}. Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors "
+        "(`kvcompile tune`) if there is one, else kvcompress.",
+    )
+    ratio: float | None = settings.option(None, "Fraction of cache entries removed, in [0, 1) (default 0.5).")
+    budget: int | None = settings.option(None, "Tokens kept per layer (instead of --ratio).")
+    question: list[str] | None = settings.option(
+        None, "Question mode: compress the prompt without the question, then answer each --question."
+    )
+    memory: str = settings.option("padded", "padded (default) or masked: how per-head counts are stored.")
+    artifact: list[Path] | None = settings.option(
+        None,
+        "Compiled artifact(s), or a bundle (its folder or hub repo id, from `kvcompile bundle`), checked against the "
+        "model.",
+    )
+    force: bool = settings.option(False, "Apply artifacts of another checkpoint of the same shape.")
+    nearest_budget: bool = settings.option(
+        False,
+        "compilerkv: use the tables of the nearest compiled budget for a --budget not compiled (a --ratio always does).",
+    )
+    option: list[str] | None = settings.option(
+        None, "A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."
+    )
+    model: str = settings.model_option()
+    prompt_format: str = settings.prompt_format_option()
+    max_new_tokens: int = settings.option(32, "Tokens to generate.")
+    prefill_chunk_size: int | None = settings.option(
+        None,
+        "Feed the prompt in chunks of this many tokens, every layer cut to its budget after each: the cache held never "
+        "exceeds the budgets plus one chunk (methods whose layer budgets are known in advance).",
+    )
+    batch_size: int = settings.option(
+        1,
+        "Prompts generated together (left-padded): each row is compressed as it would be alone, and the batch decodes "
+        "at once.",
+    )
+    kv_bits: int | None = settings.option(
+        None, "Quantize the kept entries for decoding: 8 (FP8, built in) or 4 (int4, needs optimum-quanto)."
+    )
 
 
 def read_text(path: Path, what: str = "prompt file") -> str:
@@ -85,56 +137,35 @@ def check_prompt_bytes(name: str, text: str, limit: int | None) -> None:
         )
 
 
-def check_generation_inputs(
-    prompts: Sequence[tuple[str, str]],
-    model: str,
-    prompt_format: str,
-    max_new_tokens: int,
-    batch_size: int,
-    question: Sequence[str] | None,
-    prefill_chunk_size: int | None,
-    kv_bits: int | None = None,
-) -> int | None:
+def check_generation_inputs(prompts: Sequence[tuple[str, str]], settings: GenerateOptions) -> int | None:
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
     from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
     from kvruntime.quantized_cache import check_kv_bits
 
-    if batch_size < 1:
-        raise KVRuntimeError(f"--batch-size {batch_size}: give at least 1 prompt per batch")
-    check_prompt_format(prompt_format)
-    check_model_spec(model)
-    positions = position_limit(model)  # from the model's config, read once
-    if max_new_tokens < 1:
-        raise KVRuntimeError(f"--max-new-tokens {max_new_tokens}: give at least 1 token to generate")
-    check_positions(max_new_tokens, positions, f"--max-new-tokens {max_new_tokens}")
+    if settings.batch_size < 1:
+        raise KVRuntimeError(f"--batch-size {settings.batch_size}: give at least 1 prompt per batch")
+    check_prompt_format(settings.prompt_format)
+    check_model_spec(settings.model)
+    positions = position_limit(settings.model)  # from the model's config, read once
+    if settings.max_new_tokens < 1:
+        raise KVRuntimeError(f"--max-new-tokens {settings.max_new_tokens}: give at least 1 token to generate")
+    check_positions(settings.max_new_tokens, positions, f"--max-new-tokens {settings.max_new_tokens}")
     for name, text in prompts:
         check_prompt_bytes(name, text, positions)
-    if prefill_chunk_size is not None and prefill_chunk_size < 1:
-        raise KVRuntimeError(f"--prefill-chunk-size {prefill_chunk_size}: give a positive number of tokens")
-    check_kv_bits(kv_bits)
-    if kv_bits is not None and batch_size > 1:
+    if settings.prefill_chunk_size is not None and settings.prefill_chunk_size < 1:
+        raise KVRuntimeError(f"--prefill-chunk-size {settings.prefill_chunk_size}: give a positive number of tokens")
+    check_kv_bits(settings.kv_bits)
+    if settings.kv_bits is not None and settings.batch_size > 1:
         raise KVRuntimeError("--kv-bits quantizes one prompt at a time: leave --batch-size at 1")
-    if question is not None and not all(text.strip() for text in question):
+    if settings.question is not None and not all(text.strip() for text in settings.question):
         raise KVRuntimeError("--question is empty: give the text of each question")
-    for text in question or []:
+    for text in settings.question or []:
         check_encodable("--question", text)
     return positions
 
 
-def compression_asked(
-    model: str,
-    method: str | None,
-    ratio: float | None,
-    budget: int | None,
-    memory: str,
-    artifacts: Sequence[Path],
-    options: dict[str, object],
-    nearest_budget: bool,
-    prefill_chunk_size: int | None,
-    positions: int | None,
-    kv_bits: int | None = None,
-) -> ResolvedRequest:
+def compression_asked(settings: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
     """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
     ones), what the method can serve; then the method built from its artifacts, before the model loads."""
@@ -146,12 +177,13 @@ def compression_asked(
     from kvruntime.requests.request import check_method_options, required_artifact_kinds
     from kvruntime.requests.resolved import resolve_request, tuned_defaults_among
 
+    model, method = settings.model, settings.method  # the method: as named, else as a tuned default names it
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
     named, note = method is not None, ""
-    paths = artifact_files(artifacts)  # a bundle (folder or hub id) gives its artifacts
-    if budget is not None:
-        check_positions(budget, positions, f"--budget {budget} tokens per layer")
+    paths = artifact_files(settings.artifact or [])  # a bundle (folder or hub id) gives its artifacts
+    if settings.budget is not None:
+        check_positions(settings.budget, positions, f"--budget {settings.budget} tokens per layer")
     if method is None and not paths:
         default = default_artifact(model, "tuned_defaults")
         if default.exists() and header_params(default).get("recommended") is None:
@@ -161,7 +193,7 @@ def compression_asked(
             method = DEFAULT_METHOD
         elif default.exists():
             paths = [default]
-    if nearest_budget:  # compilerkv's option, given its own flag: checked with the others
+    if settings.nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         if not named:
             tuned = tuned_defaults_among(paths) if method is None else None
             chosen_by, chosen = "without --method or a tuned default, the method is", DEFAULT_METHOD
@@ -178,7 +210,15 @@ def compression_asked(
                 command = ARTIFACT_KINDS[kind].command
                 raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
     resolved = resolve_request(
-        method, ratio, budget, memory, paths, options, prefill_chunk_size, kv_bits, default_ratio=0.5
+        method,
+        settings.ratio,
+        settings.budget,
+        settings.memory,
+        paths,
+        options,
+        settings.prefill_chunk_size,
+        settings.kv_bits,
+        default_ratio=0.5,
     )
     resolved = dataclasses.replace(resolved, note=note)
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
@@ -240,28 +280,23 @@ def encoded_prompts(
 
 
 def generate_compressed(
-    asked: ResolvedRequest,
-    prompts: Sequence[tuple[str, str]],
-    question: Sequence[str] | None,
-    model: str,
-    prompt_format: str,
-    max_new_tokens: int,
-    batch_size: int,
-    force: bool,
-    echo: Callable[[str], None],
+    asked: ResolvedRequest, prompts: Sequence[tuple[str, str]], settings: GenerateOptions, echo: Callable[[str], None]
 ) -> None:
-    """Load the model, encode the prompts, and answer them in batches of `batch_size` under `kvruntime.compress`,
-    each batch followed by its compression report."""
+    """Load the model, encode the prompts, and answer them in batches of `settings.batch_size` under
+    `kvruntime.compress`, each batch followed by its compression report."""
     import sys
 
     import kvruntime
     from kvcompile.prompt_format import uses_chat
     from kvruntime.batch_rows import left_pad
 
-    loaded, tokenizer = recipe.load_model(model)
+    question, max_new_tokens, batch_size = settings.question, settings.max_new_tokens, settings.batch_size
+    loaded, tokenizer = recipe.load_model(settings.model)
     tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
     limit = getattr(loaded.config, "max_position_embeddings", None)
-    encoded = encoded_prompts(tokenizer, prompts, question, uses_chat(tokenizer, prompt_format), max_new_tokens, limit)
+    encoded = encoded_prompts(
+        tokenizer, prompts, question, uses_chat(tokenizer, settings.prompt_format), max_new_tokens, limit
+    )
     # A batch's padding token: the tokenizer's own, else its end of text (most causal LMs have no pad token).
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
@@ -274,7 +309,7 @@ def generate_compressed(
     def decoded(ids: Any) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    with kvruntime.compress(loaded, asked, force=force) as session:
+    with kvruntime.compress(loaded, asked, force=settings.force) as session:
         for first in range(0, len(encoded), batch_size):
             batch = encoded[first : first + batch_size]
             ids, mask = left_pad([row for _, row, _ in batch], pad)

@@ -2,7 +2,7 @@
 `bench` extra), and the full cache every answer is measured against.
 
 `--methods` takes comma-separated entries: `full`; a runtime method name (`compresskv`, `kvcompose`, `snapkv`,
-`kvcompress+budgets`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
+`kvcompress+error-aware`, ...) with optional `:key=value` method options (`kvcompose:mode=dynamic`), and
 `:prefill_chunk_size=N` to stream the context in chunks of N tokens (`distilled:allocation=uniform:prefill_chunk_size=512`),
 `:artifacts=DIR` to take its artifacts from another folder than `--artifacts` (two compiles side by side), and
 `:kv_bits=8` or `4` to quantize the kept entries for decoding (`distilled:kv_bits=4`, compressed and quantized;

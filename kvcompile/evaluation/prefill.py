@@ -61,14 +61,14 @@ def compressed_prefill(
         replayed = shared is not None and session.replays(context_ids.shape[1])
         with PeakMemory(context_ids.device) as peak:
             started = time.perf_counter()
-            context = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)
+            compressed = session.compress_recording(shared.recording) if replayed else session.prefill(context_ids)
             seconds = peak.seconds_since(started) + (shared.seconds if replayed else 0.0)
         yield AnswerableContext(
             seconds,
             None if replayed else peak.mib,
-            context.report.bytes_after,
-            context.generate,
-            context.logits,
+            compressed.report.bytes_after,
+            compressed.generate,
+            compressed.logits,
             replayed,
         )
 

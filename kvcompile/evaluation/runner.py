@@ -106,21 +106,21 @@ def answer(
 ) -> Answer:
     """The contestant's greedy answer to the question over its compressed context, with the prefill's measures and
     the answers of `scoring` teacher-forced over the same context (its context cut from `shared` where it can)."""
-    with contestant.prefilled(model, ratio, context_ids, artifacts, shared) as context:
-        output = context.generate(question_ids, **greedy(new_tokens, tokenizer))
+    with contestant.prefilled(model, ratio, context_ids, artifacts, shared) as answerable:
+        output = answerable.generate(question_ids, **greedy(new_tokens, tokenizer))
         tokens = output.sequences[0, question_ids.shape[1] :].tolist()
         reference = scoring.reference or scored_tokens(tokens, stop_tokens(model))
-        forced = [forced_logits(context.logits, [question_ids[0]], [answer]) for answer in (reference, scoring.gold)]
+        forced = [forced_logits(answerable.logits, [question_ids[0]], [answer]) for answer in (reference, scoring.gold)]
     return Answer(
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         tokens=tokens,
         first_logits=output.logits[0][0].float().cpu(),
-        prefill_seconds=context.seconds,
-        peak_mib=context.peak_mib,
-        cache_bytes=context.cache_bytes,
+        prefill_seconds=answerable.seconds,
+        peak_mib=answerable.peak_mib,
+        cache_bytes=answerable.cache_bytes,
         reference_logits=forced[0][0],
         gold_logprob=answer_logprob(forced[1][0], scoring.gold),
-        prefill_shared=context.shared,
+        prefill_shared=answerable.shared,
     )
 
 
@@ -161,12 +161,12 @@ def answer_batch(
     question_ids, question_mask = left_pad([ids[0] for ids in questions], tokenizer.eos_token_id)
     rows = [ids[0] for ids in questions]
     with contestant.compressing(model, ratio) as session:
-        context = session.prefill(context_ids, attention_mask=context_mask)
-        output = context.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
-        references = forced_logits(context.logits, rows, [scoring.reference for scoring in scorings])
-        golds = forced_logits(context.logits, rows, [scoring.gold for scoring in scorings])
+        compressed = session.prefill(context_ids, attention_mask=context_mask)
+        output = compressed.generate(question_ids, attention_mask=question_mask, **greedy(new_tokens, tokenizer))
+        references = forced_logits(compressed.logits, rows, [scoring.reference for scoring in scorings])
+        golds = forced_logits(compressed.logits, rows, [scoring.gold for scoring in scorings])
     stops, answers = stop_tokens(model), []
-    for row, report in enumerate(context.report.rows):
+    for row, report in enumerate(compressed.report.rows):
         tokens = until_stop(output.sequences[row, question_ids.shape[1] :].tolist(), stops)
         answers.append(
             Answer(

@@ -4,8 +4,9 @@ methods (names and aliases, options, the artifacts they need, windows, whether t
 `eval`'s and `tune`'s defaults, the docs' table) reads it from here. Torch-free: the command line refuses bad input
 with it before importing torch.
 
-A method `<name>+budgets` is the method with CompressKV's error-aware layer budgets (a `layer_budgets` artifact),
-for the methods that declare `budgetable`.
+A method `<name>+error-aware` is the method with CompressKV's error-aware layer budgets (a `layer_budgets` artifact),
+for the methods that declare `error_aware`; `<name>+budgets` is its spelling before issue #65, still read (eval records
+and tuned defaults name it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from .errors import KVRuntimeError
 
-LAYER_BUDGETS = "budgets"  # the name suffix: error-aware layer budgets
+ERROR_AWARE = "error-aware"  # the name suffix: CompressKV's error-aware layer budgets
+SUFFIXES = (ERROR_AWARE, "budgets")  # the suffix as written now, then before issue #65
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
 
@@ -62,8 +64,8 @@ class MethodSpec:
     needs_artifact: Callable[[Mapping[str, object]], bool] = _always  # with these options (kvcompose dynamic: no)
     streams: Callable[[Mapping[str, object]], bool] = _always  # layer budgets known before any layer's scores
     memory: Callable[[Mapping[str, object]], str | None] = _either_memory  # the memory mode these options need
-    budgetable: bool = False  # takes `+budgets`
-    options_with_budgets: bool = True  # whether its options still apply with `+budgets`
+    error_aware: bool = False  # takes `+error-aware`
+    options_with_error_aware: bool = True  # whether its options still apply with `+error-aware`
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)  # other names: alias -> full name
     compared: tuple[str, ...] | None = None  # what `eval` and `tune` compare by default (None: the name)
     # its folder's operating_points.py checks a request against the operating points compiled into its artifact
@@ -129,12 +131,12 @@ def discover(folder: Path, package: str) -> dict[str, MethodSpec]:
 METHODS: dict[str, MethodSpec] = discover(Path(__file__).with_name("methods"), f"{__package__}.methods")
 ALIASES: dict[str, str] = {alias: full for spec in METHODS.values() for alias, full in spec.aliases.items()}
 METHOD_NAMES: tuple[str, ...] = tuple(sorted([*METHODS, *ALIASES]))
-BUDGETABLE_NAMES: tuple[str, ...] = tuple(name for name, spec in METHODS.items() if spec.budgetable)
+ERROR_AWARE_NAMES: tuple[str, ...] = tuple(name for name, spec in METHODS.items() if spec.error_aware)
 COMPARED_NAMES: tuple[str, ...] = tuple(name for spec in METHODS.values() for name in spec.compared_names)
 
 
 def registration_of(name: str) -> MethodSpec | None:
-    """The registration a method name (an alias, a `+budgets` name) belongs to; None for a name not registered."""
+    """The registration a method name (an alias, a `+error-aware` name) belongs to; None for a name not registered."""
     return METHODS.get(ALIASES.get(name, name).partition("+")[0])
 
 
@@ -143,10 +145,10 @@ def method_spec(name: str) -> tuple[MethodSpec, bool]:
     ('compresskv' -> srh's, True)."""
     _, plus, suffix = ALIASES.get(name, name).partition("+")
     spec = registration_of(name)
-    if spec is None or (plus and (suffix != LAYER_BUDGETS or not spec.budgetable)):
+    if spec is None or (plus and (suffix not in SUFFIXES or not spec.error_aware)):
         raise KVRuntimeError(
-            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+budgets for "
-            f"{', '.join(BUDGETABLE_NAMES)})"
+            f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}, and <method>+{ERROR_AWARE} for "
+            f"{', '.join(ERROR_AWARE_NAMES)})"
         )
     return spec, bool(plus)
 
@@ -163,16 +165,17 @@ def operating_point_check(
 
 
 def canonical_name(name: str) -> str:
-    """The name a method goes by in reports: its alias where it has one ('srh+budgets' -> 'compresskv')."""
-    spec, budgets = method_spec(name)
-    full = f"{spec.name}+{LAYER_BUDGETS}" if budgets else spec.name
+    """The name a method goes by in reports: its alias where it has one ('srh+error-aware' -> 'compresskv'), the
+    suffix as written now ('snapkv+budgets' -> 'snapkv+error-aware')."""
+    spec, error_aware = method_spec(name)
+    full = f"{spec.name}+{ERROR_AWARE}" if error_aware else spec.name
     return next((alias for alias, target in spec.aliases.items() if target == full), full)
 
 
 def methods_help() -> str:
     """The methods in one line, for the command line's help."""
-    budgetable = ", ".join(BUDGETABLE_NAMES)
-    return f"{', '.join(METHOD_NAMES)}; <method>+budgets for {budgetable} (error-aware layer budgets)"
+    names = ", ".join(ERROR_AWARE_NAMES)
+    return f"{', '.join(METHOD_NAMES)}; <method>+{ERROR_AWARE} for {names} (error-aware layer budgets)"
 
 
 def methods_table() -> str:

@@ -57,9 +57,9 @@ class CalibrationPrompt:
 
 @torch.no_grad()
 def prefill_with_signals(
-    model: nn.Module, ids: torch.Tensor, context: int
+    model: nn.Module, ids: torch.Tensor, context_tokens: int
 ) -> tuple[PromptSignals, DynamicCache, torch.Tensor]:
-    """Prefill the first `context` tokens of `ids` with the runtime's signal hooks: the prompt's signals (on the
+    """Prefill the first `context_tokens` tokens of `ids` with the runtime's signal hooks: the prompt's signals (on the
     CPU, where the tables and the selection are), its cache and the log-probabilities after the context's last token
     [vocab] (on the model's device)."""
     ids = ids.to(model.device)
@@ -73,29 +73,33 @@ def prefill_with_signals(
 
     cache = DynamicCache(config=model.config)
     with query_hooks(model, gather, window=WINDOW):
-        logits = model(ids[:, :context], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW).logits
+        logits = model(
+            ids[:, :context_tokens], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW
+        ).logits
     logprobs = logits[0].float().log_softmax(dim=-1)
-    window_logprobs = logprobs[:-1].gather(-1, ids[0, context - WINDOW + 1 : context, None]).T  # [1, w - 1]
+    window_logprobs = (
+        logprobs[:-1].gather(-1, ids[0, context_tokens - WINDOW + 1 : context_tokens, None]).T
+    )  # [1, w - 1]
     return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs.cpu()), cache, logprobs[-1]
 
 
 @torch.no_grad()
-def greedy_continuation(model: nn.Module, ids: torch.Tensor, context: int, tokens: int) -> torch.Tensor:
-    """The first `context` tokens of `ids` followed by the full-cache model's own greedy continuation of them
-    (`tokens` long): [1, context + tokens]."""
-    prefix = ids[:, :context].to(model.device)
+def greedy_continuation(model: nn.Module, ids: torch.Tensor, context_tokens: int, tokens: int) -> torch.Tensor:
+    """The first `context_tokens` tokens of `ids` followed by the full-cache model's own greedy continuation of them
+    (`tokens` long): [1, context_tokens + tokens]."""
+    prefix = ids[:, :context_tokens].to(model.device)
     return model.generate(
         prefix, attention_mask=torch.ones_like(prefix), do_sample=False, max_new_tokens=tokens,
         min_new_tokens=tokens, pad_token_id=0,
     )  # fmt: skip
 
 
-def prefill_prompt(model: nn.Module, ids: torch.Tensor, context: int, index: int) -> CalibrationPrompt:
-    """Prefill the first `context` tokens of `ids` [1, context + continuation], keep its cache, and run the
+def prefill_prompt(model: nn.Module, ids: torch.Tensor, context_tokens: int, index: int) -> CalibrationPrompt:
+    """Prefill the first `context_tokens` tokens of `ids` [1, context_tokens + continuation], keep its cache, and run the
     continuation over the full cache (the cache and the continuation on the model's device, the kept sets chosen on
     the CPU)."""
-    signals, cache, last_logprobs = prefill_with_signals(model, ids, context)
-    continuation = ids[:, context:].to(model.device)
+    signals, cache, last_logprobs = prefill_with_signals(model, ids, context_tokens)
+    continuation = ids[:, context_tokens:].to(model.device)
     prefilled = prefilled_prompt(model, cache, continuation, float(-last_logprobs[continuation[0, 0]]))
     return CalibrationPrompt(
         index=index, signals=signals, prefilled=prefilled, full_nll=_finite(prefilled.full_nll, index)

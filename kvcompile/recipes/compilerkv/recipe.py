@@ -30,8 +30,8 @@ class TablesRecipe(Recipe):
     def positions(self, settings: TablesSettings) -> tuple[int, str] | None:
         if self.from_experience is not None:
             return None
-        tokens = settings.context + settings.continuation
-        return tokens, f"--context {settings.context} and --continuation {settings.continuation}"
+        tokens = settings.context_tokens + settings.continuation
+        return tokens, f"--context-tokens {settings.context_tokens} and --continuation {settings.continuation}"
 
     def prepare(self, settings: TablesSettings) -> Any:
         from kvcompile.calibration.corpus import load_corpus

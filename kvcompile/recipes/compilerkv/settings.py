@@ -64,7 +64,7 @@ class TablesSettings(Settings):
         64, "Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
     )
     strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
-    context: int = option(2048, "Tokens of context per calibration prompt.")
+    context_tokens: int = option(2048, "Tokens of context per calibration prompt.", old_flags=("--context",))
     continuation: int = option(128, "Tokens of continuation whose NLL is the reward.")
     rounds: int = option(2, "At most this many rounds of head then gate learning.")
     tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
@@ -110,9 +110,9 @@ class TablesSettings(Settings):
     def check_values(self) -> None:
         if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):
             raise KVRuntimeError(f"--budgets {list(self.budgets)}: give distinct budgets in increasing order")
-        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context:
+        if self.budgets[0] <= WINDOW or self.budgets[-1] >= self.context_tokens:
             raise KVRuntimeError(
-                f"--budgets must lie between the {WINDOW}-token window and the {self.context}-token context "
+                f"--budgets must lie between the {WINDOW}-token window and the {self.context_tokens}-token context "
                 f"(exclusive), got {list(self.budgets)}: below the window nothing is chosen, above the context "
                 "nothing is compressed"
             )
@@ -120,9 +120,9 @@ class TablesSettings(Settings):
             raise KVRuntimeError(
                 f"--candidates {self.candidates}: give at least as many candidate prompts as --prompts {self.prompts}"
             )
-        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context <= WINDOW:
+        if self.prompts < 2 or self.rounds < 1 or self.continuation < 2 or self.context_tokens <= WINDOW:
             raise KVRuntimeError(
-                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context "
+                "--prompts must be at least 2, --rounds at least 1, --continuation at least 2 and --context-tokens "
                 f"more than the {WINDOW}-token window"
             )
         if self.entropy_bins < 1 or self.perplexity_bins < 1:

@@ -210,11 +210,11 @@ def _chosen_prompts(
     their risk bins, the experience they start (no records yet) and the bins' edges."""
     model, shard = job.model, job.shard
     calibration = calibration_prompts(
-        corpus, job.tokenizer, settings.candidates, settings.context + settings.continuation, settings.seed
+        corpus, job.tokenizer, settings.candidates, settings.context_tokens + settings.continuation, settings.seed
     )
     candidate_risks = torch.zeros(settings.candidates, 2, dtype=torch.float64)
     for index in tqdm(shard.items(settings.candidates), desc="risk of candidate prompts", unit="prompt"):
-        signals, _, _ = prefill_with_signals(model, calibration[index][1], settings.context)
+        signals, _, _ = prefill_with_signals(model, calibration[index][1], settings.context_tokens)
         candidate_risks[index] = torch.tensor([signals.entropy, signals.perplexity])
     candidate_risks = sum(part["risks"] for part in gather_dicts(shard, {"risks": candidate_risks}))
     chosen = stratified_choice(candidate_risks, settings.prompts, settings.strata, settings.seed)
@@ -222,11 +222,11 @@ def _chosen_prompts(
     def scored_text(index: int) -> torch.Tensor:
         ids = calibration[chosen[index]][1]
         if settings.continuation_from == "greedy":
-            return greedy_continuation(model, ids, settings.context, settings.continuation)
+            return greedy_continuation(model, ids, settings.context_tokens, settings.continuation)
         return ids
 
     prompts = {
-        index: prefill_prompt(model, scored_text(index), settings.context, index)
+        index: prefill_prompt(model, scored_text(index), settings.context_tokens, index)
         for index in tqdm(list(shard.items(settings.prompts)), desc="prefill chosen prompts", unit="prompt")
     }
     signals = torch.zeros(settings.prompts, 3, dtype=torch.float64)  # full NLL, entropy, perplexity
@@ -242,7 +242,7 @@ def _chosen_prompts(
         candidate_risks=candidate_risks,
         chosen=torch.tensor(chosen),
         budgets=settings.budgets,
-        context_tokens=settings.context,
+        context_tokens=settings.context_tokens,
         penalty=settings.penalty,
         elastic=settings.elastic,
     )

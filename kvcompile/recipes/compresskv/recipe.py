@@ -1,6 +1,6 @@
 """CompressKV's two compile commands, torch-free: `kvcompile heads` (SRH head scores on needle probes) and
-`kvcompile budgets` (each layer's compression error). Settings are checked and inputs read here before anything
-heavy loads; the work is in `heads.py` and `budgets.py`."""
+`kvcompile layer-errors` (each layer's compression error). Settings are checked and inputs read here before anything
+heavy loads; the work is in `heads.py` and `layer_errors.py`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile.recipe import CorpusRecipe
-from kvcompile.recipes.compresskv.settings import BudgetsSettings, HeadsSettings
+from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvruntime import KVRuntimeError
 
 
@@ -39,7 +39,7 @@ class HeadsRecipe(CorpusRecipe):
         return describe_head_comparison(artifact)
 
 
-class BudgetsRecipe(CorpusRecipe):
+class LayerErrorsRecipe(CorpusRecipe):
     """The layer errors of the selection of an srh_heads artifact (`heads`, checked against the model)."""
 
     kind = "layer_budgets"
@@ -48,11 +48,11 @@ class BudgetsRecipe(CorpusRecipe):
         super().__init__(corpus)
         self.heads = heads
 
-    def positions(self, settings: BudgetsSettings) -> tuple[int, str]:
+    def positions(self, settings: LayerErrorsSettings) -> tuple[int, str]:
         tokens = settings.prompt_tokens + settings.new_tokens
         return tokens, f"--prompt-tokens {settings.prompt_tokens} and --new-tokens {settings.new_tokens}"
 
-    def prepare(self, settings: BudgetsSettings) -> Any:
+    def prepare(self, settings: LayerErrorsSettings) -> Any:
         from kvruntime.artifacts.artifact_header import read_header
 
         if self.heads is not None:
@@ -64,15 +64,15 @@ class BudgetsRecipe(CorpusRecipe):
             read_artifact(self.heads)  # and a broken one before the model loads
         return super().prepare(settings)
 
-    def run(self, job: Any, settings: BudgetsSettings, corpus: Any) -> Any:
-        from kvcompile.recipes.compresskv.budgets import compile_layer_errors
+    def run(self, job: Any, settings: LayerErrorsSettings, corpus: Any) -> Any:
+        from kvcompile.recipes.compresskv.layer_errors import compile_layer_errors
         from kvruntime import load_artifact
 
         heads = load_artifact(self.heads, model=job.model, kind="srh_heads")
         return compile_layer_errors(job, corpus, heads, settings)
 
     def finish(self, sums: dict, run: Any) -> Any:
-        from kvcompile.recipes.compresskv.budgets import finish_layer_budgets
+        from kvcompile.recipes.compresskv.layer_errors import finish_layer_budgets
 
         return finish_layer_budgets(sums, run)
 

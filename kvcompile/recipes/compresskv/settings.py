@@ -38,7 +38,7 @@ class HeadsSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
-class BudgetsSettings(Settings):
+class LayerErrorsSettings(Settings):
     prompts: int = option(24, "Calibration prompts.")
     prompt_tokens: int = prompt_tokens_option(1024)
     new_tokens: int = option(32, "Greedy decoding steps measured per prompt.")

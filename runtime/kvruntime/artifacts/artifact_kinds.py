@@ -36,7 +36,7 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
         ),
         ArtifactKind(
             "layer_budgets",
-            "kvcompile budgets",
+            "kvcompile layer-errors",
             {"layer_error": ("numeric", ("layers",), "non-negative with a positive sum")},
         ),
         ArtifactKind(

@@ -15,7 +15,7 @@ ScorerPress keeps each KV head's top tokens, the same count in every layer and h
   take too; `allocation=dynamic` ranks the layers in one pool). Under DMSPress with `decoding=True` each generated token is scored on
   its own: its likeness to the earlier tokens (a feature) reads 0, as for the prompt's first two tokens.
 - `SRHPress`: CompressKV's semantic-retrieval-head scores (`srh`), one index set shared by the KV heads of a layer;
-  `srh+budgets`' error-aware budgets are kvruntime's own.
+  `srh+error-aware`' error-aware budgets are kvruntime's own.
 A press checks its artifact against the model it is applied to (`post_init_from_model`), as kvruntime does.
 """
 

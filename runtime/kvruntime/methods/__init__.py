@@ -1,5 +1,5 @@
 """The runtime's compression methods, one folder each (`<name>/spec.py` registers it, `<name>/method.py` is the
-method; `kvruntime.registry` lists them), the interface they implement (`base.py`), `+budgets`' error-aware layer
+method; `kvruntime.registry` lists them), the interface they implement (`base.py`), `+error-aware`' error-aware layer
 budgets (`layer_budgets.py`) and how a method is built from its name (`build.py`). Torch-free until a name is used:
 the registrations under it load without torch."""
 

@@ -124,7 +124,7 @@ class Method(abc.ABC):
         return None
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Method | None:
-        """This method with error-aware layer budgets from per-layer errors [L] (`<name>+budgets`), where it applies
+        """This method with error-aware layer budgets from per-layer errors [L] (`<name>+error-aware`), where it applies
         them itself; None: a scoring method gets them from `layer_budgets.WithLayerBudgets`."""
         return None
 

@@ -1,5 +1,5 @@
 """A method instance from its name, the artifacts it needs and its options, through its registration
-(`kvruntime.registry`): `methods/<name>/method.py`'s `build`, then `+budgets`' layer budgets."""
+(`kvruntime.registry`): `methods/<name>/method.py`'s `build`, then `+error-aware`' layer budgets."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def build_method(name: str, artifacts: Sequence[Artifact], options: Mapping[str,
         applied[kind] = applied_form(by_kind[kind])
     build = importlib.import_module(f"{__package__}.{spec.name}.method").build
     method = build(applied.get(spec.needs), options)
-    if budgets:  # registered `budgetable`: a scoring method, or one that applies the budgets itself
+    if budgets:  # registered `error_aware`: a scoring method, or one that applies the budgets itself
         layer_error = applied[LAYER_BUDGETS_KIND].tensors["layer_error"]
         method = method.with_layer_budgets(layer_error) or WithLayerBudgets(inner=method, layer_error=layer_error)
     return method

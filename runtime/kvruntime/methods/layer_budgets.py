@@ -1,4 +1,4 @@
-"""`<method>+budgets`: a scoring method with CompressKV's error-aware per-layer budgets (Algorithm 1) from a
+"""`<method>+error-aware`: a scoring method with CompressKV's error-aware per-layer budgets (Algorithm 1) from a
 `layer_budgets` artifact: each layer keeps its budget of the method's own best entries, known before the prefill."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class WithLayerBudgets(ScoringMethod):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return canonical_name(f"{self.inner.name}+budgets")
+        return canonical_name(f"{self.inner.name}+error-aware")
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return self.inner.token_scores(attention, layer)

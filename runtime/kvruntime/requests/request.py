@@ -18,7 +18,7 @@ MEMORY_MODES = ("padded", "masked")
 
 
 def required_artifact_kinds(name: str, options: Mapping[str, object] = {}) -> list[str]:
-    """The artifact kinds method `name` applies with these options (its own, then `+budgets`' layer_budgets)."""
+    """The artifact kinds method `name` applies with these options (its own, then `+error-aware`' layer_budgets)."""
     spec, budgets = method_spec(name)
     kinds = [spec.needs] if spec.needs and spec.needs_artifact(options) else []
     return kinds + ([LAYER_BUDGETS_KIND] if budgets else [])
@@ -155,7 +155,7 @@ def check_method_options(name: str, options: Mapping[str, object]) -> CheckedOpt
         return options
     spec, budgets = method_spec(name)
     known = spec.all_options
-    if budgets and not spec.options_with_budgets:
+    if budgets and not spec.options_with_error_aware:
         known = {"window": known["window"]}
         if set(options) - set(known):
             raise KVRuntimeError(

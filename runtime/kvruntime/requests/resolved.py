@@ -35,7 +35,7 @@ class ResolvedRequest:
     """What a compression asks for, resolved and checked once (`resolve_request`); immutable, and trusted by
     whatever takes it."""
 
-    method_name: str  # as registered, `+budgets` included ("" for a method given as an instance)
+    method_name: str  # as registered, `+error-aware` included ("" for a method given as an instance)
     options: CheckedOptions | Mapping[str, object]
     requests: tuple[Request, ...]  # every request it was checked for (an eval's ratios; one for generate)
     artifact_files: tuple[Path, ...] = ()  # read when the method is built

@@ -26,7 +26,7 @@ class MethodFacts:
 
 
 def method_facts(name: str, options: Mapping[str, object] = {}) -> MethodFacts:
-    """What a method name with these options is, from its registration (`+budgets`' layer shares are known from
+    """What a method name with these options is, from its registration (`+error-aware`' layer shares are known from
     their artifact, so it streams)."""
     spec, budgets = method_spec(name)
     streams = budgets or spec.streams(options)

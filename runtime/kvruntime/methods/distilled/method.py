@@ -6,7 +6,7 @@ How many each layer keeps (`allocation`): `compiled`, the layer shares the teach
 prompts, compiled per ratio and known before the prefill, so each layer is cut inside it and a long prompt streams;
 `dynamic`, one global pool of the layers' composite tokens ranked by their predicted scores after every layer gets
 `floor` times the average count (it holds the whole prompt until the prefill ends); `uniform`, the same count in
-every layer; `distilled+budgets`, CompressKV's error-aware budgets from a `layer_budgets` artifact (`layer_error`).
+every layer; `distilled+error-aware`, CompressKV's error-aware budgets from a `layer_budgets` artifact (`layer_error`).
 The last `window` tokens and the first `sinks` always stay: a second pass that weighs what a token adds to the
 output scores the attention sink low, and dropping it shifts every layer's attention. `leverage` mixes each key's
 leverage among the layer's keys into the student's scores (`leverage.py`). A token's predicted score depends only on
@@ -44,13 +44,13 @@ from .spec import SPEC
 @dataclasses.dataclass
 class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor, sinks, ...): the registration's
     scorer: DistilledScorer | None = None
-    # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+budgets`, which
+    # [L] from a layer_budgets artifact: error-aware layer budgets instead of `allocation` (`distilled+error-aware`, which
     # takes no options: the registry refuses them)
     layer_error: torch.Tensor | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "distilled" if self.layer_error is None else "distilled+budgets"
+        return "distilled" if self.layer_error is None else "distilled+error-aware"
 
     def __post_init__(self) -> None:
         if self.scorer is None:
@@ -63,7 +63,7 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
 
     @property
     def budgets_known_in_advance(self) -> bool:
-        # `distilled+budgets`: the layer_budgets artifact gives the budgets before the prefill (as `method_facts`)
+        # `distilled+error-aware`: the layer_budgets artifact gives the budgets before the prefill (as `method_facts`)
         return self.layer_error is not None or super().budgets_known_in_advance
 
     def layer_budgets(self, num_layers: int, plan: KeepPlan) -> list[int]:

@@ -54,6 +54,6 @@ SPEC = MethodSpec(
         options.get("allocation", ALLOCATION.default) in ("compiled", "uniform")
         and options.get("scores", "predicted") == "predicted"
     ),
-    budgetable=True,
-    options_with_budgets=False,  # the layer shares come from the layer_budgets artifact
+    error_aware=True,
+    options_with_error_aware=False,  # the layer shares come from the layer_budgets artifact
 )

@@ -6,6 +6,6 @@ SPEC = MethodSpec(
     name="kvcompress",
     summary="KV-Compress (KVC-w): squared window attention, one global pool over layers and KV heads",
     window=8,
-    budgetable=True,
+    error_aware=True,
     streams=lambda options: False,  # the global pool compares every layer's scores
 )

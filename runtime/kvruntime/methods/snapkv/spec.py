@@ -6,5 +6,5 @@ SPEC = MethodSpec(
     name="snapkv",
     summary="SnapKV: each KV head keeps its best pooled window attention, the same count in every layer",
     window=32,
-    budgetable=True,
+    error_aware=True,
 )

@@ -1,2 +1,2 @@
-"""CompressKV's Semantic Retrieval Heads: the registration (`spec.py`, with the alias compresskv = srh+budgets) and
+"""CompressKV's Semantic Retrieval Heads: the registration (`spec.py`, with the alias compresskv = srh+error-aware) and
 the method (`method.py`)."""

@@ -2,7 +2,7 @@
 
 `SemanticRetrievalHeads` ("srh"): in each layer, the top-4 SRH query heads' window attention (last 8 queries,
 summed, average-pooled over 5 tokens, averaged over the 4 heads) gives one score per token, and one index set is
-kept for every KV head of the layer. "compresskv" is "srh+budgets": with the error-aware per-layer budgets of
+kept for every KV head of the layer. "compresskv" is "srh+error-aware": with the error-aware per-layer budgets of
 Algorithm 1 (`methods.layer_budgets`).
 """
 

@@ -8,7 +8,7 @@ SPEC = MethodSpec(
     summary="CompressKV: its compiled retrieval heads choose the tokens (compresskv: with error-aware layer budgets)",
     window=8,
     needs="srh_heads",
-    budgetable=True,
-    aliases={"compresskv": "srh+budgets"},
+    error_aware=True,
+    aliases={"compresskv": "srh+error-aware"},
     compared=("compresskv",),
 )

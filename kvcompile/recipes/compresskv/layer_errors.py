@@ -1,4 +1,4 @@
-"""`kvcompile budgets`: each layer's compression error, the input of CompressKV's error-aware layer budgets.
+"""`kvcompile layer-errors`: each layer's compression error, the input of CompressKV's error-aware layer budgets.
 
 Greedy generation runs with the FULL cache on calibration prompts. At prefill, each layer remembers the tokens the
 SRH selection would keep at a tiny budget (24 + the 8-token window); at every decoding step it compares its
@@ -16,7 +16,7 @@ from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.compresskv.attention_capture import attention_output
-from kvcompile.recipes.compresskv.settings import BudgetsSettings
+from kvcompile.recipes.compresskv.settings import LayerErrorsSettings
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.artifacts.artifact import tensors_checksum
 from kvruntime.attention import captured_logits
@@ -74,7 +74,7 @@ def layer_errors_of_prompt(
     return errors
 
 
-def compile_layer_errors(job: CompileJob, corpus: Corpus, heads: Artifact, settings: BudgetsSettings) -> Artifact:
+def compile_layer_errors(job: CompileJob, corpus: Corpus, heads: Artifact, settings: LayerErrorsSettings) -> Artifact:
     """The layer_budgets artifact (or this shard's partial statistics) of the selection of `heads`."""
     model, tokenizer = job.model, job.tokenizer
     prompts, prompt_tokens, new_tokens, seed = (
