@@ -2,20 +2,18 @@
 settings, then a recipe (`kvcompile/recipe.py`) or the runtime runs; nothing heavy is imported before the options are
 checked, so that bad input is refused in one line before torch loads.
 
-`commands.py`: the application, `generate` and the compile commands (`generation.py`: generate's inputs and its
+`commands.py`: the application, `generate` and the compile commands (`generation.py`: generate's options, inputs and
 resolved request); `evaluation.py`: `eval` and `tune`; `artifacts.py`: `merge`, `info`, `bundle`, `reproduce` and
-`export-kvzap`."""
+`export-kvzap`. Each module registers its commands on `app` as it is imported: the imports' order is the help's."""
 
 from __future__ import annotations
 
-import importlib
-
 from kvcompile.cli.commands import app, main
 
-# Each module registers its commands on `app` as it loads: this order is the help's.
-for _module in ("kvcompile.cli.evaluation", "kvcompile.cli.artifacts"):
-    importlib.import_module(_module)
+# isort: split
+from kvcompile.cli import evaluation  # noqa: F401  (eval, tune)
 
-from kvcompile.cli.artifacts import compile_commands  # noqa: E402
+# isort: split
+from kvcompile.cli.artifacts import compile_commands
 
 __all__ = ["app", "compile_commands", "main"]
