@@ -142,19 +142,19 @@ def settings_command(settings_type: type, name: str | None = None) -> Callable:
 
 
 @settings_command(GenerateOptions)
-def generate(settings: GenerateOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
+def generate(options: GenerateOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
     """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
     template (`--prompt-format auto`, for instruct models) or raw text."""
     from kvcompile.cli.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
     from kvruntime.requests.request import parse_option_pairs
 
-    prompts = read_prompts(settings.prompt_file)
-    positions = check_generation_inputs(prompts, settings)
-    asked = compression_asked(settings, parse_option_pairs(settings.option or [], settings.method), positions)
+    prompts = read_prompts(options.prompt_file)
+    positions = check_generation_inputs(prompts, options)
+    asked = compression_asked(options, parse_option_pairs(options.option or [], options.method), positions)
     if asked.note:
         typer.echo(f"note: {asked.note}", err=True)
-    generate_compressed(asked, prompts, settings, typer.echo)
+    generate_compressed(asked, prompts, options, typer.echo)
 
 
 CORPUS_HELP = (
@@ -198,8 +198,8 @@ def _reads_path(kind: object) -> bool:
 
 def compile_command(
     kind: str,
-    settings: type | None = None,
-    inputs: type = dataclasses.make_dataclass("NoInputs", [], frozen=True),
+    settings: type | None,
+    inputs: type,
     shardable: bool = False,
     checkpoint_every: int = 4,
     old_names: tuple[str, ...] = (),

@@ -247,7 +247,7 @@ def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitSt
     typer.echo(summary)
 
 
-@compile_command("tuned_defaults", inputs=TuneOptions)
+@compile_command("tuned_defaults", None, TuneOptions)
 def tune(inputs: TuneOptions, ctx: typer.Context, model: str, out: Path | None) -> tuple:
     """Pick, per method, the largest compression ratio whose validation accuracy stays within the tolerance of the
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""

@@ -137,35 +137,35 @@ def check_prompt_bytes(name: str, text: str, limit: int | None) -> None:
         )
 
 
-def check_generation_inputs(prompts: Sequence[tuple[str, str]], settings: GenerateOptions) -> int | None:
+def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateOptions) -> int | None:
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
     from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
     from kvruntime.quantized_cache import check_kv_bits
 
-    if settings.batch_size < 1:
-        raise KVRuntimeError(f"--batch-size {settings.batch_size}: give at least 1 prompt per batch")
-    check_prompt_format(settings.prompt_format)
-    check_model_spec(settings.model)
-    positions = position_limit(settings.model)  # from the model's config, read once
-    if settings.max_new_tokens < 1:
-        raise KVRuntimeError(f"--max-new-tokens {settings.max_new_tokens}: give at least 1 token to generate")
-    check_positions(settings.max_new_tokens, positions, f"--max-new-tokens {settings.max_new_tokens}")
+    if given.batch_size < 1:
+        raise KVRuntimeError(f"--batch-size {given.batch_size}: give at least 1 prompt per batch")
+    check_prompt_format(given.prompt_format)
+    check_model_spec(given.model)
+    positions = position_limit(given.model)  # from the model's config, read once
+    if given.max_new_tokens < 1:
+        raise KVRuntimeError(f"--max-new-tokens {given.max_new_tokens}: give at least 1 token to generate")
+    check_positions(given.max_new_tokens, positions, f"--max-new-tokens {given.max_new_tokens}")
     for name, text in prompts:
         check_prompt_bytes(name, text, positions)
-    if settings.prefill_chunk_size is not None and settings.prefill_chunk_size < 1:
-        raise KVRuntimeError(f"--prefill-chunk-size {settings.prefill_chunk_size}: give a positive number of tokens")
-    check_kv_bits(settings.kv_bits)
-    if settings.kv_bits is not None and settings.batch_size > 1:
+    if given.prefill_chunk_size is not None and given.prefill_chunk_size < 1:
+        raise KVRuntimeError(f"--prefill-chunk-size {given.prefill_chunk_size}: give a positive number of tokens")
+    check_kv_bits(given.kv_bits)
+    if given.kv_bits is not None and given.batch_size > 1:
         raise KVRuntimeError("--kv-bits quantizes one prompt at a time: leave --batch-size at 1")
-    if settings.question is not None and not all(text.strip() for text in settings.question):
+    if given.question is not None and not all(text.strip() for text in given.question):
         raise KVRuntimeError("--question is empty: give the text of each question")
-    for text in settings.question or []:
+    for text in given.question or []:
         check_encodable("--question", text)
     return positions
 
 
-def compression_asked(settings: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
+def compression_asked(given: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
     """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
     ones), what the method can serve; then the method built from its artifacts, before the model loads."""
@@ -177,13 +177,13 @@ def compression_asked(settings: GenerateOptions, options: dict[str, object], pos
     from kvruntime.requests.request import check_method_options, required_artifact_kinds
     from kvruntime.requests.resolved import resolve_request, tuned_defaults_among
 
-    model, method = settings.model, settings.method  # the method: as named, else as a tuned default names it
+    model, method = given.model, given.method  # the method: as named, else as a tuned default names it
     if options and method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
     named, note = method is not None, ""
-    paths = artifact_files(settings.artifact or [])  # a bundle (folder or hub id) gives its artifacts
-    if settings.budget is not None:
-        check_positions(settings.budget, positions, f"--budget {settings.budget} tokens per layer")
+    paths = artifact_files(given.artifact or [])  # a bundle (folder or hub id) gives its artifacts
+    if given.budget is not None:
+        check_positions(given.budget, positions, f"--budget {given.budget} tokens per layer")
     if method is None and not paths:
         default = default_artifact(model, "tuned_defaults")
         if default.exists() and header_params(default).get("recommended") is None:
@@ -193,7 +193,7 @@ def compression_asked(settings: GenerateOptions, options: dict[str, object], pos
             method = DEFAULT_METHOD
         elif default.exists():
             paths = [default]
-    if settings.nearest_budget:  # compilerkv's option, given its own flag: checked with the others
+    if given.nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         if not named:
             tuned = tuned_defaults_among(paths) if method is None else None
             chosen_by, chosen = "without --method or a tuned default, the method is", DEFAULT_METHOD
@@ -211,13 +211,13 @@ def compression_asked(settings: GenerateOptions, options: dict[str, object], pos
                 raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
     resolved = resolve_request(
         method,
-        settings.ratio,
-        settings.budget,
-        settings.memory,
+        given.ratio,
+        given.budget,
+        given.memory,
         paths,
         options,
-        settings.prefill_chunk_size,
-        settings.kv_bits,
+        given.prefill_chunk_size,
+        given.kv_bits,
         default_ratio=0.5,
     )
     resolved = dataclasses.replace(resolved, note=note)
@@ -280,9 +280,9 @@ def encoded_prompts(
 
 
 def generate_compressed(
-    asked: ResolvedRequest, prompts: Sequence[tuple[str, str]], settings: GenerateOptions, echo: Callable[[str], None]
+    asked: ResolvedRequest, prompts: Sequence[tuple[str, str]], given: GenerateOptions, echo: Callable[[str], None]
 ) -> None:
-    """Load the model, encode the prompts, and answer them in batches of `settings.batch_size` under
+    """Load the model, encode the prompts, and answer them in batches of `given.batch_size` under
     `kvruntime.compress`, each batch followed by its compression report."""
     import sys
 
@@ -290,12 +290,12 @@ def generate_compressed(
     from kvcompile.prompt_format import uses_chat
     from kvruntime.batch_rows import left_pad
 
-    question, max_new_tokens, batch_size = settings.question, settings.max_new_tokens, settings.batch_size
-    loaded, tokenizer = recipe.load_model(settings.model)
+    question, max_new_tokens, batch_size = given.question, given.max_new_tokens, given.batch_size
+    loaded, tokenizer = recipe.load_model(given.model)
     tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
     limit = getattr(loaded.config, "max_position_embeddings", None)
     encoded = encoded_prompts(
-        tokenizer, prompts, question, uses_chat(tokenizer, settings.prompt_format), max_new_tokens, limit
+        tokenizer, prompts, question, uses_chat(tokenizer, given.prompt_format), max_new_tokens, limit
     )
     # A batch's padding token: the tokenizer's own, else its end of text (most causal LMs have no pad token).
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -309,7 +309,7 @@ def generate_compressed(
     def decoded(ids: Any) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    with kvruntime.compress(loaded, asked, force=settings.force) as session:
+    with kvruntime.compress(loaded, asked, force=given.force) as session:
         for first in range(0, len(encoded), batch_size):
             batch = encoded[first : first + batch_size]
             ids, mask = left_pad([row for _, row, _ in batch], pad)
