@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvcompile.cli.commands import app, main
 
 # isort: split
-from kvcompile.cli import evaluation  # noqa: F401  (eval, tune)
+import kvcompile.cli.evaluation  # noqa: F401  (eval, tune)
 
 # isort: split
 from kvcompile.cli.artifacts import compile_commands
