@@ -1,6 +1,6 @@
-"""A command's options declared once: a settings dataclass (a compile recipe's, or `generate`'s and `eval`'s). A field
-made by `option` (its help, its choices) is a command-line option (`kvcompile.cli.commands` derives it); the other
-fields are settings the command line does not set. Torch-free."""
+"""A command's options declared once, as dataclass fields: a compile recipe's settings, a command's inputs or options
+(`GenerateOptions`, `EvalOptions`, ...). A field made by `option` (its help, its choices) is a command-line option
+(`kvcompile.cli.commands` derives it); the other fields are settings the command line does not set. Torch-free."""
 
 from __future__ import annotations
 
@@ -34,26 +34,22 @@ def seed_option() -> Any:
     return option(0, "Seed of the probe/prompt sampling.")
 
 
-MODEL_HELP = (
-    "A shipped model: 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m' (Gemma 3 270M, base, hybrid); a GGUF file, "
-    "a local model directory, or a cached hub id."
-)
-PROMPT_FORMAT_HELP = (
-    "chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
-)
-DEVICE_HELP = "Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps."
-
-
 def model_option() -> Any:
-    return option("default", MODEL_HELP)
+    return option(
+        "default",
+        "A shipped model: 'default' (SmolLM2-135M-Instruct) or 'gemma-3-270m' (Gemma 3 270M, base, hybrid); a GGUF "
+        "file, a local model directory, or a cached hub id.",
+    )
 
 
 def prompt_format_option() -> Any:
-    return option("auto", PROMPT_FORMAT_HELP)
+    return option(
+        "auto", "chat (the model's chat template), raw (base models), or auto (chat when the tokenizer has a template)."
+    )
 
 
 def device_option() -> Any:
-    return option("cpu", DEVICE_HELP)
+    return option("cpu", "Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps.")
 
 
 def prompt_tokens_option(default: int) -> Any:
