@@ -133,6 +133,24 @@ def test_a_generate_request_is_resolved_once_from_the_command_line_to_the_prefil
     assert session.report.slots_per_layer == [kept_per_head(80, 8, ratio=0.5)] * layers
 
 
+def test_generate_without_a_method_reads_each_artifact_of_the_tuned_default_once(monkeypatch):
+    """`kvcompile generate` with no --method on the default model: its tuned default chooses the method (asked whether
+    it recommends one, looked up among the artifacts, checked with the others); every header is read once, every
+    file's tensors once, one serving check, one build."""
+    from kvcompile.cli.generation import GenerateOptions, compression_asked
+
+    calls: list = []
+    count_resolution(monkeypatch, calls, ("srh",))
+    asked = compression_asked(GenerateOptions([]), {}, None)
+    assert (asked.method_name, asked.tuned_default) == ("compresskv", "tuned_defaults.safetensors")
+    files = ["layer_budgets.safetensors", "srh_heads.safetensors", "tuned_defaults.safetensors"]
+    expected = [*(("header", name) for name in files), *["tensors"] * 3, "serving", "build srh"]
+    assert sorted(calls, key=str) == sorted(expected, key=str)
+    calls.clear()  # the same from Python: `resolve_request` given the tuned default alone
+    resolve_request(artifacts=[asked.artifact_files[0]])
+    assert sorted(calls, key=str) == sorted([*(("header", name) for name in files), "serving"], key=str)
+
+
 def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_default_with_a_note():
     """Gemma's shipped tuned_defaults found no method within its tolerance: `kvcompile generate --model gemma-3-270m`
     without --method serves the runtime's default (and says why) instead of refusing; the default model's tuning

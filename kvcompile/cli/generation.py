@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvcompile import recipe, settings
 from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
+from kvruntime.artifacts.artifact_header import headers_read_once
 from kvruntime.registry import methods_help
 
 if TYPE_CHECKING:
@@ -165,6 +166,7 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
     return positions
 
 
+@headers_read_once()  # the tuned default's header, read to choose the method, is the one its checks read
 def compression_asked(given: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
     """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default

@@ -3,10 +3,13 @@ line checks before it imports anything heavy. `artifact.read_artifact` reads and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import sys
 from array import array
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,10 @@ FORMAT_VERSION = 1
 ARTIFACT_SUFFIX = ".safetensors"
 _LARGEST_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 _ARRAY_CODES = {"I64": "q", "I32": "i", "F64": "d", "F32": "f"}  # safetensors dtype -> array typecode
+# The headers read inside a `headers_read_once` block, by file (None outside one).
+_HEADERS_READ: contextvars.ContextVar[dict[Path, tuple[dict[str, Any], int]] | None] = contextvars.ContextVar(
+    "headers_read", default=None
+)
 
 
 def artifact_file_name(kind: str) -> str:
@@ -36,9 +43,23 @@ def check_artifact_file(path: str | os.PathLike) -> Path:
     return source
 
 
+@contextlib.contextmanager
+def headers_read_once() -> Iterator[None]:
+    """Inside the block each artifact file's header is read once, and that header answers every later ask: the checks
+    of one request see the bytes the first read found (a block inside another one shares its headers)."""
+    if _HEADERS_READ.get() is not None:
+        yield
+        return
+    token = _HEADERS_READ.set({})
+    try:
+        yield
+    finally:
+        _HEADERS_READ.reset(token)
+
+
 def read_header(path: str | os.PathLike) -> dict[str, str]:
     """The metadata of a kvcompile artifact (kind, model, params, ...), from its header alone."""
-    return _header(check_artifact_file(path))[0].get("__metadata__")
+    return _held_header(check_artifact_file(path))[0].get("__metadata__")
 
 
 def header_params(path: str | os.PathLike) -> dict[str, Any]:
@@ -55,7 +76,7 @@ def header_params(path: str | os.PathLike) -> dict[str, Any]:
 def small_tensor_values(path: str | os.PathLike, name: str) -> list[float]:
     """The values of one small numeric tensor of the artifact (compiled budgets, compiled ratios), flattened."""
     source = check_artifact_file(path)
-    header, start = _header(source)
+    header, start = _held_header(source)
     entry = header.get(name)
     try:
         code = _ARRAY_CODES[entry["dtype"]]
@@ -68,6 +89,17 @@ def small_tensor_values(path: str | os.PathLike, name: str) -> list[float]:
     if sys.byteorder == "big":  # safetensors is little-endian
         values.byteswap()
     return values.tolist()
+
+
+def _held_header(source: Path) -> tuple[dict[str, Any], int]:
+    """`_header`, read once per file inside a `headers_read_once` block."""
+    held = _HEADERS_READ.get()
+    if held is None:
+        return _header(source)
+    key = source.resolve()
+    if key not in held:
+        held[key] = _header(source)
+    return held[key]
 
 
 def _header(source: Path) -> tuple[dict[str, Any], int]:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..artifacts.artifact_header import header_kind, header_params
+from ..artifacts.artifact_header import header_kind, header_params, headers_read_once
 from ..artifacts.bundle import artifact_files
 from ..artifacts.tuned_defaults import TunedDefaults
 from ..errors import KVRuntimeError
@@ -78,6 +78,7 @@ class ResolvedRequest:
         raise KVRuntimeError(f"{asked} was not among the requests resolved ({checked}): resolve it with them")
 
 
+@headers_read_once()  # each artifact's header read once per request, however many checks ask
 def resolve_request(
     method: str | Method | None = None,
     ratio: float | Sequence[float] | None = None,
