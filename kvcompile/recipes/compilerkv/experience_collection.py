@@ -73,13 +73,10 @@ def prefill_with_signals(
 
     cache = DynamicCache(config=model.config)
     with query_hooks(model, gather, window=WINDOW):
-        logits = model(
-            ids[:, :context_tokens], **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW
-        ).logits
+        prefix = ids[:, :context_tokens]
+        logits = model(prefix, **cache_argument(model, cache), use_cache=True, logits_to_keep=WINDOW).logits
     logprobs = logits[0].float().log_softmax(dim=-1)
-    window_logprobs = (
-        logprobs[:-1].gather(-1, ids[0, context_tokens - WINDOW + 1 : context_tokens, None]).T
-    )  # [1, w - 1]
+    window_logprobs = logprobs[:-1].gather(-1, prefix[0, -WINDOW + 1 :, None]).T  # [1, w - 1]
     return prompt_signals([layers[i] for i in range(len(layers))], window_logprobs.cpu()), cache, logprobs[-1]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..allocation import error_aware_budgets
-from ..registry import canonical_name
+from ..registry import ERROR_AWARE, canonical_name
 from ..requests.request import KeepPlan
 from .base import ScoringMethod
 
@@ -23,7 +23,7 @@ class WithLayerBudgets(ScoringMethod):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return canonical_name(f"{self.inner.name}+error-aware")
+        return canonical_name(f"{self.inner.name}+{ERROR_AWARE}")
 
     def token_scores(self, attention: torch.Tensor, layer: int) -> torch.Tensor:
         return self.inner.token_scores(attention, layer)

@@ -29,7 +29,7 @@ import torch
 from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
 from ...composite_tokens import prompt_allocation
 from ...errors import KVRuntimeError
-from ...registry import option_fields
+from ...registry import ERROR_AWARE, option_fields
 from ...repetition import repeats
 from ...requests.request import KeepPlan
 from ...selection import protect_sinks, protect_window
@@ -50,7 +50,7 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "distilled" if self.layer_error is None else "distilled+error-aware"
+        return SPEC.name if self.layer_error is None else f"{SPEC.name}+{ERROR_AWARE}"
 
     def __post_init__(self) -> None:
         if self.scorer is None:
