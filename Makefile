@@ -141,7 +141,9 @@ bench-streaming: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/kvcompile eval --methods full,$(subst $(space),$(comma),$(foreach m,$(STREAMED),$(m),$(m):prefill_chunk_size=256)) \
 		--tasks passkey,needle,multikey,qa --lengths 1k,2k --samples 3 --out benchmarks/performance/runs/eval_streaming $(if $(RESUME),--resume)
 
-# CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures.
+# CompressKV's two artifacts for the default model (about 13 minutes on 2 CPU cores), with their pictures. These
+# compile targets write into the store ($KVCOMPILE_CACHE/artifacts/, docs/artifacts.md): artifacts/ is read only to
+# every command, and a maintainer copies a recompiled artifact there by hand to ship it.
 compresskv: setup
 	$(BIN)/kvcompile heads
 	$(BIN)/kvcompile layer-errors

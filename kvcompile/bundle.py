@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,11 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from kvcompile import __version__
-from kvcompile.evaluation.published import PICTURE, results_lines
+from kvcompile.evaluation.published import PICTURE, PICTURE_MAX_BYTES, results_lines
 from kvcompile.markdown import markdown_code, markdown_text
 from kvcompile.recipe import OUTPUT_OPTIONS, PARTIAL_KIND, picture_path, read_run_record, run_record_path
-from kvruntime import KVRuntimeError
-from kvruntime.artifacts.artifact_header import ARTIFACT_SUFFIX, read_header
+from kvruntime import ArtifactError, KVRuntimeError
+from kvruntime.artifacts.artifact_header import (
+    ARTIFACT_SUFFIX,
+    load_json,
+    open_plain_file,
+    read_header,
+    read_plain_file,
+)
 from kvruntime.artifacts.bundle import (
     BUNDLE_FORMAT,
     BUNDLE_FORMAT_VERSION,
@@ -52,6 +59,10 @@ REPRODUCIBLE_FIELDS = ("command", "libraries")
 # nothing: a user's folder or a git clone of a bundle may hold one).
 MARKER_NAME = ".kvcompile-bundle.json"
 MARKER_MAX_BYTES = 1 << 20
+# What `--results` reads of an eval folder as text (`evaluation.published.eval_results`), each at most this large: a
+# run's records take kilobytes per prompt, so a larger file (or /dev/zero behind a link) is refused unread.
+RESULTS_TEXT_FILES = ("run.json", "runs.jsonl", "results.md")
+RESULTS_MAX_BYTES = 64 << 20
 
 
 def bundle_sources(sources: Sequence[Path]) -> list[Path]:
@@ -107,6 +118,7 @@ def write_bundle(
     entries = []
     for artifact in artifacts:
         source = Path(artifact.path)
+        check_plain_or_absent(run_record_path(source))  # read_run_record would follow a link, or wait on a FIFO
         entry = {
             "file": source.name,
             "kind": artifact.kind,
@@ -116,7 +128,7 @@ def write_bundle(
             "params": artifact.params,
             "run": published(read_run_record(source)),
         }
-        if picture_path(source).is_file():
+        if os.path.lexists(picture_path(source)):  # copied only as a plain file (`copy_plain_file`), never a link
             entry["picture"] = picture_path(source).name
         entries.append(entry)
     manifest = {
@@ -137,15 +149,15 @@ def write_bundle(
     def write(folder: Path) -> None:
         for source, entry in zip(files, entries):
             for companion in (source, picture_path(source)):
-                if companion.is_file():
-                    shutil.copyfile(companion, folder / companion.name)
+                if os.path.lexists(companion):
+                    copy_plain_file(companion, folder / companion.name)
             if entry["run"]:
                 text = json.dumps(entry["run"], indent=2, sort_keys=True) + "\n"
                 (folder / run_record_path(source).name).write_text(text, encoding="utf-8")
             if file_sha256(folder / source.name) != entry["sha256"]:  # replaced by a compile since it was checked
                 raise KVRuntimeError(f"{source} changed while it was being bundled: run kvcompile bundle again")
         if measured and "picture" in measured[0]:
-            shutil.copyfile(measured[1] / PICTURE, folder / measured[0]["picture"])
+            copy_plain_file(measured[1] / PICTURE, folder / measured[0]["picture"], PICTURE_MAX_BYTES)
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (folder / CARD_NAME).write_text(card, encoding="utf-8")
         written = {path.name: file_sha256(path) for path in sorted(folder.iterdir())}
@@ -154,6 +166,46 @@ def write_bundle(
 
     replace_folder(out, write)
     return manifest
+
+
+def check_plain_or_absent(path: Path) -> None:
+    """Refuse a file that is there but not a plain file (`open_plain_file`: a link, a FIFO or a device)."""
+    if os.path.lexists(path):
+        open_plain_file(path).close()
+
+
+def copy_plain_file(source: Path, target: Path, limit: int | None = None) -> None:
+    """Copy a plain file (`open_plain_file`: never through a link, never a FIFO or a device), of at most `limit`
+    bytes when one is given, into a new file `target`."""
+    with open_plain_file(source) as handle, open(target, "xb") as copy:
+        if limit is None:
+            shutil.copyfileobj(handle, copy)
+        elif copy.write(handle.read(limit + 1)) > limit:
+            raise KVRuntimeError(f"{source} holds more than {limit} bytes: more than a bundle carries")
+
+
+def check_results_files(folder: Path) -> None:
+    """Refuse, in one line, an eval folder (`--results`) whose files `eval_results` reads as text are not plain
+    files of at most RESULTS_MAX_BYTES, or whose records hold what `load_json` refuses (a number of more digits than
+    any record's, a key given twice). The folder may be anyone's: its other problems `eval_results` names."""
+    for name in RESULTS_TEXT_FILES:
+        path = folder / name
+        if not os.path.lexists(path):
+            continue  # eval_results names a missing run.json or runs.jsonl
+        try:
+            text = read_plain_file(path, RESULTS_MAX_BYTES).decode("utf-8", errors="replace")
+        except ArtifactError as exc:
+            raise KVRuntimeError(f"--results {exc}") from None
+        if name == "results.md":
+            continue  # text, not JSON
+        for number, line in enumerate(text.split("\n") if name == "runs.jsonl" else [text], 1):
+            try:
+                load_json(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue  # not JSON: eval_results says where
+            except ValueError as exc:
+                where = f" line {number}" if name == "runs.jsonl" else ""
+                raise KVRuntimeError(f"--results {path}{where} holds {exc}: not a kvcompile eval run's") from None
 
 
 def published(run: dict[str, Any]) -> dict[str, Any]:
@@ -424,14 +476,24 @@ def rerun_arguments(
 
 def _input(name: str, value: str, bundle: Bundle, known: CompileCommand, named: Mapping[str, str | None]) -> str | None:
     """What a recorded option's value becomes when rerun: as recorded when it reads nothing, a shipped corpus, the
-    default model or a hub id; the bundle's or kvcompile's own file; else what the user named, or None."""
+    default model or a hub id; the bundle's or kvcompile's own file; else what the user named, or None. A value
+    holding an absolute path or `..` anywhere (`--methods distilled:artifacts=/home/x`) is never taken as recorded."""
     from kvcompile.calibration.corpus import SHIPPED_CORPORA
 
+    if _leads_outside(value):
+        return named.get(name) if name in ("model", "corpus") else None
     if name == "model":
         return value if value in SHIPPED_MODELS or is_hub_id(value) else named.get("model")
     if name == "corpus":
         return value if value in SHIPPED_CORPORA else _inside(value, bundle) or named.get("corpus")
     return _inside(value, bundle) if name in known.paths else value
+
+
+def _leads_outside(value: str) -> bool:
+    """Whether a recorded value names an absolute path or `..` in any of its parts (a list's items, a method's
+    options: split at `,`, `:` and `=`)."""
+    parts = re.split(r"[,:=]", value)
+    return any(os.path.isabs(os.path.expanduser(part)) or ".." in Path(part).parts for part in parts)
 
 
 def _inside(value: str, bundle: Bundle) -> str | None:
@@ -492,7 +554,7 @@ def check_bundle_output(out: Path, sources: Sequence[Path]) -> None:
     the current folder, that is a symbolic link, or that overlaps a source."""
     if out.is_symlink():
         raise KVRuntimeError(f"--out {out} is a symbolic link: give the folder itself")
-    resolved = Path(os.path.abspath(out))
+    resolved = out.resolve()  # as the system resolves it: `x/..` through a linked x is not the lexical folder
     if resolved == Path.cwd() or resolved in Path.cwd().parents:
         raise KVRuntimeError(f"--out {out} holds the current folder: give a new folder for the bundle")
     if out.exists():
@@ -515,10 +577,8 @@ def is_written_bundle(folder: Path) -> bool:
     the bytes it wrote: nothing a user added or edited, no subfolder (a git clone's .git), no link."""
     marker = folder / MARKER_NAME
     try:
-        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > MARKER_MAX_BYTES:
-            return False
-        written = json.loads(marker.read_text(encoding="utf-8")).get("files")
-    except (OSError, ValueError, RecursionError, AttributeError):
+        written = load_json(read_plain_file(marker, MARKER_MAX_BYTES).decode("utf-8")).get("files")
+    except (OSError, ValueError, RecursionError, AttributeError, ArtifactError):
         return False
     if not isinstance(written, dict) or not all(is_plain_name(name) for name in written):
         return False

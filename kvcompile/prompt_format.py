@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvruntime import KVRuntimeError
+from kvruntime.models.model_spec import NO_CHAT_TEMPLATE
 
 if TYPE_CHECKING:  # the command line checks --prompt-format before it imports transformers
     from transformers import PreTrainedTokenizerBase
@@ -26,7 +27,7 @@ def uses_chat(tokenizer: PreTrainedTokenizerBase, prompt_format: str) -> bool:
 
 def require_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise KVRuntimeError("the model's tokenizer has no chat template: use --prompt-format raw for a base model")
+        raise KVRuntimeError(NO_CHAT_TEMPLATE)
 
 
 def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:

@@ -49,15 +49,63 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def artifact_folder(model: str) -> Path:
-    """Where a model's compiled artifacts live by default: artifacts/<shipped model's folder or model folder name>/."""
+    """A shipped model's shipped artifacts (artifacts/<its folder>/), else the model's folder in the store."""
     from kvcompile.shipped import shipped_folder
 
     shipped = SHIPPED_MODELS.get(model)
-    return shipped_folder("artifacts") / (shipped.artifacts if shipped else Path(model).name)
+    return shipped_folder("artifacts") / shipped.artifacts if shipped else store_folder(model)
+
+
+def store_folder(model: str) -> Path:
+    """Where the compile commands write a model's artifacts by default: the store under kvcompile's cache
+    ($KVCOMPILE_CACHE/artifacts/), a folder per model (a shipped model's by its name; a path's by its name and
+    where it is, so two models of one name never share one). The shipped folders are never written."""
+    import hashlib
+
+    from kvruntime.artifacts.files import cache_root
+
+    shipped = SHIPPED_MODELS.get(model)
+    if shipped is not None:
+        return cache_root() / "artifacts" / shipped.artifacts
+    where = hashlib.sha256(str(Path(model).expanduser().absolute()).encode()).hexdigest()[:12]
+    return cache_root() / "artifacts" / f"{Path(model).name or 'model'}-{where}"
+
+
+def artifact_folders(model: str) -> tuple[Path, ...]:
+    """Where a model's artifacts are read, in order: its store folder (what was compiled here), then a shipped
+    model's shipped artifacts."""
+    return tuple(dict.fromkeys((store_folder(model), artifact_folder(model))))
 
 
 def default_artifact(model: str, kind: str) -> Path:
-    return artifact_folder(model) / artifact_file_name(kind)
+    """The model's artifact of `kind`: the first of `artifact_folders` that holds one, else where it is compiled."""
+    name = artifact_file_name(kind)
+    return next(
+        (folder / name for folder in artifact_folders(model) if (folder / name).exists()),
+        compiled_artifact(model, kind),
+    )
+
+
+def compiled_artifact(model: str, kind: str) -> Path:
+    """Where a compile command writes the model's artifact of `kind` without --out."""
+    return store_folder(model) / artifact_file_name(kind)
+
+
+def check_not_shipped(path: Path, option: str) -> None:
+    """Refuse an output inside a shipped artifacts folder (the checkout's or an installed package's): they are read
+    only, whatever command or --out names them."""
+    from kvcompile.shipped import shipped_folder
+
+    try:
+        shipped = shipped_folder("artifacts").resolve()
+    except KVRuntimeError:
+        return  # none shipped: nothing to protect
+    resolved = Path(os.path.realpath(path))
+    if resolved == shipped or shipped in resolved.parents:
+        raise KVRuntimeError(
+            f"{option} {short_repr(str(path))} is inside the shipped artifacts ({shipped}), which no command writes: "
+            "leave --out out (compiled artifacts go to the store under $KVCOMPILE_CACHE) or give another folder"
+        )
 
 
 class Recipe(abc.ABC):
@@ -134,6 +182,7 @@ def claim_output(
     for the rest of the command, so that two runs never write the same output at once."""
     from kvruntime.artifacts.files import check_output_file, check_output_folder, path_lock
 
+    check_not_shipped(path, option)
     (check_output_folder if folder else check_output_file)(path, option)
     if lock:
         resources.enter_context(path_lock(path, wait=False))
@@ -201,8 +250,8 @@ def compile_target(out: Path | None, model: str, kind: str, shard: Any) -> Path:
     if out is not None:
         return out
     if shard.in_process_group or shard.is_whole:
-        return default_artifact(model, kind)
-    return default_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
+        return compiled_artifact(model, kind)
+    return compiled_artifact(model, f"{kind}.shard{shard.index}of{shard.count}")
 
 
 def check_device_name(text: str, supported: tuple[str, ...] = DEVICE_KINDS) -> None:

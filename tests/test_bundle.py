@@ -38,10 +38,12 @@ def invoke(args: list[str]) -> str:
     return result.output
 
 
-def refused(args: list[str], message: str) -> None:
+def refused(args: list[str], message: str) -> str:
     result = runner.invoke(cli.app, args)
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert "\x1b" not in result.output  # nothing read from a file drives the terminal
+    return result.output
 
 
 @pytest.fixture(scope="module")

@@ -177,7 +177,7 @@ def test_eval_and_tune_run_with_the_options_they_were_given(tmp_path, monkeypatc
 
     seen = []
 
-    def stop(options, ratios, new_tokens):
+    def stop(options, ratios, new_tokens, positions):
         seen.append((options, ratios, new_tokens))
         raise KVRuntimeError("stopped before the model loads")
 

@@ -12,7 +12,7 @@ import kvruntime
 from kvcompile.cli import app
 from kvcompile.prompt_format import chat_frame
 from kvcompile.tasks.passkey import PasskeyPrompt, passkey_prompt
-from kvruntime.models.model_spec import position_limit
+from kvruntime.models.model_spec import loaded_layer_kinds, model_facts, position_limit
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,8 +91,11 @@ def test_artifact_of_another_model_is_refused(tmp_path):
 
 
 def test_the_default_models_positions_are_what_the_command_line_checks_before_loading_it(default_model):
-    model, _ = default_model
+    model, tokenizer = default_model
     assert position_limit("default") == model.config.max_position_embeddings == 8192
+    facts = model_facts("default")
+    assert (facts.sliding, facts.chat) == ("sliding_attention" in loaded_layer_kinds(model.config), True)
+    assert bool(tokenizer.chat_template)
 
 
 def test_a_prompt_longer_than_the_default_models_positions_is_refused_in_one_line(tmp_path):

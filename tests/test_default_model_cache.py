@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models import default_model as dm
+from kvruntime.models import model_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +119,7 @@ def counting_build(count_dir: Path, seconds: float = 0.0):
 
 
 def _ensure_in_child(folder: str, count_dir: str, queue) -> None:
-    marker = dm.ensure_cache(Path(folder), counting_build(Path(count_dir), seconds=1.0))
+    marker = model_cache.ensure_cache(Path(folder), counting_build(Path(count_dir), seconds=1.0))
     queue.put(marker["build"])
 
 
@@ -136,28 +137,28 @@ def test_concurrent_first_builds_end_with_one_cache_built_once(tmp_path, monkeyp
     builds = {queue.get(timeout=5) for _ in children}
     assert len(list(counts.iterdir())) == 1 and len(builds) == 1  # one build, every process reads it
     assert [p.name for p in folder.parent.iterdir()] == ["m"]  # no staging folder left
-    assert dm.read_marker(folder)["build"] == builds.pop()
+    assert model_cache.read_marker(folder)["build"] == builds.pop()
 
 
 def test_a_stale_build_is_replaced_and_a_failed_build_leaves_the_old_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
     folder, counts = tmp_path / "models" / "m", tmp_path / "counts"
     counts.mkdir()
-    first = dm.ensure_cache(folder, counting_build(counts))
-    assert dm.ensure_cache(folder, counting_build(counts)) == first  # complete: not built again
-    second = dm.ensure_cache(folder, counting_build(counts), stale_build=first["build"])
-    assert second["build"] != first["build"] and dm.read_marker(folder) == second
+    first = model_cache.ensure_cache(folder, counting_build(counts))
+    assert model_cache.ensure_cache(folder, counting_build(counts)) == first  # complete: not built again
+    second = model_cache.ensure_cache(folder, counting_build(counts), stale_build=first["build"])
+    assert second["build"] != first["build"] and model_cache.read_marker(folder) == second
 
     def failing(staging: Path) -> dict:
         (staging / "half").write_text("x")
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        dm.ensure_cache(folder, failing, stale_build=second["build"])
-    assert dm.read_marker(folder) == second
+        model_cache.ensure_cache(folder, failing, stale_build=second["build"])
+    assert model_cache.read_marker(folder) == second
     assert [p.name for p in folder.parent.iterdir()] == ["m"]
-    (folder / dm.MARKER).unlink()  # incomplete (no marker): rebuilt even without a stale id
-    assert dm.ensure_cache(folder, counting_build(counts))["build"] not in (first["build"], second["build"])
+    (folder / model_cache.MARKER).unlink()  # incomplete (no marker): rebuilt even without a stale id
+    assert model_cache.ensure_cache(folder, counting_build(counts))["build"] not in (first["build"], second["build"])
 
 
 def test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_line(tmp_path, monkeypatch):
@@ -177,8 +178,8 @@ def test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_lin
     assert tokenizer.eos_token == "<|im_end|>" and not specs
     assert dm.load_shipped_model("default", load)[1].eos_token == "<|im_end|>"  # the good cache is used as it is
 
-    folder = dm.cache_folder(gguf, dm.converter_versions())
-    (folder / dm.MARKER).unlink()
+    folder = model_cache.cache_folder(gguf, dm.converter_versions())
+    (folder / model_cache.MARKER).unlink()
     specs[:] = [tiny_spec(eos_id=1), tiny_spec(eos_id=1)]
     with pytest.raises(
         KVRuntimeError, match=r"SmolLM2-135M-Instruct fails its check under transformers .* after a rebuild: eos"
@@ -190,9 +191,13 @@ def test_the_cache_folder_changes_with_the_converter_versions(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(64))
     versions = {"transformers": "5.2.0", "tokenizers": "0.22.2", "gguf": "0.19.0"}
-    assert dm.cache_folder(gguf, versions) == dm.cache_folder(gguf, dict(versions))
-    assert dm.cache_folder(gguf, versions) != dm.cache_folder(gguf, {**versions, "transformers": "5.23.0"})
-    assert dm.cache_folder(gguf, versions) != dm.cache_folder(gguf, {**versions, "tokenizers": "0.23.3"})
+    assert model_cache.cache_folder(gguf, versions) == model_cache.cache_folder(gguf, dict(versions))
+    assert model_cache.cache_folder(gguf, versions) != model_cache.cache_folder(
+        gguf, {**versions, "transformers": "5.23.0"}
+    )
+    assert model_cache.cache_folder(gguf, versions) != model_cache.cache_folder(
+        gguf, {**versions, "tokenizers": "0.23.3"}
+    )
 
 
 # --- the real default model --------------------------------------------------------------------------------------
@@ -242,7 +247,7 @@ def test_two_first_runs_at_once_on_an_empty_cache_answer_and_leave_one_good_cach
     models = tmp_path / "cache" / "models"
     folders = list(models.iterdir())
     assert len(folders) == 1 and not folders[0].name.startswith(".")  # one cache, no staging folder left
-    marker = dm.read_marker(folders[0])
+    marker = model_cache.read_marker(folders[0])
     assert marker["versions"] == dm.converter_versions()
 
     # Poisoned as a transformers 5.2 venv did (eos <|im_start|>), the real cache fails its check by name (the rebuild

@@ -123,7 +123,7 @@ def test_a_missing_artifact_is_refused_with_the_command_that_compiles_it(tmp_pat
         KVRuntimeError,
         match=r"compresskv: .*no srh_heads artifact in this folder \(expected .*srh_heads.safetensors\); compile it with `kvcompile heads`",
     ):
-        artifact_paths(parse_methods("compresskv"), tmp_path)
+        artifact_paths(parse_methods("compresskv"), (tmp_path,))
 
 
 def test_a_method_takes_its_artifacts_from_its_own_folder_when_given(tmp_path):
@@ -133,7 +133,7 @@ def test_a_method_takes_its_artifacts_from_its_own_folder_when_given(tmp_path):
     (other / "distilled_scorer.safetensors").touch()
     parsed = parse_methods(f"distilled,distilled:artifacts={other}:scores=oracle")
     assert parsed[2].options == {"scores": "oracle"} and parsed[2].artifacts == other
-    paths = artifact_paths(parsed, tmp_path)
+    paths = artifact_paths(parsed, (tmp_path,))
     assert paths["distilled"] == [tmp_path / "distilled_scorer.safetensors"]
     assert paths[f"distilled:artifacts={other}:scores=oracle"] == [other / "distilled_scorer.safetensors"]
     with pytest.raises(KVRuntimeError, match="artifacts=.*missing is not a folder"):
@@ -144,10 +144,10 @@ def test_kvzap_needs_its_checkpoint_and_says_how_to_make_it(tmp_path, monkeypatc
     monkeypatch.setattr(contestants_module, "kvpress_available", lambda: True)
     assert "kvzap" not in [c.press_name for c in parse_methods("kvpress")[1:]]  # needs a checkpoint: named on its own
     with pytest.raises(KVRuntimeError, match=r"kvpress-kvzap needs the checkpoint .*kvzap_linear: distil it with"):
-        artifact_paths(parse_methods("kvpress-kvzap"), tmp_path)
+        artifact_paths(parse_methods("kvpress-kvzap"), (tmp_path,))
     (tmp_path / "kvzap_linear").mkdir()
     (tmp_path / "kvzap_linear" / "config.json").write_text("{}")
-    assert artifact_paths(parse_methods("kvpress-kvzap"), tmp_path)["kvpress-kvzap"] == [tmp_path / "kvzap_linear"]
+    assert artifact_paths(parse_methods("kvpress-kvzap"), (tmp_path,))["kvpress-kvzap"] == [tmp_path / "kvzap_linear"]
 
 
 # -- run records ---------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_compilerkv_serves_ratios_and_refuses_a_budget_not_compiled_before_the_m
 def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
     (contestant,) = parse_methods("compilerkv:fixed_threshold=0.9")[1:]
     assert contestant.options == {"fixed_threshold": 0.9}
-    paths = artifact_paths([contestant], SHIPPED)
+    paths = artifact_paths([contestant], (SHIPPED,))
     resolve_contestants([contestant], paths, (0.5, 0.9))
     assert (
         get_method(
@@ -133,7 +133,7 @@ def test_eval_method_options_are_typed_and_checked_before_the_model_loads():
         == 0.9
     )
     (compiled,) = parse_methods("compilerkv:nearest_budget=false")[1:]
-    resolve_contestants([compiled], artifact_paths([compiled], SHIPPED), (0.5,))  # ratios need no nearest_budget
+    resolve_contestants([compiled], artifact_paths([compiled], (SHIPPED,)), (0.5,))  # ratios need no nearest_budget
 
 
 def imported_modules(path: Path, package: str, known: set[str]) -> set[str]:

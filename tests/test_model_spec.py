@@ -15,7 +15,9 @@ from kvruntime import KVRuntimeError
 from kvruntime.models.model_spec import check_model_spec
 
 
-def _cache_model(cache: Path, repo_id: str, files: tuple[str, ...] = ("config.json",)) -> None:
+def _cache_model(
+    cache: Path, repo_id: str, files: tuple[str, ...] = ("config.json", "tokenizer.json", "model.safetensors")
+) -> None:
     """huggingface_hub's layout of a downloaded model: models--org--name/snapshots/<revision>/<files>."""
     snapshot = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
@@ -74,6 +76,7 @@ def test_a_local_folder_of_that_shape_is_read_as_a_folder(cache, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     (tmp_path / "org" / "name" / "tokenizer.json").write_text("{}")
+    (tmp_path / "org" / "name" / "model.safetensors").write_text("{}")
     check_model_spec("org/name")  # nothing cached: the folder is the model
 
 

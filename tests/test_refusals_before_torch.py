@@ -37,6 +37,7 @@ def run_blocked(args: list[str], folder: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVCOMPILE_CACHE": str(folder / "cache")}
     return subprocess.run(
         [sys.executable, "-P", "-c", BLOCKED_MAIN, *args],
+        input="y\n",  # what a "run the custom code?" prompt would read: nothing may ask
         cwd=folder,
         env=env,
         capture_output=True,
@@ -125,7 +126,105 @@ def _sized(folder: Path, name: str, size: int) -> str:
     return name
 
 
+def _custom_code_folder(folder: Path, where: str) -> str:
+    """A model folder with code of its own that, imported, writes a marker (issue #73's probe: transformers asks on
+    stdin whether to run it, and a "y" ran it): an `auto_map` in its config or tokenizer config, or a lone .py."""
+    model = folder / "m"
+    model.mkdir()
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 16, "vocab_size": 64}
+    tokenizer = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    mapping = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    if where in ("config", "tokenizer config"):
+        (config if where == "config" else tokenizer)["auto_map"] = mapping
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    (model / "model.safetensors").write_bytes(b"")
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (model / name).write_text(f"open({str(folder / ('ran-' + name))!r}, 'w').write('ran')\n")
+    return "m"
+
+
+def gguf_bytes(tensor_count: int = 1, metadata: dict | None = None, data: bytes = bytes(32)) -> bytes:
+    """A GGUF file laid out by hand (GGUF v3: magic, version, counts, key/values, tensor infos, aligned data), with
+    one float32 tensor of 8 elements unless the counts are crafted."""
+    import struct
+
+    def text(value: str) -> bytes:
+        return struct.pack("<Q", len(value.encode())) + value.encode()
+
+    pairs = {"general.architecture": "llama", "llama.block_count": 2, **(metadata or {})}
+    head = b"GGUF" + struct.pack("<IQQ", 3, tensor_count, len(pairs))
+    for key, value in pairs.items():
+        head += text(key) + (
+            struct.pack("<I", 8) + text(value) if isinstance(value, str) else struct.pack("<II", 4, value)
+        )
+    head += text("token_embd.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)  # 1 dimension of 8, float32, offset 0
+    return head + bytes(-len(head) % 32) + data
+
+
+def _gguf(folder: Path, name: str, content: bytes) -> str:
+    (folder / name).write_bytes(content)
+    return name
+
+
+HOSTILE_GGUFS = {
+    "empty": b"",
+    "badmagic": b"GGML" + gguf_bytes()[4:],
+    "header_only": gguf_bytes()[:24],
+    "truncated": gguf_bytes()[:-8],
+    "huge_tensors": gguf_bytes(tensor_count=1 << 60),
+    "huge_kv": b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") + (1 << 62).to_bytes(8, "little"),
+    "huge_keylen": b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (1).to_bytes(8, "little") + (1 << 62).to_bytes(8, "little"),
+    "100k layers": gguf_bytes(metadata={"llama.block_count": 100_000}),
+}  # fmt: skip
+
+
+def _suite_bomb(folder: Path, kind: str) -> str:
+    """A suite of the probe's: a small file that reads into a gigabyte, or a 10 MB context (issue #73)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bomb = folder / "bomb"
+    bomb.mkdir()
+    if kind.startswith("context"):
+        words = 5_000_000 if kind == "context of 10 MB" else 500_000
+        (bomb / "rows.jsonl").write_text(json.dumps({"context": "x " * words, "question": "q", "answers": ["a"]}))
+    elif kind == "line":
+        with open(bomb / "rows.jsonl", "wb") as handle:  # a 2 GB line, sparse on disk
+            handle.truncate(2 << 30)
+    elif kind == "arrow":
+        schema = pa.schema([("context", pa.string()), ("question", pa.string()), ("answers", pa.list_(pa.string()))])
+        batch = pa.record_batch(
+            [pa.array(["x" * (1 << 20)] * 16), pa.array(["q"] * 16), pa.array([["a"]] * 16)], schema
+        )
+        options = pa.ipc.IpcWriteOptions(compression="zstd")
+        with pa.OSFile(str(bomb / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema, options=options) as out:
+            for _ in range(64):
+                out.write_batch(batch)
+        (bomb / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data.arrow"}]}))
+    else:  # parquet: one 16 KiB value in each of 60,000 dictionary-encoded rows
+        rows = 60_000
+        context = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array(["x" * (16 << 10)]))
+        table = pa.table({"context": context, "question": ["q"] * rows, "answers": [["a"]] * rows})
+        pq.write_table(table, str(bomb / "part.parquet"), store_schema=False, compression="zstd")
+    return "bomb"
+
+
+def _results_run(folder: Path, make: Callable[[Path], object]) -> str:
+    """An eval folder for `bundle --results` whose runs.jsonl `make` makes (a pipe, a link to /dev/zero)."""
+    run = folder / "run"
+    run.mkdir()
+    make(run / "runs.jsonl")
+    return "run"
+
+
+def _listed_many_times(manifest: dict) -> None:
+    entry = {key: manifest["artifacts"][0][key] for key in ("file", "kind", "sha256")}
+    manifest["artifacts"] = [entry] * 20_000
+
+
 GENERATE = ["generate", "--prompt-file", PROMPT]
+BUNDLE_HEADS = ["bundle", str(ARTIFACTS / "srh_heads.safetensors")]
 # name -> (arguments, made in the folder the command runs in; a part of the one line it must print)
 CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
     "missing prompt": (lambda d: ["generate", "--prompt-file", "nope.txt"], "prompt file nope.txt does not exist"),
@@ -440,6 +539,113 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         ],
         "every layer of model type 'mistral' is a sliding window",
     ),  # fmt: skip
+    # Issue #73: a model folder, a GGUF file and a config are hostile input too.
+    **{
+        f"generate: a model folder with code of its own in its {where}": (
+            lambda d, where=where: [*GENERATE, "--model", _custom_code_folder(d, where)],
+            f"model 'm' ships code of its own ({shown}): kvcompile never runs a model folder's code",
+        )
+        for where, shown in (
+            ("config", "config.json's auto_map"),
+            ("tokenizer config", "tokenizer_config.json's auto_map"),
+            ("folder", "configuration_evil.py"),
+        )
+    },
+    **{
+        f"generate: a GGUF file, {name}": (
+            lambda d, content=content: [*GENERATE, "--model", _gguf(d, "model.gguf", content)],
+            "GGUF file model.gguf is not a readable model: " if name != "100k layers" else "gives 100000 layers",
+        )
+        for name, content in HOSTILE_GGUFS.items()
+    },
+    "generate: a file that is no GGUF": (
+        lambda d: [*GENERATE, "--model", _text(d, "model.bin", "not a model")],
+        "GGUF file model.bin is not a readable model: it does not start with GGUF's magic bytes",
+    ),
+    "generate: an empty --model": (lambda d: [*GENERATE, "--model", ""], "--model is empty"),
+    **{
+        f"generate: a config with {key} = {value!r}": (
+            lambda d, key=key, value=value: [
+                *GENERATE,
+                "--model",
+                _model_folder(d, {"model_type": "llama", "num_hidden_layers": 2, key: value}),
+            ],
+            f"the model's config gives {key} = {value!r}: a positive integer of at most",
+        )
+        for key, value in (
+            ("num_hidden_layers", 100_000),
+            ("num_hidden_layers", 10_000),
+            ("num_hidden_layers", "2"),
+            ("num_attention_heads", -1),
+            ("hidden_size", True),
+            ("vocab_size", 1 << 40),
+        )
+    },  # fmt: skip
+    "generate: a config of more weights than the machine holds": (
+        lambda d: [
+            *GENERATE,
+            "--model",
+            _model_folder(
+                d, {"model_type": "llama", "num_hidden_layers": 1000, "hidden_size": 65536, "vocab_size": 1 << 20}
+            ),
+        ],
+        "GiB of float32 weights, more than this machine's",
+    ),  # fmt: skip
+    "generate: an unknown model type": (
+        lambda d: [*GENERATE, "--model", _model_folder(d, {"model_type": "evil_model", "num_hidden_layers": 2})],
+        "model type 'evil_model' is not one this transformers",
+    ),
+    "generate: a model folder without weights": (
+        lambda d: [*GENERATE, "--model", _model_folder(d, {"model_type": "llama", "num_hidden_layers": 2})],
+        "model 'm' has no weights",
+    ),
+    "generate: kv_bits on a hybrid model": (
+        lambda d: [*GENERATE, "--model", "gemma-3-270m", "--kv-bits", "8"],
+        "kv_bits quantizes the cache's growing layers",
+    ),
+    "generate: a batch on a hybrid model": (
+        lambda d: [*GENERATE, "--prompt-file", PROMPT, "--model", "gemma-3-270m", "--batch-size", "2"],
+        "a batch (or a padded prompt) on a model with sliding-window layers",
+    ),
+    "generate: chat on a base model": (
+        lambda d: [*GENERATE, "--model", "gemma-3-270m", "--prompt-format", "chat"],
+        "the model's tokenizer has no chat template",
+    ),
+    "eval: a batch on a hybrid model": (
+        lambda d: ["eval", "--model", "gemma-3-270m", "--methods", "snapkv", "--batch-size", "2"],
+        "a batch (or a padded prompt) on a model with sliding-window layers",
+    ),
+    "eval: kv_bits on a hybrid model": (
+        lambda d: ["eval", "--model", "gemma-3-270m", "--methods", "full:kv_bits=8"],
+        "kv_bits quantizes the cache's growing layers",
+    ),
+    **{
+        f"eval: a suite bomb, {kind}": (
+            lambda d, kind=kind: ["eval", "--methods", "snapkv", "--suite", _suite_bomb(d, kind)],
+            message,
+        )
+        for kind, message in (
+            ("context of 10 MB", "10,000,007 characters, more than the 4,194,304 a row may hold"),
+            ("context of 1 MB", "characters, more than the model's 8,192 positions can hold"),
+            ("line", "rows.jsonl: more than the 256 MiB a suite may hold"),
+            ("arrow", "data.arrow: more than the 256 MiB a suite may hold"),
+            ("parquet", "part.parquet: more than the 256 MiB"),
+        )
+    },
+    **{
+        f"bundle --results: runs.jsonl {what}": (
+            lambda d, make=make: [*BUNDLE_HEADS, "--out", "b", "--results", _results_run(d, make)],
+            message,
+        )
+        for what, make, message in (
+            ("a pipe", os.mkfifo, "runs.jsonl is not a regular file"),
+            ("a link to /dev/zero", lambda path: path.symlink_to("/dev/zero"), "runs.jsonl is a symbolic link"),
+        )
+    },
+    "info: a manifest listing one file 20,000 times": (
+        lambda d: ["info", _manifest_edited(d, _listed_many_times)],
+        "(20000 artifact entries, more than a bundle's 256)",
+    ),
     "eval: unknown task": (lambda d: ["eval", "--tasks", "foo"], "unknown tasks ['foo']"),
     "eval: a length past the model's positions": (
         lambda d: ["eval", "--lengths", "20k", "--methods", "snapkv"],
@@ -543,6 +749,7 @@ def test_refused_in_one_line_before_torch_is_imported(tmp_path, case):
     result = run_blocked(args, tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
+    assert not list(tmp_path.glob("ran-*"))  # no code of a model folder's ran
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert message in lines[0]
     assert result.stdout == ""

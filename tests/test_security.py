@@ -103,7 +103,9 @@ class Scanner(ast.NodeVisitor):
         ):
             self.flag(node, f"calls .{node.func.attr}() in a module that uses d3rlpy (d3rlpy model files are pickles)")
         for keyword in node.keywords:
-            if keyword.arg == REMOTE_CODE:
+            # Only the literal False, which every model load passes (issue #73): anything else may let code run.
+            refused = isinstance(keyword.value, ast.Constant) and keyword.value.value is False
+            if keyword.arg == REMOTE_CODE and not refused:
                 self.flag(keyword.value, f"passes {REMOTE_CODE}")
         self.generic_visit(node)
 
@@ -191,6 +193,7 @@ def test_the_project_sources_load_no_pickles_remote_code_or_code_from_data():
             "calls .load_model()",
         ),
         ("model = AutoModel.from_pretrained(name, trust_remote_code=True)", "passes trust_remote_code"),
+        ("model = AutoModel.from_pretrained(name, trust_remote_code=allowed)", "passes trust_remote_code"),
         (
             "model = AutoModel.from_pretrained(name, **{'trust_remote_code': True})",
             "names trust_remote_code in a string",
@@ -228,6 +231,7 @@ array = np.load(path, allow_pickle=False)
 data = yaml.load(text, Loader=yaml.SafeLoader)
 data = yaml.safe_load(text)
 message = "pass trust_remote_code=True at your own risk"
+model = AutoModel.from_pretrained(name, trust_remote_code=False)
 torch.save(state, path)
 def compile(source):
     return source

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import save_char_tokenizer
+from test_refusals_before_torch import gguf_bytes
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
@@ -20,7 +21,7 @@ from kvcompile.prompt_format import opened, opening_ids
 from kvcompile.recipe import artifact_folder
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models import default_model as dm
-from kvruntime.models.model_spec import position_limit
+from kvruntime.models.model_spec import model_facts, position_limit
 
 GGUF_BYTES = b"GGUF" + bytes(range(40))
 
@@ -46,7 +47,9 @@ def chunk_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, expected: str
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.delitem(sys.modules, "fake_chunks", raising=False)  # each test's own package, imported afresh
     importlib.invalidate_caches()
-    shipped = dm.ShippedModel("fake", "Fake", "org/fake", "fake_chunks", "pip install fake-chunks", 64, "fake")
+    shipped = dm.ShippedModel(
+        "fake", "Fake", "org/fake", "fake_chunks", "pip install fake-chunks", 64, "fake", False, False
+    )
     monkeypatch.setitem(dm.SHIPPED_MODELS, "fake", shipped)
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
 
@@ -87,7 +90,7 @@ def test_a_shipped_model_is_known_before_it_loads():
 
 def test_a_gguf_file_loads_through_the_same_cache(tmp_path, monkeypatch):
     gguf = tmp_path / "my-model.Q4_K_M.gguf"
-    gguf.write_bytes(GGUF_BYTES)
+    gguf.write_bytes(gguf_bytes())  # a GGUF's header, read before loading
     calls = []
     monkeypatch.setattr(
         kvruntime.models.model_loading, "load_gguf_model", lambda *args: calls.append(args[:2]) or (1, 2)
@@ -135,5 +138,7 @@ def test_gemma_3_270m_loads_with_its_bos_and_its_hybrid_cache():
     assert model.config.max_position_embeddings == position_limit("gemma-3-270m")
     assert tokenizer("The pass key").input_ids[0] == tokenizer.bos_token_id == 2 and not tokenizer.chat_template
     kinds = model.config.layer_types
+    facts = model_facts("gemma-3-270m")  # what the command line refuses by before loading it
+    assert (facts.sliding, facts.chat) == ("sliding_attention" in kinds, bool(tokenizer.chat_template)) == (True, False)
     assert [i for i, kind in enumerate(kinds) if kind == "full_attention"] == [5, 11, 17]
     assert kvruntime.model_fingerprint(model).num_layers == 3

@@ -73,7 +73,7 @@ def main() -> None:
     )
     settings.check()
     contestants = parse_methods(args.methods)
-    paths = artifact_paths(contestants, ARTIFACTS)
+    paths = artifact_paths(contestants, (ARTIFACTS,))
     model, tokenizer = kvruntime.load_model()
     own_seconds, own = run(model, tokenizer, contestants, paths, settings, shared=False)
     shared_seconds, shared = run(model, tokenizer, contestants, paths, settings, shared=True)

@@ -94,7 +94,7 @@ def main() -> None:
     methods = METHODS if args.only is None else ("full", *(m for m in args.only.split(",") if m != "full"))
     chunked = [f"{m}:prefill_chunk_size={args.chunk}" for m in CHUNKED if m in methods]
     contestants = parse_methods(",".join([*methods, *chunked]))
-    paths = artifact_paths(contestants, ARTIFACTS)
+    paths = artifact_paths(contestants, (ARTIFACTS,))
     model, tokenizer = kvruntime.load_model()
     largest = LargestCache(model)
     rows = []

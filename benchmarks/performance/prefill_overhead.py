@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/performance/prefill_overhead.md")
     args = parser.parse_args()
     contestants = parse_methods(args.methods or default_methods())
-    paths = artifact_paths(contestants, ARTIFACTS)
+    paths = artifact_paths(contestants, (ARTIFACTS,))
     model, tokenizer = kvruntime.load_model()
     lengths, cells = [], {}
     for length in (int(n) for n in args.lengths.split(",")):

@@ -15,7 +15,7 @@ from kvcompile.cli.commands import COMPILE_COMMANDS, app, settings_command
 from kvcompile.recipe import claim_output
 from kvcompile.settings import option
 from kvruntime import KVRuntimeError
-from kvruntime.errors import printable
+from kvruntime.errors import first_line, printable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,23 +45,52 @@ def merge(options: MergeOptions, ctx: typer.Context, resources: contextlib.ExitS
     for path in partials:
         if read_header(path).get("kind") != PARTIAL_KIND:
             raise KVRuntimeError(f"{path} is not partial statistics (written by a `--shard i/n` job)")
-        statistics_of.add(str(header_params(path).get("statistics_of")))
+        params = header_params(path)
+        problem = partial_params_problem(params)
+        if problem:
+            raise KVRuntimeError(f"{path}: not partial statistics a `--shard i/n` job writes ({problem})")
+        statistics_of.add(params["statistics_of"])
     claim_artifact(resources, out, {PARTIAL_KIND, *statistics_of})
 
     from kvcompile.calibration.distributed import Shard
-    from kvcompile.calibration.partial_statistics import merge_partials
+    from kvcompile.calibration.partial_statistics import DONE, merge_partials
     from kvcompile.recipe import read_run_record, write_result
     from kvcompile.recipes import RECIPES
     from kvruntime import load_artifact
 
     loaded = [load_artifact(path, kind=PARTIAL_KIND) for path in partials]
+    for partial in loaded:
+        if DONE not in partial.tensors or tuple(partial.tensors[DONE].shape) != (partial.params["items"],):
+            raise KVRuntimeError(f"{partial.path}: not partial statistics a `--shard i/n` job writes (no {DONE} count)")
     shardable = {kind: recipe_type() for kind, recipe_type in RECIPES.items() if recipe_type.shardable}
-    artifact = merge_partials(loaded, {kind: shardable[kind].finish for kind in shardable})
+    try:
+        artifact = merge_partials(loaded, {kind: shardable[kind].finish for kind in shardable})
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+        # Each recipe's settings and sums are its own: crafted ones that lack what its finisher reads end here.
+        raise KVRuntimeError(
+            f"{partials[0]}: its partial statistics cannot be finished ({first_line(exc)}): not what a `--shard i/n` "
+            "job writes"
+        ) from None
     merged_from = {
         "merged_from": [str(path) for path in partials],
         "shard_compile_seconds": [read_run_record(path).get("compile_seconds") for path in partials],
     }
     write_result(shardable.get(artifact.kind), artifact, out, started, Shard(), typer.echo, merged_from)
+
+
+def partial_params_problem(params: dict) -> str | None:
+    """What is wrong with a partial statistics artifact's params (`partial_statistics.partial_artifact` writes them),
+    or None: they may be anyone's, and merge reads each of them."""
+    kind, items, shards = params.get("statistics_of"), params.get("items"), params.get("shards")
+    if not isinstance(kind, str) or not kind.isprintable():
+        return "its statistics_of is not an artifact kind"
+    if not isinstance(params.get("settings"), dict):
+        return "its settings are not an object"
+    if type(items) is not int or items < 1:
+        return "its items are not a count"
+    if not isinstance(shards, list) or not all(isinstance(shard, str) and shard.isprintable() for shard in shards):
+        return "its shards are not a list of i/n"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +123,16 @@ def info(options: InfoOptions, ctx: typer.Context, resources: contextlib.ExitSta
 
     artifact = read_artifact(path)
     check_tensors(artifact)  # the schema the runtime checks: info lists only what generate would accept
-    typer.echo(f"{path}: {artifact.kind} artifact")
-    typer.echo(f"model: {artifact.model.describe()}")
-    typer.echo("tensors:")
+    lines = [f"{path}: {artifact.kind} artifact", f"model: {artifact.model.describe()}", "tensors:"]
     for name, tensor in sorted(artifact.tensors.items()):
-        typer.echo(f"  {name}: {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
-    typer.echo("provenance: " + json.dumps(artifact.provenance, indent=2, sort_keys=True))
-    typer.echo("params: " + json.dumps(artifact.params, indent=2, sort_keys=True))
+        lines.append(f"  {name}: {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
+    lines.append("provenance: " + json.dumps(artifact.provenance, indent=2, sort_keys=True))
+    lines.append("params: " + json.dumps(artifact.params, indent=2, sort_keys=True))
     run = read_run_record(path)
     if run:
-        typer.echo("run: " + json.dumps(run, indent=2, sort_keys=True))
+        lines.append("run: " + json.dumps(run, indent=2, sort_keys=True))
+    for line in "\n".join(lines).split("\n"):
+        typer.echo(printable(line))  # the file's text (its model's architecture, a tensor's name) may be anyone's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +155,21 @@ class BundleOptions:
 def bundle(options: BundleOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
     """Write a bundle: the artifacts of one model, a manifest (sha256, command, calibration data, library versions
     of each) and a model card (README.md with hub metadata), loadable by its folder or as a hub repo."""
-    from kvcompile.bundle import bundle_sources, check_base_model, check_bundle_output, write_bundle
+    from kvcompile.bundle import (
+        bundle_sources,
+        check_base_model,
+        check_bundle_output,
+        check_results_files,
+        write_bundle,
+    )
     from kvcompile.evaluation.published import eval_results
 
     sources, out, base_model, results = options.sources, options.out, options.base_model, options.results
     files = bundle_sources(sources)
     check_bundle_output(out, sources)
     check_base_model(base_model)
+    if results is not None:
+        check_results_files(results)  # what eval_results reads as text: plain files, bounded, numbers of few digits
     measured = None if results is None else (eval_results(results), results)
     claim_output(resources, out, folder=True)
     manifest = write_bundle(files, out, base_model, measured)

@@ -169,7 +169,15 @@ def job_options(kind: str, shardable: bool, checkpoint_every: int) -> type:
     --dtype."""
     fields = [
         ("model", str, model_option()),
-        ("out", Path | None, option(None, f"Output artifact (default artifacts/<model>/{kind}.safetensors).")),
+        (
+            "out",
+            Path | None,
+            option(
+                None,
+                f"Output artifact (default: the store, $KVCOMPILE_CACHE/artifacts/<model>/{kind}.safetensors; the "
+                "shipped artifacts/ are never written).",
+            ),
+        ),
         ("resume", bool, option(False, "Continue an interrupted run of the same settings.")),
     ]
     if shardable:
@@ -262,7 +270,7 @@ def heads(inputs: CorpusInputs) -> object:
 @dataclasses.dataclass(frozen=True)
 class LayerErrorsInputs:
     heads_artifact: Path | None = option(
-        None, "srh_heads artifact (default artifacts/<model>/srh_heads.safetensors).", flag="--heads"
+        None, "srh_heads artifact (default: the model's compiled one, else its shipped one).", flag="--heads"
     )
     corpus: str | None = corpus_option()
 

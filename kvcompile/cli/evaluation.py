@@ -12,7 +12,7 @@ import typer
 
 from kvcompile import recipe
 from kvcompile.cli.commands import command_line, compile_command, settings_command
-from kvcompile.recipe import artifact_folder, claim_output, default_artifact
+from kvcompile.recipe import artifact_folders, claim_output, compiled_artifact
 from kvcompile.settings import device_option, model_option, option, prompt_format_option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.registry import COMPARED_NAMES
@@ -57,7 +57,9 @@ def question_aware_option() -> Any:
 
 def artifacts_option() -> Any:
     return option(
-        None, "Folder of the compiled artifacts, or a bundle's folder or hub repo id (default artifacts/<model>/)."
+        None,
+        "Folder of the compiled artifacts, or a bundle's folder or hub repo id (default: the model's compiled ones, "
+        "else its shipped ones).",
     )
 
 
@@ -129,17 +131,22 @@ def _samples_text(settings: object) -> str:
     return f"{settings.samples} per task and length" + (f", {own}" if own else "")
 
 
-def _suite_settings(options: EvalOptions | TuneOptions, ratios: tuple[float, ...], new_tokens: int) -> object:
+def _suite_settings(
+    options: EvalOptions | TuneOptions, ratios: tuple[float, ...], new_tokens: int, positions: int | None
+) -> object:
     """The suite settings of eval and tune, from their options: the built-in tasks, or a user's suite file scored by
-    `options.scoring`."""
+    `options.scoring`, each of its rows short enough for the model's `positions` (None: not known)."""
     from kvcompile.evaluation.settings import SuiteSettings
     from kvcompile.tasks.grid import parse_lengths, parse_tasks
-    from kvcompile.tasks.own_suite import read_suite
+    from kvcompile.tasks.own_suite import check_row_fits, read_suite
 
     task_names, task_samples = parse_tasks(options.tasks)
     own = {}
     if options.suite is not None:  # every row checked here, before torch loads
-        own = dict(suite=str(options.suite), suite_sha256=read_suite(options.suite).sha256, scoring=options.scoring)
+        suite = read_suite(options.suite)
+        for row in suite.rows:
+            check_row_fits(row, positions)
+        own = dict(suite=str(options.suite), suite_sha256=suite.sha256, scoring=options.scoring)
     return SuiteSettings(
         ratios=ratios,
         tasks=task_names,
@@ -207,19 +214,22 @@ def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitSt
     """Run the long-context suite through each method at each ratio and write accuracy and fidelity tables and plots."""
     from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
     from kvcompile.evaluation.store import RunStore
-    from kvruntime.models.model_spec import check_model_spec, position_limit
+    from kvruntime.models.model_spec import check_model_spec, check_request_fits, model_facts
 
     check_model_spec(options.model)
+    facts = model_facts(options.model)  # from the model's config or GGUF header, read once
     recipe.check_device_name(options.device)
     check_suite_alone(ctx, options.suite)
-    settings = _suite_settings(options, options.ratios, options.new_tokens)
+    settings = _suite_settings(options, options.ratios, options.new_tokens, facts.positions)
     settings.check()
-    settings.check_positions(position_limit(options.model))
+    settings.check_positions(facts.positions)
     if options.batch_size < 1:
         raise KVRuntimeError(f"--batch-size {options.batch_size}: give at least 1 prompt per batch")
     ctx.params["methods"] = methods = options.methods or default_methods()
     contestants = parse_methods(methods)
-    paths = artifact_paths(contestants, options.artifacts or artifact_folder(options.model))
+    quantized = any(contestant.kv_bits is not None for contestant in contestants)
+    check_request_fits(facts, quantized, options.batch_size > 1, options.prompt_format == "chat")
+    paths = artifact_paths(contestants, (options.artifacts,) if options.artifacts else artifact_folders(options.model))
     contestants = resolve_contestants(contestants, paths, settings.ratios)
     record = {"model": options.model, "methods": [c.label for c in contestants], **settings.record()}
     if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
@@ -253,10 +263,12 @@ def tune(inputs: TuneOptions, ctx: typer.Context, model: str, out: Path | None) 
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
     from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
+    from kvruntime.models.model_spec import position_limit
 
     check_suite_alone(ctx, inputs.suite)
-    validation = _suite_settings(inputs, tuple(sorted(inputs.ratios)), 48)
-    target = out or default_artifact(model, "tuned_defaults")  # where compile_artifact writes it
+    validation = _suite_settings(inputs, tuple(sorted(inputs.ratios)), 48, position_limit(model))
+    target = out or compiled_artifact(model, "tuned_defaults")  # where compile_artifact writes it
     records = target.with_name(target.stem + ".runs")
     settings = TuneSettings(validation, inputs.tolerance)
-    return TuneRecipe(inputs.methods, inputs.artifacts or target.parent, records, model), settings
+    folders = (inputs.artifacts,) if inputs.artifacts else artifact_folders(model)
+    return TuneRecipe(inputs.methods, folders, records, model), settings

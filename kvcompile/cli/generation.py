@@ -30,8 +30,8 @@ class GenerateOptions:
     )
     method: str | None = settings.option(
         None,
-        f"{methods_help()}. Default: the method and ratio of artifacts/<model>/tuned_defaults.safetensors "
-        "(`kvcompile tune`) if there is one, else kvcompress.",
+        f"{methods_help()}. Default: the method and ratio of the model's tuned_defaults artifact (`kvcompile tune`, "
+        "or shipped) if there is one, else kvcompress.",
     )
     ratio: float | None = settings.option(None, "Fraction of cache entries removed, in [0, 1) (default 0.5).")
     budget: int | None = settings.option(None, "Tokens kept per layer (instead of --ratio).")
@@ -141,14 +141,17 @@ def check_prompt_bytes(name: str, text: str, limit: int | None) -> None:
 def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateOptions) -> int | None:
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
-    from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
+    from kvruntime.models.model_spec import check_model_spec, check_positions, check_request_fits, model_facts
     from kvruntime.quantized_cache import check_kv_bits
 
     if given.batch_size < 1:
         raise KVRuntimeError(f"--batch-size {given.batch_size}: give at least 1 prompt per batch")
     check_prompt_format(given.prompt_format)
     check_model_spec(given.model)
-    positions = position_limit(given.model)  # from the model's config, read once
+    facts = model_facts(given.model)  # from the model's config or GGUF header, read once
+    batched = given.batch_size > 1 and len(prompts) > 1
+    check_request_fits(facts, given.kv_bits is not None, batched, given.prompt_format == "chat")
+    positions = facts.positions
     if given.max_new_tokens < 1:
         raise KVRuntimeError(f"--max-new-tokens {given.max_new_tokens}: give at least 1 token to generate")
     check_positions(given.max_new_tokens, positions, f"--max-new-tokens {given.max_new_tokens}")

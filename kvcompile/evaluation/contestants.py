@@ -70,9 +70,9 @@ class Contestant(abc.ABC):
         """Whether prompts that share its run answer together, as one batch."""
         return False
 
-    def files(self, folder: Path) -> list[Path]:
-        """The artifacts or checkpoint it reads, from `folder` (the eval's `--artifacts`); a missing one is refused
-        with the command that makes it."""
+    def files(self, folders: tuple[Path, ...]) -> list[Path]:
+        """The artifacts or checkpoint it reads, from the first of `folders` holding each (the eval's `--artifacts`,
+        else the model's compiled then shipped ones); a missing one is refused with the command that makes it."""
         return []
 
     def resolved(self, files: list[Path], requests: list[Request]) -> Contestant:
@@ -119,8 +119,9 @@ class RuntimeMethod(Contestant):
     def batches(self) -> bool:
         return self.kv_bits is None  # a quantized cache is made one prompt at a time (kvruntime's kv_bits)
 
-    def files(self, folder: Path) -> list[Path]:
-        return [_artifact_file(self.label, self.artifacts or folder, kind) for kind in self.artifact_kinds()]
+    def files(self, folders: tuple[Path, ...]) -> list[Path]:
+        own = (self.artifacts,) if self.artifacts else folders
+        return [_artifact_file(self.label, own, kind) for kind in self.artifact_kinds()]
 
     def artifact_kinds(self) -> list[str]:
         return required_artifact_kinds(self.method, self.options)
@@ -160,12 +161,13 @@ class Press(Contestant):
     press_name: str
     kv_bits: ClassVar[None] = None  # presses answer from a full-precision cache
 
-    def files(self, folder: Path) -> list[Path]:
+    def files(self, folders: tuple[Path, ...]) -> list[Path]:
         if self.press_name in COMPILED_PRESSES:
-            return [_artifact_file(self.label, folder, method_spec(self.press_name)[0].needs)]
+            return [_artifact_file(self.label, folders, method_spec(self.press_name)[0].needs)]
         if self.press_name not in CHECKPOINTS:
             return []
-        checkpoint = folder / CHECKPOINTS[self.press_name]
+        found = [folder / CHECKPOINTS[self.press_name] for folder in folders]
+        checkpoint = next((path for path in found if (path / "config.json").is_file()), found[0])
         if not (checkpoint / "config.json").is_file():
             raise KVRuntimeError(
                 f"{self.label} needs the checkpoint {checkpoint}: distil it with `kvcompile distill "
@@ -224,15 +226,19 @@ def at_model_layers(model: Any, modules: Any) -> Any:
     return nn.ModuleList(modules[cut.index(i)] if i in cut else NoScorer() for i in range(layers))
 
 
-def _artifact_file(label: str, folder: Path, kind: str) -> Path:
-    """The artifact of `kind` in `folder` (a bundle's, or `<kind>.safetensors` in a plain folder)."""
+def _artifact_file(label: str, folders: tuple[Path, ...], kind: str) -> Path:
+    """The artifact of `kind` in the first of `folders` holding one (a bundle's, or `<kind>.safetensors` in a plain
+    folder)."""
     from kvruntime.artifacts.bundle import resolve_artifact_path
 
-    try:
-        return resolve_artifact_path(folder, kind)
-    except KVRuntimeError as exc:
-        command = ARTIFACT_KINDS[kind].command
-        raise KVRuntimeError(f"{label}: {exc}; compile it with `{command}` or pass --artifacts DIR") from None
+    refusals = []
+    for folder in folders:
+        try:
+            return resolve_artifact_path(folder, kind)
+        except KVRuntimeError as exc:
+            refusals.append(exc)
+    command = ARTIFACT_KINDS[kind].command
+    raise KVRuntimeError(f"{label}: {refusals[-1]}; compile it with `{command}` or pass --artifacts DIR") from None
 
 
 def kvpress_available() -> bool:
@@ -315,9 +321,9 @@ def _presses(entry: str) -> list[Contestant]:
     return [Press(f"kvpress-{n}", n) for n in names]
 
 
-def artifact_paths(contestants: list[Contestant], folder: Path) -> dict[str, list[Path]]:
+def artifact_paths(contestants: list[Contestant], folders: tuple[Path, ...]) -> dict[str, list[Path]]:
     """Each contestant's files (`Contestant.files`), found before any model work."""
-    return {contestant.label: contestant.files(folder) for contestant in contestants}
+    return {contestant.label: contestant.files(folders) for contestant in contestants}
 
 
 def resolve_contestants(

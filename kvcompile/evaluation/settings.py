@@ -63,7 +63,7 @@ class SuiteSettings:
         chat = uses_chat(tokenizer, self.prompt_format)
         prompts = []
         for row in suite.rows:
-            prompt = suite_prompt(row, tokenizer, chat, self.suite_name, self.scoring)
+            prompt = suite_prompt(row, tokenizer, chat, self.suite_name, self.scoring, limit)
             tokens = len(tokenizer(prompt.prompt, add_special_tokens=False).input_ids)
             check_positions(tokens + self.new_tokens, limit, f"{row.where}: {tokens} tokens and {self.new_tokens} new")
             prompts.append(prompt)

@@ -2,7 +2,12 @@
 
 
 class KVRuntimeError(Exception):
-    """Base class: bad input or an unsupported setting, refused before anything is changed."""
+    """Base class: bad input or an unsupported setting, refused before anything is changed. Its text is shown with
+    control characters escaped (`printable`): a message may quote a file handed to us (an artifact's architecture),
+    and what it quotes must not drive the terminal it is printed on."""
+
+    def __str__(self) -> str:
+        return printable(super().__str__())
 
 
 class ArtifactError(KVRuntimeError):

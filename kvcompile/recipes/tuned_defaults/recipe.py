@@ -16,10 +16,10 @@ class TuneRecipe(Recipe):
     kind = "tuned_defaults"
 
     def __init__(
-        self, methods: str = "", artifacts: Path | None = None, records: Path | None = None, model: str = ""
+        self, methods: str = "", artifacts: tuple[Path, ...] = (), records: Path | None = None, model: str = ""
     ) -> None:
         self.methods = methods  # --methods: runtime methods, options as name:key=value
-        self.artifacts = artifacts  # the folder of the artifacts the methods need
+        self.artifacts = artifacts  # the folders of the artifacts the methods need, the first holding one wins
         self.records = records  # the run records' folder (for --resume), removed once the artifact is written
         self.model = model
 

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import json
 import os
+import stat
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from ..errors import ArtifactError, first_line
+from ..errors import ArtifactError, first_line, short_repr
 
 FORMAT_NAME = "kvcompile-artifact"
 FORMAT_VERSION = 1
 ARTIFACT_SUFFIX = ".safetensors"
 _LARGEST_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+# No number kvcompile writes has more digits: Python reads up to 4300, and a 401-digit integer overflows every float
+# it meets (a record's mean, a finiteness check).
+JSON_MAX_DIGITS = 50
+# Opened without following a link (it may lead to a private file) and without blocking (a FIFO would, for ever).
+_PLAIN_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _ARRAY_CODES = {"I64": "q", "I32": "i", "F64": "d", "F32": "f"}  # safetensors dtype -> array typecode
 # The headers read inside a `headers_read_once` block, by file (None outside one).
 _HEADERS_READ: contextvars.ContextVar[dict[Path, tuple[dict[str, Any], int]] | None] = contextvars.ContextVar(
@@ -43,6 +50,57 @@ def check_artifact_file(path: str | os.PathLike) -> Path:
     return source
 
 
+def open_plain_file(path: str | os.PathLike) -> BinaryIO:
+    """`path` opened for reading if it is a regular file itself: a symbolic link (which may lead to a private
+    file), a FIFO (which blocks) or a device (/dev/zero never ends) is refused. For files that may be anyone's."""
+    try:
+        fd = os.open(path, _PLAIN_OPEN)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a link
+            raise ArtifactError(f"{path} is a symbolic link: only a plain file is read") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError(f"{path} is not a regular file (a FIFO, a device or a folder): only a plain file is read")
+    return os.fdopen(fd, "rb")
+
+
+def read_plain_file(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a plain file (`open_plain_file`) of at most `limit` bytes; a larger one is refused."""
+    with open_plain_file(path) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ArtifactError(f"{path} holds more than {limit} bytes, more than such a file ever holds")
+    return data
+
+
+def load_json(text: str | bytes) -> Any:
+    """`json.loads` for text from a file that may be anyone's: a number of more than JSON_MAX_DIGITS digits, or an
+    object naming a key twice (which reader's value would count?), is a ValueError saying so."""
+    return json.loads(text, parse_int=_bounded(int), parse_float=_bounded(float), object_pairs_hook=_unique_keys)
+
+
+def _bounded(parse: Callable[[str], int | float]) -> Callable[[str], int | float]:
+    """`parse`, for a number of at most JSON_MAX_DIGITS digits."""
+
+    def parse_number(text: str) -> int | float:
+        digits = sum(c.isdigit() for c in text)
+        if digits > JSON_MAX_DIGITS:
+            raise ValueError(f"a number of {digits} digits (at most {JSON_MAX_DIGITS} are read)")
+        return parse(text)
+
+    return parse_number
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"an object names the key {short_repr(key)} twice")
+        found[key] = value
+    return found
+
+
 @contextlib.contextmanager
 def headers_read_once() -> Iterator[None]:
     """Inside the block each artifact file's header is read once, and that header answers every later ask: the checks
@@ -65,7 +123,7 @@ def read_header(path: str | os.PathLike) -> dict[str, str]:
 def header_params(path: str | os.PathLike) -> dict[str, Any]:
     """The artifact's params (its settings and what was learned beyond the tensors)."""
     try:
-        params = json.loads(read_header(path).get("params", "{}"))
+        params = load_json(read_header(path).get("params", "{}"))
     except (ValueError, RecursionError) as exc:
         raise ArtifactError(f"{path}: malformed kvcompile metadata ({first_line(exc)})") from None
     if not isinstance(params, dict):
@@ -106,10 +164,18 @@ def _header(source: Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a kvcompile artifact and where its data starts."""
     try:
         with open(source, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            if not 0 < size <= _LARGEST_HEADER:
-                raise ValueError("no safetensors header")
-            header = json.loads(handle.read(size))
+            return header_of(handle, source)
+    except OSError as exc:
+        raise ArtifactError(f"{source}: not a readable safetensors file ({first_line(exc)})") from None
+
+
+def header_of(handle: BinaryIO, source: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of the kvcompile artifact open in `handle` (at its start) and where its data starts."""
+    try:
+        size = int.from_bytes(handle.read(8), "little")
+        if not 0 < size <= _LARGEST_HEADER:
+            raise ValueError("no safetensors header")
+        header = load_json(handle.read(size))
         metadata = header.get("__metadata__") or {}
         if not isinstance(metadata, dict):
             raise ValueError("the header's metadata is not an object")

@@ -19,16 +19,24 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ArtifactError, first_line, printable, short_repr
-from .artifact_header import ARTIFACT_SUFFIX, artifact_file_name, check_artifact_file, read_header
+from .artifact_header import (
+    ARTIFACT_SUFFIX,
+    artifact_file_name,
+    check_artifact_file,
+    header_of,
+    load_json,
+    open_plain_file,
+)
 
 MANIFEST_NAME = "manifest.json"
 CARD_NAME = "README.md"
 BUNDLE_FORMAT = "kvcompile-bundle"
 BUNDLE_FORMAT_VERSION = 1
 MANIFEST_MAX_BYTES = 4 << 20  # a manifest lists a few artifacts in kilobytes: a larger one is refused unread
+MANIFEST_MAX_ENTRIES = 256  # a bundle holds one model's few artifacts; each listed file is read in full
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -63,10 +71,15 @@ class Bundle:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a plain file's bytes (`open_plain_file`: a link, a FIFO or a device is refused)."""
+    with open_plain_file(path) as handle:
+        return _sha256(handle)
+
+
+def _sha256(handle: BinaryIO) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    for block in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(block)
     return digest.hexdigest()
 
 
@@ -95,8 +108,9 @@ def is_hub_id(text: str) -> bool:
 
 
 def is_bundle(folder: Path) -> bool:
-    """Whether `folder` holds a manifest (a bundle's; `read_bundle` checks it)."""
-    return (folder / MANIFEST_NAME).is_file()
+    """Whether `folder` holds a manifest (a bundle's; `read_bundle` checks it). Any file of that name counts: one that
+    is a link, a FIFO or a device is the bundle's, refused as such when read, not a folder without one."""
+    return os.path.lexists(folder / MANIFEST_NAME)
 
 
 def read_bundle(source: str | os.PathLike) -> Bundle:
@@ -114,9 +128,7 @@ def read_bundle(source: str | os.PathLike) -> Bundle:
             raise ArtifactError(f"bundle {source}: {entry['file']} is a symbolic link, not a file of the bundle")
         if not path.is_file():
             raise ArtifactError(f"bundle {source}: {entry['file']} is listed in its manifest but missing")
-        if file_sha256(path) != entry["sha256"]:
-            raise ArtifactError(f"bundle {source}: {entry['file']} does not match its manifest (sha256 differs)")
-        header = read_header(path)
+        header = _checked_header(path, entry, source)
         if header.get("kind") != entry["kind"]:
             raise ArtifactError(
                 f"bundle {source}: {entry['file']} is a {printable(header.get('kind'))} artifact, its manifest says {entry['kind']}"
@@ -131,17 +143,29 @@ def read_bundle(source: str | os.PathLike) -> Bundle:
     return Bundle(folder, model, tuple(manifest["artifacts"]), manifest)
 
 
+def _checked_header(path: Path, entry: dict[str, Any], source: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a listed artifact file whose bytes match the manifest's sha256: the file itself (never a
+    link) opened once, so that the header read is that of the bytes checked."""
+    with open_plain_file(path) as handle:
+        if _sha256(handle) != entry["sha256"]:
+            raise ArtifactError(f"bundle {source}: {entry['file']} does not match its manifest (sha256 differs)")
+        handle.seek(0)
+        return header_of(handle, path)[0]["__metadata__"]
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     """The manifest, checked field by field: it may come from anyone, so every value later used as a path, printed
     or compared has the type and shape expected (a file is a plain name in the bundle, text is printable)."""
     try:
-        size = path.stat().st_size
-        if size > MANIFEST_MAX_BYTES:
-            raise ValueError(f"{size} bytes, more than a manifest's {MANIFEST_MAX_BYTES}")
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        with open_plain_file(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MANIFEST_MAX_BYTES:
+                raise ValueError(f"{size} bytes, more than a manifest's {MANIFEST_MAX_BYTES}")
+            text = handle.read(MANIFEST_MAX_BYTES + 1)  # bounded even if it grew since
+        manifest = load_json(text.decode("utf-8"))
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
-    except (OSError, ValueError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError, ArtifactError) as exc:
         raise ArtifactError(f"{path}: not a readable manifest ({printable(first_line(exc))})") from None
     if manifest.get("format") != BUNDLE_FORMAT:
         raise ArtifactError(f"{path}: not a kvcompile bundle manifest (format {short_repr(manifest.get('format'))})")
@@ -170,12 +194,18 @@ def manifest_problem(manifest: dict[str, Any]) -> str | None:
     entries = manifest.get("artifacts")
     if not isinstance(entries, list) or not entries:
         return "needs a list of artifacts"
+    if len(entries) > MANIFEST_MAX_ENTRIES:
+        return f"{len(entries)} artifact entries, more than a bundle's {MANIFEST_MAX_ENTRIES}"
+    files: set[str] = set()
     for entry in entries:
         if not isinstance(entry, dict):
             return "an artifact entry is not an object"
         for key in ("file", "picture"):
             if (key == "file" or key in entry) and not is_plain_name(entry.get(key)):
                 return f"an artifact's {key} is not a file name in the bundle"
+        if entry["file"] in files:  # each listed file is read in full: listed twice, it would be read twice
+            return f"it lists {entry['file']} twice"
+        files.add(entry["file"])
         if not _is_text(entry.get("kind")) or not isinstance(entry.get("sha256"), str):
             return f"{entry['file']} needs a kind and a sha256"
         if not _SHA256.fullmatch(entry["sha256"]):

@@ -49,21 +49,51 @@ def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> P
 
 def replace_folder(folder: Path, write: Callable[[Path], None]) -> Path:
     """`write(staging)` fills an empty staging folder beside `folder`, whose files then get the umask's modes, and
-    the staging folder takes `folder`'s name (the old one set aside, then removed): a reader finds the old folder
-    or the new one, whole. A failed write leaves no staging folder. The caller serialises concurrent writers."""
+    the staging folder takes `folder`'s name: the old one is set aside, the new one renamed in, and only then the
+    old one removed, so that a reader finds the old folder or the new one, whole. A failure or an interrupt at any
+    point leaves one of them under `folder`'s name (the old one put back when the swap did not finish) and no
+    staging folder; what a killed run left beside `folder` is cleared (or put back) by the next one. The caller
+    serialises concurrent writers."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    _clear_leftovers(folder)
+    staging_prefix, retired_prefix = _leftover_prefixes(folder)
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix, dir=folder.parent))
+    retired = folder.with_name(f"{retired_prefix}{uuid.uuid4().hex[:8]}")
     try:
         write(staging)
         share_like_any_file(staging)
         if folder.exists():
-            retired = folder.with_name(f".{folder.name}.stale-{uuid.uuid4().hex[:8]}")
             os.replace(folder, retired)
-            shutil.rmtree(retired, ignore_errors=True)
         os.replace(staging, folder)
+    except BaseException:
+        if retired.exists() and not folder.exists():  # interrupted between the two renames: the old one goes back
+            os.replace(retired, folder)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(retired, ignore_errors=True)
     return folder
+
+
+def _leftover_prefixes(folder: Path) -> tuple[str, str]:
+    """The names' starts of `folder`'s staging folders and of its old one set aside."""
+    return f".{folder.name}.partial-", f".{folder.name}.stale-"
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """Remove the staging folders and old folders a killed `replace_folder` left beside `folder`, putting an old
+    one back first when `folder` itself is missing (killed between the two renames)."""
+    staging_prefix, retired_prefix = _leftover_prefixes(folder)
+    found = sorted(p for p in folder.parent.iterdir() if p.name.startswith((staging_prefix, retired_prefix)))
+    retired = [p for p in found if p.name.startswith(retired_prefix) and p.is_dir() and not p.is_symlink()]
+    if retired and not folder.exists() and not folder.is_symlink():
+        os.replace(retired[0], folder)
+        found.remove(retired[0])
+    for leftover in found:
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def share_like_any_file(folder: Path) -> None:
@@ -108,13 +138,15 @@ def _check_writable_folder(folder: Path, what: str) -> None:
 
 
 def cache_root() -> Path:
-    """kvcompile's cache: dequantised default models and locks ($KVCOMPILE_CACHE, else ~/.cache/kvcompile)."""
-    return Path(os.environ.get("KVCOMPILE_CACHE", Path.home() / ".cache" / "kvcompile"))
+    """kvcompile's cache: dequantised models, compiled artifacts and locks ($KVCOMPILE_CACHE, else
+    ~/.cache/kvcompile; an empty one counts as unset, never as the current folder), as an absolute path."""
+    given = os.environ.get("KVCOMPILE_CACHE", "").strip()
+    return Path(given).expanduser().absolute() if given else Path.home() / ".cache" / "kvcompile"
 
 
 @contextlib.contextmanager
 def path_lock(path: Path, wait: bool) -> Iterator[None]:
-    """Hold the lock of `path` across processes (a file under the cache's `locks/`, named after the absolute path,
+    """Hold the lock of `path` across processes (a file under the cache's `locks/`, named after the resolved path,
     so that nothing is written beside the path itself). `wait`: block until it is free; else refuse at once when
     another process holds it. A no-op where fcntl is missing (Windows)."""
     try:
@@ -122,7 +154,9 @@ def path_lock(path: Path, wait: bool) -> Iterator[None]:
     except ImportError:
         yield
         return
-    target = str(Path(path).absolute())
+    # Resolved (links and `..` followed as the system does): `x/../b` and a path through a linked folder name the
+    # folder they write, so runs that spell it differently take the same lock.
+    target = os.path.realpath(path)
     lock = cache_root() / "locks" / f"{Path(target).name}-{hashlib.sha256(target.encode()).hexdigest()[:16]}.lock"
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)

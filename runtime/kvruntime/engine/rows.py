@@ -14,6 +14,7 @@ from transformers import Cache, DynamicCache
 from ..batch_rows import row_starts, stack_rows, stacked_visibility
 from ..cache_ops import cache_argument, cache_bytes, replace_output, uncompressed_bytes
 from ..errors import KVRuntimeError
+from ..models.model_spec import SLIDING_BATCH
 from ..report import BatchReport
 from .keep_masks import KeepMasks
 from .state import Compressed
@@ -50,9 +51,7 @@ def prefill_rows(
     if session.kv_bits is not None:
         raise KVRuntimeError("kv_bits quantizes one prompt at a time: give the prompts one by one")
     if session.bounded_layers:  # a row's sliding layers would be padded out of the order their band relies on
-        raise KVRuntimeError(
-            "a batch (or a padded prompt) on a model with sliding-window layers: give the prompts one by one"
-        )
+        raise KVRuntimeError(SLIDING_BATCH)
     starts = row_starts(kwargs.get("attention_mask"), batch, length)
     alone = {key: value for key, value in kwargs.items() if key not in _BATCH_ONLY}
     hidden, row_caches, row_reports, row_positions = None, [], [], []

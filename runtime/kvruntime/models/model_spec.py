@@ -5,14 +5,17 @@ heavy; `load_model` and the engine make the same checks on the loaded model."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..errors import KVRuntimeError, UnsupportedModelError
+from ..errors import KVRuntimeError, UnsupportedModelError, printable
+from .config_bounds import check_config_sizes, check_gguf_sizes, check_known_model_type, text_config
 from .default_model import SHIPPED_MODELS
+from .gguf_header import read_gguf_header
 
 # Layer kinds (transformers' `layer_types`): a full-attention layer's cache grows with the prompt and is what the
 # methods cut; a sliding-window layer's is bounded by the model and left to it. Any other kind (chunked, linear,
@@ -30,14 +33,22 @@ ATTENTION_REFUSAL = (
 )
 # A model folder has at least one of these when its tokenizer was saved with it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+# And at least one of these when its weights were: transformers otherwise initialises the model at random.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where newer transformers save a template
+MAX_CONFIG_BYTES = 1 << 24  # a config is a few KiB; a tokenizer config with its template some dozen
 
 
 def check_model_spec(model: str) -> None:
-    """Refuse a model that cannot be there: a path that does not exist, a folder saved without its tokenizer, or a
-    hub id (`org/name`) with no snapshot in the local Hugging Face cache (nothing is downloaded: `load_model` reads
-    the cache only); and one the runtime cannot compress, from its config (`check_config_compressible`)."""
+    """Refuse a model that cannot be there: an empty name, a path that does not exist, a file that is no readable
+    GGUF (`read_gguf_header`), a folder saved without its tokenizer or weights, a hub id (`org/name`) with no
+    snapshot in the local Hugging Face cache (nothing is downloaded: `load_model` reads the cache only); a folder
+    that would run code of its own (`check_no_model_code`); and one the runtime cannot compress or this machine
+    cannot hold, from its config (`check_config_compressible`, `check_config_sizes`)."""
     if model in SHIPPED_MODELS:
         return
+    if not model.strip():
+        raise KVRuntimeError("--model is empty: give a shipped model's name, a GGUF file or a model folder")
     folder = Path(model)
     if not folder.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise KVRuntimeError(_not_found(model))
@@ -45,31 +56,69 @@ def check_model_spec(model: str) -> None:
         cache = hub_cache()
         if cache is not None and not _cached_snapshot(cache, model):
             raise KVRuntimeError(_not_found(model, cache))
-    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
-        # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
-        raise KVRuntimeError(
-            f"cannot load model {model!r} offline (no tokenizer files in {folder}): save the tokenizer with the model"
-        )
+    if folder.exists() and not folder.is_dir():
+        check_gguf_sizes(read_gguf_header(folder), printable(model))
+        return
+    place = folder if folder.is_dir() else model_folder(model)
+    if place is not None:
+        check_model_folder(place, printable(model))
     config = model_config(model)
     if config is not None:
+        check_config_sizes(config)
+        check_known_model_type(config)
         check_config_compressible(config)
+    if place is not None and not any(next(place.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise KVRuntimeError(
+            f"model {printable(model)!r} has no weights (no {' or '.join(WEIGHT_FILES)}): a model is never run with "
+            "random ones"
+        )
+
+
+def check_model_folder(folder: Path, name: str) -> None:
+    """Refuse a model folder without its tokenizer, or one that would make transformers import Python of its own: an `auto_map` in its config or tokenizer config, or any .py file in it. kvruntime loads every model
+    with `trust_remote_code=False` as well; this refuses it in one line before torch, whatever stdin holds."""
+    if not any((folder / file).exists() for file in TOKENIZER_FILES):
+        # Some transformers versions (5.2) then build an empty tokenizer instead of failing.
+        raise KVRuntimeError(
+            f"cannot load model {name!r} offline (no tokenizer files in it): save the tokenizer with the model"
+        )
+    code = sorted(path.name for path in folder.iterdir() if path.suffix == ".py")
+    for config_name in ("config.json", "tokenizer_config.json"):
+        config = _json_object(folder / config_name)
+        if config is not None and "auto_map" in config:
+            code.insert(0, f"{config_name}'s auto_map")
+    if code:
+        raise KVRuntimeError(
+            f"model {name!r} ships code of its own ({printable(code[0])}): kvcompile never runs a model folder's "
+            "code; use a model transformers implements, saved without it"
+        )
+
+
+def model_folder(model: str) -> Path | None:
+    """The folder the model's files are in: the folder given, else a cached hub snapshot's (None: none)."""
+    if Path(model).is_dir():
+        return Path(model)
+    cache = hub_cache() if model.count("/") == 1 else None
+    snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots" if cache is not None else None
+    found = sorted(snapshots.glob("*/config.json")) if snapshots is not None and snapshots.is_dir() else []
+    return found[-1].parent if found else None
 
 
 def model_config(model: str) -> dict | None:
     """The model's config.json (a folder's, or a cached hub snapshot's), without loading it; None when there is none
-    to read (the default model, a GGUF file: the load decides)."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        cache = hub_cache() if not Path(model).exists() and model.count("/") == 1 else None
-        snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots" if cache is not None else None
-        found = sorted(snapshots.glob("*/config.json")) if snapshots is not None and snapshots.is_dir() else []
-        if not found:
-            return None
-        path = found[-1]
+    to read (a shipped model, a GGUF file: `model_facts` reads those)."""
+    folder = model_folder(model)
+    return _json_object(folder / "config.json") if folder is not None else None
+
+
+def _json_object(path: Path) -> dict | None:
+    """A JSON object file's contents; None when it is missing or not one (the load says what is wrong with it)."""
     try:
-        config = json.loads(path.read_text())
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise KVRuntimeError(f"{printable(path)} is over {MAX_CONFIG_BYTES:,} bytes: not a model's config")
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return None  # the load says what is wrong with it
+        return None
     return config if isinstance(config, dict) else None
 
 
@@ -124,7 +173,7 @@ def _modeling_source(model_type: str) -> str | None:
 def layer_kinds(config: Mapping) -> list[str]:
     """Each layer's kind from a config (its text config's, for a multimodal one): its `layer_types`, else every
     layer sliding where the config sets a window it uses, chunked where it sets a chunk size, full otherwise."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    text = text_config(config)
     count = text.get("num_hidden_layers")
     kinds = text.get("layer_types")
     if isinstance(kinds, list) and kinds:
@@ -196,16 +245,64 @@ def _cached_snapshot(cache: Path, repo_id: str) -> bool:
         return False
 
 
-def position_limit(model: str) -> int | None:
-    """The most positions (tokens) the model attends over, from its config without loading it: None when it is not
-    known before loading (a hub id, a config without the field)."""
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What is known of a model before it loads, for the refusals that need no weights (None: not known)."""
+
+    positions: int | None  # the most positions it attends over
+    sliding: bool | None  # whether some of its layers are sliding windows (no batches, no kv_bits there)
+    chat: bool | None  # whether its tokenizer has a chat template
+
+
+def model_facts(model: str) -> ModelFacts:
+    """`ModelFacts` of a shipped model (declared with it), a GGUF file (its header) or a folder or cached hub
+    snapshot (its config and tokenizer config)."""
     if model in SHIPPED_MODELS:
-        return SHIPPED_MODELS[model].positions
+        shipped = SHIPPED_MODELS[model]
+        return ModelFacts(shipped.positions, shipped.sliding, shipped.chat)
+    path = Path(model)
+    if path.is_file():
+        header = read_gguf_header(path)
+        positions = header.arch_value("context_length")
+        window = header.arch_value("attention.sliding_window")
+        return ModelFacts(_positive(positions), window is not None, "tokenizer.chat_template" in header.metadata)
     config = model_config(model)
     if config is None:
-        return None
-    limit = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+        return ModelFacts(None, None, None)
+    text = text_config(config)
+    positions = text.get("max_position_embeddings", text.get("n_positions"))
+    folder = model_folder(model)
+    tokenizer = _json_object(folder / "tokenizer_config.json") or {}
+    chat = bool(tokenizer.get("chat_template")) or any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES)
+    return ModelFacts(_positive(positions), BOUNDED in layer_kinds(config), chat)
+
+
+SLIDING_KV_BITS = (
+    "kv_bits quantizes the cache's growing layers and would turn the sliding-window ones into plain layers: not on a "
+    "model with sliding-window layers"
+)
+SLIDING_BATCH = "a batch (or a padded prompt) on a model with sliding-window layers: give the prompts one by one"
+NO_CHAT_TEMPLATE = "the model's tokenizer has no chat template: use --prompt-format raw for a base model"
+
+
+def check_request_fits(facts: ModelFacts, kv_bits: bool, batch: bool, chat: bool) -> None:
+    """Refuse, from what is known before the model loads, what the runtime refuses on that model once loaded:
+    quantized entries or a batch on a model with sliding-window layers, a chat prompt without a chat template."""
+    if facts.sliding and kv_bits:
+        raise UnsupportedModelError(SLIDING_KV_BITS)
+    if facts.sliding and batch:
+        raise UnsupportedModelError(SLIDING_BATCH)
+    if chat and facts.chat is False:
+        raise KVRuntimeError(NO_CHAT_TEMPLATE)
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def position_limit(model: str) -> int | None:
+    """The most positions (tokens) the model attends over, known without loading it (None: not known)."""
+    return model_facts(model).positions
 
 
 def check_positions(tokens: int, limit: int | None, what: str) -> None:
