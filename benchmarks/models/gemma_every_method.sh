@@ -20,6 +20,7 @@ for method in snapkv kvcompress srh compresskv kvcompose distilled compilerkv; d
 done
 echo "no --method (the model's tuned_defaults recommends none):"
 .venv/bin/kvcompile generate --model gemma-3-270m --prompt-file $PROMPT --max-new-tokens 16 2>&1 | head -3
-folder=$(ls -d $KVCOMPILE_CACHE/models/Gemma-3-270M-* | head -1)
+# The cache folder is keyed by the weights' content; its marker names the model.
+folder=$(dirname "$(grep -l '"title": "Gemma-3-270M"' $KVCOMPILE_CACHE/models/*/kvcompile_cache.json | head -1)")
 echo "a model folder saved from the GGUF by transformers ($folder):"
 .venv/bin/kvcompile generate --model "$folder" --artifact artifacts/gemma-3-270m/distilled_scorer.safetensors --method distilled --ratio 0.5 --prompt-file $PROMPT --max-new-tokens 16 2>&1 | head -1

@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,11 @@ from benchmarks.reporting import machine, markdown_table, write_results
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LIMIT_SECONDS = 0.5
-LIMIT_MIB = 300  # issue #73: a memory bomb is refused under 300 MB
+LIMIT_MIB = 300
+# Where PYTHONDONTWRITEBYTECODE is set every run compiles kvcompile's sources again (about 0.15-0.3 s more here).
+BYTECODE_NOT_WRITTEN = "not written (PYTHONDONTWRITEBYTECODE set): every run compiles the sources again"
+BYTECODE_CACHED = "cached (.pyc written once), as an installed package runs; run with `env -u PYTHONDONTWRITEBYTECODE`"
+# issue #73: a memory bomb is refused under 300 MB
 
 
 def refusal_cases() -> dict:
@@ -36,21 +39,33 @@ def refusal_cases() -> dict:
     return module.CASES
 
 
-def timed(command: list[str], folder: Path) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Wall seconds, peak resident MiB (the child's own, from wait4) and the result of one run."""
+# The run's own peak resident memory (VmHWM: this process's since its exec, not the forking parent's pages that
+# wait4's ru_maxrss would count), written at exit to the file named by the first argument, which it takes out.
+MEASURED = """
+import atexit, re, sys
+from pathlib import Path
+peak_file = Path(sys.argv.pop(1))
+atexit.register(lambda: peak_file.write_text(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text())[1]))
+"""
+CLI = MEASURED + "from kvcompile.cli import main\nsys.argv[0] = 'kvcompile'\nmain()\n"
+
+
+def measured(code: str, *args: str) -> list[str]:
+    """`python -c code args...`, its peak memory measured (`MEASURED`)."""
+    return [sys.executable, "-P", "-c", code, *args]
+
+
+def timed(make_command, folder: Path) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Wall seconds, peak resident MiB and the result of one run of `make_command(folder, peak_file)`."""
     env = {**os.environ, "KVCOMPILE_CACHE": str(folder / "cache")}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        started = time.perf_counter()
-        child = subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-        deadline = threading.Timer(120, child.kill)  # a refusal that hangs is reported, not waited on forever
-        deadline.start()
-        _, status, usage = os.wait4(child.pid, 0)
-        deadline.cancel()
-        seconds = time.perf_counter() - started
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        result = subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
-    return seconds, usage.ru_maxrss / 1024, result  # ru_maxrss is in KiB on Linux
+    peak_file = folder / ".peak_kib"
+    command = make_command(folder, str(peak_file))
+    started = time.perf_counter()
+    result = subprocess.run(
+        command, cwd=folder, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120
+    )
+    seconds = time.perf_counter() - started
+    return seconds, int(peak_file.read_text()) / 1024, result
 
 
 def median_seconds(make_command, repeats: int) -> tuple[float, float, subprocess.CompletedProcess]:
@@ -58,7 +73,7 @@ def median_seconds(make_command, repeats: int) -> tuple[float, float, subprocess
     times, peaks, result = [], [], None
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
-            seconds, peak, result = timed(make_command(Path(folder)), Path(folder))
+            seconds, peak, result = timed(make_command, Path(folder))
         times.append(seconds)
         peaks.append(peak)
     return statistics.median(times), max(peaks), result
@@ -69,11 +84,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("refusal_latency.md"))
     options = parser.parse_args()
-    cli = [sys.executable, "-P", "-m", "kvcompile.cli"]
     rows = []
     references = {
-        'python -c "import torch"': lambda d: [sys.executable, "-P", "-c", "import torch"],
-        "kvcompile --help": lambda d: [*cli, "--help"],
+        'python -c "import torch"': lambda d, peak: measured(MEASURED + "import torch", peak),
+        "kvcompile --help": lambda d, peak: measured(CLI, peak, "--help"),
     }
     for name, make in references.items():
         seconds, peak, _ = median_seconds(make, options.repeats)
@@ -81,7 +95,9 @@ def main() -> None:
             {"case": name, "median_s": round(seconds, 3), "peak_mib": round(peak), "exit": 0, "under_limit": ""}
         )
     for name, (make_args, message) in refusal_cases().items():
-        seconds, peak, result = median_seconds(lambda d, make_args=make_args: [*cli, *make_args(d)], options.repeats)
+        seconds, peak, result = median_seconds(
+            lambda d, peak, make_args=make_args: measured(CLI, peak, *make_args(d)), options.repeats
+        )
         if result.returncode != 2 or message not in result.stderr:
             raise SystemExit(f"{name}: not refused as the test expects ({result.returncode}): {result.stderr[-500:]}")
         rows.append(
@@ -102,6 +118,8 @@ def main() -> None:
             f"Command: `python -m benchmarks.performance.refusal_latency --repeats {options.repeats}`  ",
             f"Machine: {machine()}  ",
             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            "",
+            f"Bytecode: {BYTECODE_NOT_WRITTEN if os.environ.get('PYTHONDONTWRITEBYTECODE') else BYTECODE_CACHED}",
             "",
             f"{len(refusals)} refusals (the cases of tests/test_refusals_before_torch.py), median of {options.repeats} "
             f"runs each, as `python -m kvcompile.cli ...` in a fresh folder: slowest {max(refusals):.3f} s, median "

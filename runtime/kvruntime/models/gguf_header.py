@@ -96,9 +96,6 @@ class _Reader:
 def read_gguf_header(path: Path) -> GGUFHeader:
     """The header of the GGUF at `path`, refused in one line where it is not one a loader can read whole: no magic,
     another version, counts past bounds, a string, array or tensor past the end of the file."""
-    from gguf.constants import GGML_QUANT_SIZES  # ggml type -> (elements per block, bytes per block); numpy only
-
-    blocks = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
     name = printable(str(path))
     try:
         handle = open(path, "rb")
@@ -121,6 +118,10 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             if key in metadata:
                 raise reader.refuse(f"the metadata key {printable(key)!r} appears twice")
             metadata[key] = reader.value(reader.scalar("I"))
+        # Imported once the file is known to be a GGUF (about 0.15 s, numpy's): not for a file that is none.
+        from gguf.constants import GGML_QUANT_SIZES  # ggml type -> (elements per block, bytes per block)
+
+        blocks = {int(kind): sizes for kind, sizes in GGML_QUANT_SIZES.items()}
         data_bytes = 0
         for _ in range(tensor_count):
             tensor = reader.string(limit=1 << 16)
