@@ -615,6 +615,10 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["eval", "--model", "gemma-3-270m", "--methods", "snapkv", "--batch-size", "2"],
         "a batch (or a padded prompt) on a model with sliding-window layers",
     ),
+    "tune: chat on a base model": (
+        lambda d: ["tune", "--model", "gemma-3-270m", "--prompt-format", "chat"],
+        "the model's tokenizer has no chat template",
+    ),
     "eval: kv_bits on a hybrid model": (
         lambda d: ["eval", "--model", "gemma-3-270m", "--methods", "full:kv_bits=8"],
         "kv_bits quantizes the cache's growing layers",

@@ -263,10 +263,12 @@ def tune(inputs: TuneOptions, ctx: typer.Context, model: str, out: Path | None) 
     full cache, and write the best as the runtime's default (a tuned_defaults artifact)."""
     from kvcompile.recipes.tuned_defaults.recipe import TuneRecipe
     from kvcompile.recipes.tuned_defaults.settings import TuneSettings
-    from kvruntime.models.model_spec import position_limit
+    from kvruntime.models.model_spec import check_request_fits, model_facts
 
     check_suite_alone(ctx, inputs.suite)
-    validation = _suite_settings(inputs, tuple(sorted(inputs.ratios)), 48, position_limit(model))
+    facts = model_facts(model)  # tune answers one prompt at a time, unquantized: only the prompt format to check
+    check_request_fits(facts, kv_bits=False, batch=False, chat=inputs.prompt_format == "chat")
+    validation = _suite_settings(inputs, tuple(sorted(inputs.ratios)), 48, facts.positions)
     target = out or compiled_artifact(model, "tuned_defaults")  # where compile_artifact writes it
     records = target.with_name(target.stem + ".runs")
     settings = TuneSettings(validation, inputs.tolerance)
