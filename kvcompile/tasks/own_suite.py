@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvcompile.evaluation.store import NotJSON, parse_json
 from kvruntime import KVRuntimeError
+from kvruntime.artifacts.artifact_header import RepeatedKeyError, unique_keys
 from kvruntime.artifacts.bundle import is_plain_name
 from kvruntime.errors import printable, short_repr
 
@@ -217,25 +218,12 @@ class _SuiteFiles:
             raise KVRuntimeError(f"{where} {exc}") from None
 
 
-class _RepeatedKey(Exception):
-    """An object naming a key twice (`json.loads` keeps the last one, silently)."""
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    found: dict[str, object] = {}
-    for key, value in pairs:
-        if key in found:
-            raise _RepeatedKey(key)
-        found[key] = value
-    return found
-
-
 def parse_unique(text: str, one_line: bool = False) -> object:
     """`parse_json`'s, refusing an object that names a key twice: a row's second 'answers' would win unseen."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as exc:
-        raise NotJSON(f"names {short_repr(printable(exc.args[0]))} twice in one object") from None
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except RepeatedKeyError as exc:
+        raise NotJSON(f"names {short_repr(printable(exc.key))} twice in one object") from None
     except (ValueError, RecursionError):
         pass  # parse_json fails on it the same way, and says why in its words
     return parse_json(text, one_line)

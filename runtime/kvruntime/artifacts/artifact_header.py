@@ -77,7 +77,7 @@ def read_plain_file(path: str | os.PathLike, limit: int) -> bytes:
 def load_json(text: str | bytes) -> Any:
     """`json.loads` for text from a file that may be anyone's: a number of more than JSON_MAX_DIGITS digits, or an
     object naming a key twice (which reader's value would count?), is a ValueError saying so."""
-    return json.loads(text, parse_int=_bounded(int), parse_float=_bounded(float), object_pairs_hook=_unique_keys)
+    return json.loads(text, parse_int=_bounded(int), parse_float=_bounded(float), object_pairs_hook=unique_keys)
 
 
 def _bounded(parse: Callable[[str], int | float]) -> Callable[[str], int | float]:
@@ -92,11 +92,20 @@ def _bounded(parse: Callable[[str], int | float]) -> Callable[[str], int | float
     return parse_number
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+class RepeatedKeyError(ValueError):
+    """A JSON object naming a key twice (`json.loads` would keep the last one, silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"an object names the key {short_repr(key)} twice")
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object_pairs_hook refusing a key named twice (`RepeatedKeyError`)."""
     found: dict[str, Any] = {}
     for key, value in pairs:
         if key in found:
-            raise ValueError(f"an object names the key {short_repr(key)} twice")
+            raise RepeatedKeyError(key)
         found[key] = value
     return found
 
