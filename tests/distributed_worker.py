@@ -40,7 +40,9 @@ TABLES = TablesSettings(
     design=ExperienceDesign(head_groups=2, head_actions=4, gate_layers=2, gate_actions=5),
     cql=CQLSettings(steps=40),
 )
-DISTILL = DistillSettings(prompts=4, prompt_tokens=96)
+DISTILL = DistillSettings(
+    prompts=4, prompt_tokens=96, lookahead_queries=2, lookahead_steps=4, lookahead_prompts=2, lookahead_tokens=64
+)
 RECIPES = ("stats", "budgets", "tables", "distilled")
 
 

@@ -143,6 +143,7 @@ def _signals_prefill(length: int) -> PrefillResult:
         hidden_states=torch.randn(1, length, 8),
         output_embeddings=torch.nn.Linear(8, 96),
         second_pass_attention=list,
+        lookahead_attention=list,
     )
 
 

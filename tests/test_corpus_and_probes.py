@@ -7,7 +7,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from kvcompile.calibration.corpus import load_corpus, repeating_documents
+from kvcompile.calibration.corpus import FACT_TEMPLATES, load_corpus, repeating_documents, with_inserted_facts
 from kvcompile.tasks.needles import CALIBRATION_NEEDLES, answer_token_positions, needle_probe
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models.model_loading import DEFAULT_MODEL, load_model
@@ -54,6 +54,27 @@ def test_the_repeating_corpus_is_the_austen_novels_and_two_repeating_documents()
     books, repeating = load_corpus("austen"), load_corpus("austen-repeats")
     assert list(repeating.documents[: len(books.documents)]) == list(books.documents)
     assert len(repeating.documents) == len(books.documents) + 2 and repeating.sha256 != books.sha256
+
+
+def test_facts_sit_after_a_sentence_end_every_so_often_and_take_nothing_from_the_text():
+    text = " ".join(f"Sentence number {i} tells of the weather on day {i}." for i in range(400))  # 20k characters
+    made = with_inserted_facts(text, seed=2, every=2_000)
+    assert made == with_inserted_facts(text, seed=2, every=2_000) != with_inserted_facts(text, seed=3, every=2_000)
+    original = r"Sentence number (\d+) tells of the weather on day \1\. ?"
+    facts = [piece for piece in re.split(original, made)[::2] if piece]  # what sits between the text's sentences
+    assert 8 <= len(facts) <= 10  # one after the first sentence end past every 2,000 characters
+    assert "".join(re.findall(original.replace("(\\d+)", "\\d+").replace("\\1", "\\d+"), made)).strip() == text
+    templates = [re.sub(r"\\\{\w+\\\}", r"[\\w .-]+?", re.escape(t)) + " " for t in FACT_TEMPLATES]
+    assert all(any(re.fullmatch(t, fact) for t in templates) and re.search(r"\d", fact) for fact in facts)
+
+
+def test_the_facts_corpus_is_the_repeating_one_with_facts_in_the_novels_and_never_the_evaluations_wording():
+    repeating, facts = load_corpus("austen-repeats"), load_corpus("austen-facts")
+    books = len(load_corpus("austen").documents)
+    assert list(facts.documents[books:]) == list(repeating.documents[books:])
+    assert all(len(f) > len(r) for f, r in zip(facts.documents[:books], repeating.documents[:books]))
+    wording = " ".join(FACT_TEMPLATES).lower()
+    assert not any(w in wording for w in ("pass key", "magic number", "remember it"))
 
 
 def test_the_mixed_corpus_adds_code_documentation_and_math_and_never_the_evaluations_text():

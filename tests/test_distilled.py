@@ -349,6 +349,7 @@ def test_the_shipped_defaults_are_the_values_their_measurements_chose():
         "leverage": 0.0,  # issue #49 (it was 2)
         "copy_penalty": 0.25,  # issue #49
         "scores": "predicted",
+        "lookahead": "auto",  # issue #74
     }
     assert SPEC.window == 16 and NGRAM == 8 and REPEATING_FRACTION == 0.25
     assert repeats(0.25) and not repeats(0.2499)  # a quarter repeats: the edge is in

@@ -159,6 +159,40 @@ def sampled(inputs: dict[str, torch.Tensor], tokens: int, generator: torch.Gener
     }
 
 
+def held_out_texts() -> dict[str, Corpus]:
+    """The held-out text of each type, by the name the tables give it (no compile command reads them)."""
+    return {
+        "Moby-Dick": load_corpus("moby-dick"),
+        "Jekyll and Hyde": held_out_text("jekyll"),
+        "code": held_out_text("code"),
+        "docs": held_out_text("docs"),
+    }
+
+
+def paired_rows(
+    captured: dict[tuple[str, str, float], list[float]], baseline: str, column: str, difference: str
+) -> list[dict[str, object]]:
+    """One row per (text, variant, ratio): its mean captured mass and its paired difference from `baseline`'s on the
+    same prompts, with the difference's 95% bootstrap interval."""
+    rows = []
+    for (text, name, ratio), values in captured.items():
+        differences = [a - b for a, b in zip(values, captured[(text, baseline, ratio)])]
+        low, high = bootstrap_interval(differences)
+        rows.append(
+            {
+                "text": text,
+                column: name,
+                "ratio": ratio,
+                "captured": round(sum(values) / len(values), 4),
+                difference: round(sum(differences) / len(differences), 4),
+                "low_95": round(low, 4),
+                "high_95": round(high, 4),
+                "prompts": len(values),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-prompts", type=int, default=16)
@@ -179,12 +213,7 @@ def main() -> None:
     layers = samples[0]["y"].shape[0]
     fitted = fit_variants(samples, layers)
     del samples
-    texts: dict[str, Corpus] = {
-        "Moby-Dick": load_corpus("moby-dick"),
-        "Jekyll and Hyde": held_out_text("jekyll"),
-        "code": held_out_text("code"),
-        "docs": held_out_text("docs"),
-    }
+    texts = held_out_texts()
     captured: dict[tuple[str, str, float], list[float]] = {}
     for text, corpus in texts.items():
         for _, ids in tqdm(calibration_prompts(corpus, tokenizer, args.prompts, args.tokens, 7), desc=text):
@@ -201,23 +230,7 @@ def main() -> None:
                 for ratio in RATIOS:
                     per_layer = [captured_mass(scores[i], inputs["y"][i], ratio) for i in range(layers)]
                     captured.setdefault((text, name, ratio), []).append(sum(per_layer) / layers)
-    rows = []
-    for (text, name, ratio), values in captured.items():
-        baseline = captured[(text, BASELINE, ratio)]
-        differences = [a - b for a, b in zip(values, baseline)]
-        low, high = bootstrap_interval(differences)
-        rows.append(
-            {
-                "text": text,
-                "student": name,
-                "ratio": ratio,
-                "captured": round(sum(values) / len(values), 4),
-                "minus_ridge": round(sum(differences) / len(differences), 4),
-                "low_95": round(low, 4),
-                "high_95": round(high, 4),
-                "prompts": len(values),
-            }
-        )
+    rows = paired_rows(captured, BASELINE, "student", "minus_ridge")
     markdown = "\n".join(
         [
             "# Distilled: one-pass levers against the teacher, per text type (issue #63)",

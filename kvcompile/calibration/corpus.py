@@ -30,8 +30,23 @@ if TYPE_CHECKING:
 DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick is kept for evaluation
 REPEATING_CORPUS = "austen-repeats"  # the novels and two documents of repeated Austen sentences (`kvcompile distill`)
 MIXED_CORPUS = "mixed"  # austen-repeats and `calibration_data/mixed/`: code, software documentation, math docstrings
+FACTS_CORPUS = "austen-facts"  # austen-repeats with facts (figures, names, codes) set inside the novels' running text
 HELD_OUT_CORPUS = "moby-dick"  # evaluation and tuning text, never calibration
-SHIPPED_CORPORA = (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, HELD_OUT_CORPUS)  # named, not paths
+SHIPPED_CORPORA = (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS, HELD_OUT_CORPUS)  # named, not paths
+# Facts as a prompt holds them inside prose: figures, names and codes a question may ask for. Their wording shares
+# nothing with the evaluation's needles (`kvcompile.tasks`), so that no compile reads what the eval asks.
+FACT_TEMPLATES = (
+    "The ledger of {place} entered the sum under number {number}.",
+    "{name} wrote the figure {number} on the back of the letter.",
+    "The carriage from {place} bore the mark {code}.",
+    "Her room at the inn at {place} was number {small}, and the key was tagged {code}.",
+    "The receipt signed by {name} read {small} pounds and {tiny} shillings.",
+    "By the parish register, {name} was born in the year {year} at {place}.",
+    "The parcel for {name} was sent to {place} under the reference {code}.",
+    "{name} kept the combination {number} in a locked drawer at {place}.",
+)
+FACT_NAMES = ("Mr. Pemberton", "Miss Ashford", "Colonel Drayton", "Mrs. Whitcombe", "Lady Harcourt", "Captain Leveson")
+FACT_PLACES = ("Bramley", "Kingsworth", "Halstead Green", "Lower Aldbury", "Fenwick Cross", "Marlow Park")
 _TEXT_SUFFIXES = (".txt", ".txt.gz")
 _TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -84,15 +99,19 @@ class Corpus:
 
 def load_corpus(source: str | Path | None = None) -> Corpus:
     """Load a corpus; `None` or 'austen' is the shipped default, 'austen-repeats' the same with repeating documents
-    (`repeating_documents`), 'mixed' those and the shipped code, documentation and math text (KVzap-style
-    diversity), 'moby-dick' the shipped held-out book."""
-    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS):
+    (`repeating_documents`), 'austen-facts' those with facts inside the novels' text (`with_inserted_facts`), 'mixed'
+    austen-repeats and the shipped code, documentation and math text (KVzap-style diversity), 'moby-dick' the
+    shipped held-out book."""
+    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS):
         books = _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
-        if str(source) not in (REPEATING_CORPUS, MIXED_CORPUS):
+        if str(source) not in (REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS):
             return books
         repeating = (*books.documents, *repeating_documents(books.documents))
         if str(source) == REPEATING_CORPUS:
             return Corpus(REPEATING_CORPUS, repeating)
+        if str(source) == FACTS_CORPUS:
+            with_facts = [with_inserted_facts(book, seed) for seed, book in enumerate(books.documents)]
+            return Corpus(FACTS_CORPUS, (*with_facts, *repeating[len(books.documents) :]))
         mixed = _text_files(MIXED_CORPUS, sorted((shipped_folder("calibration_data") / "mixed").glob("*.txt.gz")))
         return Corpus(MIXED_CORPUS, (*repeating, *mixed.documents))
     if str(source) == HELD_OUT_CORPUS:
@@ -134,6 +153,29 @@ def repeating_documents(
             size += len(blocks[-2]) + len(blocks[-1]) + 4
         made.append("\n\n".join(blocks))
     return made
+
+
+def with_inserted_facts(text: str, seed: int, every: int = 2_000) -> str:
+    """`text` with a fact sentence (`FACT_TEMPLATES`: seeded figures, names, codes) after the first sentence end past
+    every `every` characters: a 2k-token passage holds about four, inside running text, as a prompt's facts are."""
+    rng = random.Random(f"facts:{seed}")
+    pieces, start = [], 0
+    while True:
+        end = text.find(". ", start + every)
+        if end < 0:
+            break
+        fact = rng.choice(FACT_TEMPLATES).format(
+            name=rng.choice(FACT_NAMES),
+            place=rng.choice(FACT_PLACES),
+            number=rng.randint(10_000, 9_999_999),
+            small=rng.randint(2, 99),
+            tiny=rng.randint(1, 19),
+            year=rng.randint(1700, 1815),
+            code=f"{rng.choice('ABCDEFGHKLMNPRSTWXZ')}{rng.choice('ABCDEFGHKLMNPRSTWXZ')}-{rng.randint(100, 9999)}",
+        )
+        pieces += [text[start : end + 2], fact, " "]
+        start = end + 2
+    return "".join([*pieces, text[start:]])
 
 
 def passage_ids(tokenizer: PreTrainedTokenizerBase, document: str, start: int, tokens: int) -> list[int]:

@@ -12,9 +12,15 @@ what the token adds to the attending token's residual stream, relative to its si
 |W_O^h v_i| (h_j the attention input of the task token j, v_i the context token's value, W_O^h the output
 projection's block of query head h), so that a token attended to but carrying little, or attended to by a token
 whose state is large, counts less.
+
+Lookahead queries (`lookahead_attention`, compiled into a distilled scorer by `kvcompile distill`): a few learned
+input embeddings fed after the context the same way, each context token scored by their mean attention: a
+cross-token view at the cost of a few tokens, not of a second pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -44,12 +50,35 @@ def context_attention_max(
     as in the model's own attention, then multiplied by `query_weights` [B, m] when given (KVzip+'s 1 / |h_j|).
     Returns [B, Hq, context_length] in float32.
     """
+    best = None
+    for start, probabilities in _context_probabilities(queries, keys, logits, context_length, chunk):
+        if query_weights is not None:
+            stop = start + probabilities.shape[-2]
+            probabilities = probabilities * query_weights[:, None, None, start:stop, None].float()
+        chunk_best = probabilities.amax(dim=-2)
+        best = chunk_best if best is None else torch.maximum(best, chunk_best)
+    return best.flatten(1, 2)
+
+
+def context_attention_mean(
+    queries: torch.Tensor, keys: torch.Tensor, logits: AttentionLogits, context_length: int
+) -> torch.Tensor:
+    """The mean attention probability the task queries give each context token (lookahead queries' scores), with
+    `context_attention_max`'s shapes and normalisation: [B, Hq, context_length] in float32."""
+    total = sum(p.sum(dim=-2) for _, p in _context_probabilities(queries, keys, logits, context_length, QUERY_CHUNK))
+    return (total / queries.shape[2]).flatten(1, 2)
+
+
+def _context_probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, logits: AttentionLogits, context_length: int, chunk: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Per chunk of task queries (its first query's index among them): their attention probabilities over the
+    context, [B, Hkv, G, chunk, context_length], normalised over every key each query sees (causal)."""
     batch, num_query_heads, task_length, head_dim = queries.shape
-    num_kv_heads, key_length = keys.shape[1], keys.shape[2]
+    num_kv_heads = keys.shape[1]
     groups = num_query_heads // num_kv_heads
-    first = key_length - task_length  # absolute position of the first task query
+    first = keys.shape[2] - task_length  # absolute position of the first task query
     keys32 = keys.float()
-    best = torch.zeros(batch, num_kv_heads, groups, context_length, device=keys.device)
     for start in range(0, task_length, chunk):
         stop = min(start + chunk, task_length)
         grouped = queries[:, :, start:stop].float().view(batch, num_kv_heads, groups, stop - start, head_dim)
@@ -58,11 +87,7 @@ def context_attention_max(
         positions = torch.arange(first + start, first + stop, device=keys.device)
         future = torch.arange(visible, device=keys.device)[None, :] > positions[:, None]
         scores.masked_fill_(future, float("-inf"))
-        probabilities = scores.softmax(dim=-1)[..., :context_length]
-        if query_weights is not None:
-            probabilities = probabilities * query_weights[:, None, None, start:stop, None].float()
-        best = torch.maximum(best, probabilities.amax(dim=-2))
-    return best.view(batch, num_query_heads, context_length)
+        yield start, scores.softmax(dim=-1)[..., :context_length]
 
 
 def output_norms(values: torch.Tensor, output_weight: torch.Tensor, num_query_heads: int) -> torch.Tensor:
@@ -123,3 +148,23 @@ def task_attention_maxima(
                 input_ids=task_ids[:, start : start + chunk], **cache_argument(model, cache), use_cache=True
             )
     return [maxima[layer] * factors[layer] if factors else maxima[layer] for layer in sorted(maxima)]
+
+
+def lookahead_attention(
+    model: nn.Module, cache: Cache, embeddings: torch.Tensor, context_length: int
+) -> list[torch.Tensor]:
+    """Per layer whose cache grows, [B, Hq, context_length]: the mean attention each context token gets from the
+    input `embeddings` [n, hidden] (learned lookahead queries) fed right after the `context_length` tokens held in
+    `cache`, as if appended to the prompt in its prefill (the prompt's own positions never see them). The cache holds
+    what it held before on return: their entries are never kept."""
+    means: dict[int, torch.Tensor] = {}
+
+    def keep_means(layer: int, module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, *_: object) -> None:
+        means[layer] = context_attention_mean(queries, keys, captured_logits(module), context_length)
+
+    batch = cache.layers[0].keys.shape[0]
+    parameter = next(model.parameters())
+    appended = embeddings.to(device=parameter.device, dtype=parameter.dtype)[None].expand(batch, -1, -1)
+    with restored_after(cache), query_hooks(model, keep_means, window=embeddings.shape[0]), torch.no_grad():
+        model.base_model(inputs_embeds=appended, **cache_argument(model, cache), use_cache=True)
+    return [means[layer] for layer in sorted(means)]

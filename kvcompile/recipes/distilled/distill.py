@@ -26,6 +26,7 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
+from kvcompile.recipes.distilled.lookahead import train_lookahead_queries
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 from kvruntime.cache_ops import attention_modules, cache_argument
@@ -152,7 +153,42 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
             sums["tokens_held_out"] += ids.shape[1]
 
     sums = accumulate(run, sums, add_prompt, job, f"distill ({settings.oracle})", "prompt")
-    return finish_or_partial(run, sums, [job.shard.describe()], finish_distilled_scorer)
+    artifact = finish_or_partial(run, sums, [job.shard.describe()], finish_distilled_scorer)
+    if artifact.kind != "distilled_scorer" or not settings.lookahead_queries:
+        return artifact
+    return with_lookahead_queries(artifact, job, corpus, settings)
+
+
+def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, settings: DistillSettings) -> Artifact:
+    """The scorer with its lookahead queries, trained on contexts of the same corpus (another seed's) to match the
+    same oracle (`lookahead.py`)."""
+
+    def oracle_log_scores(ids: torch.Tensor) -> torch.Tensor:
+        return prompt_features_and_targets(job.model, job.tokenizer, ids, settings.oracle)[1]
+
+    queries, losses = train_lookahead_queries(
+        job.model,
+        job.tokenizer,
+        corpus,
+        oracle_log_scores,
+        queries=settings.lookahead_queries,
+        steps=settings.lookahead_steps,
+        prompts=settings.lookahead_prompts,
+        tokens=min(settings.lookahead_tokens, settings.prompt_tokens),
+        seed=settings.seed + 1,
+    )
+    params = {
+        **artifact.params,
+        "lookahead": {
+            "queries": settings.lookahead_queries,
+            "steps": settings.lookahead_steps,
+            "prompts": settings.lookahead_prompts,
+            "tokens": min(settings.lookahead_tokens, settings.prompt_tokens),
+            "loss": "KL from the oracle's scores to the queries' mean attention, per layer cut and KV head",
+            **{name: round(value, 4) for name, value in losses.items()},
+        },
+    }
+    return dataclasses.replace(artifact, tensors={**artifact.tensors, "lookahead_queries": queries}, params=params)
 
 
 def averaged_layer_shares(sums: dict[str, torch.Tensor], prompts: int, shares_from: str) -> tuple[torch.Tensor, str]:

@@ -36,7 +36,14 @@ class DistillRecipe(CorpusRecipe):
         r2 = artifact.tensors["held_out_r2"].max(dim=1).values
         median, low, high = float(r2.median()), float(r2.min()), float(r2.max())
         shares = artifact.params["share_prompts"]
+        lookahead = artifact.params.get("lookahead")
+        queries = (
+            f"; {lookahead['queries']} lookahead queries, KL to the oracle {lookahead['kl_first_step']:.3f} at the "
+            f"first step, {lookahead['kl_last_tenth']:.3f} over the last tenth"
+            if isinstance(lookahead, dict)
+            else "; no lookahead queries"
+        )
         return (
             f"held-out R^2 of the log-scores per layer: median {median:.3f}, range {low:.3f}-{high:.3f}; layer shares "
-            f"averaged over {shares}"
+            f"averaged over {shares}{queries}"
         )

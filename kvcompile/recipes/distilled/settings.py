@@ -8,7 +8,7 @@ import dataclasses
 
 from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
-from kvruntime.methods.distilled.oracle import ORACLES, STUDENTS
+from kvruntime.methods.distilled.oracle import MAX_LOOKAHEAD_QUERIES, ORACLES, STUDENTS
 
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
 
@@ -40,8 +40,25 @@ class DistillSettings(Settings):
         choices=("repeating", "all"),
     )
 
+    # Their attention over the whole context adds what one token's features cannot see (docs/methods/distilled.md).
+    lookahead_queries: int = option(
+        16,
+        "Lookahead queries trained after the fit (0: none). A run split into shares and merged gets none.",
+    )
+    lookahead_steps: int = option(400, "Training steps of the lookahead queries (one context each).")
+    lookahead_prompts: int = option(12, "Calibration contexts the lookahead queries are trained on.")
+    lookahead_tokens: int = option(
+        1024, "Tokens per context the lookahead queries are trained on (at most --prompt-tokens)."
+    )
+
     def check_values(self) -> None:
         if self.prompts < HELD_OUT_EVERY:
             raise KVRuntimeError(f"--prompts must be at least {HELD_OUT_EVERY} (every {HELD_OUT_EVERY}th is held out)")
         if self.prompt_tokens < 64:
             raise KVRuntimeError("--prompt-tokens must be at least 64")
+        if not 0 <= self.lookahead_queries <= MAX_LOOKAHEAD_QUERIES:
+            raise KVRuntimeError(f"--lookahead-queries must be between 0 and {MAX_LOOKAHEAD_QUERIES}")
+        if self.lookahead_queries and min(self.lookahead_steps, self.lookahead_prompts) < 1:
+            raise KVRuntimeError("--lookahead-steps and --lookahead-prompts must be at least 1")
+        if self.lookahead_queries and self.lookahead_tokens < 64:
+            raise KVRuntimeError("--lookahead-tokens must be at least 64")

@@ -11,7 +11,7 @@ from ..allocation import apportion
 from ..cache_ops import check_growing_layer, keep_entries
 from ..errors import KVRuntimeError, UnsupportedModelError
 from ..methods import LayerInputs, Method, PrefillResult
-from ..second_pass import task_attention_maxima
+from ..second_pass import lookahead_attention, task_attention_maxima
 from ..selection import top_indices, top_mask
 from .state import Cut, HeldEntries, PrefillState
 
@@ -126,6 +126,9 @@ def method_prefill(
         prefixed = torch.tensor([prefix], dtype=ids.dtype, device=ids.device).expand(ids.shape[0], -1)
         return task_attention_maxima(model, cache, torch.cat([prefixed, ids], 1), state.length, target=target)
 
+    def lookahead(embeddings: torch.Tensor) -> list[torch.Tensor]:
+        return lookahead_attention(model, cache, embeddings, state.length)
+
     return PrefillResult(
         length=state.length,
         num_kv_heads=cache.layers[0].keys.shape[1],
@@ -133,4 +136,5 @@ def method_prefill(
         hidden_states=output.last_hidden_state,
         output_embeddings=model.get_output_embeddings(),
         second_pass_attention=second_pass,
+        lookahead_attention=lookahead,
     )

@@ -255,7 +255,7 @@ class CompressionSession:
             )
         plan = self.request.plan(length, self.method.window, None if ids is None else ids[0])
         state = PrefillState(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
-        if self.method.budgets_known_in_advance:
+        if self.method.budgets_known_in_advance and (self.streams(length) or not self.method.rescores_whole_prompt):
             state.budgets = self.method.layer_budgets(len(self._attention), plan)
         return state
 

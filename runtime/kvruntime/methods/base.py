@@ -44,6 +44,9 @@ class PrefillResult:
     # token's largest `target` score from the copy [B, Hq, N] (`kvruntime.second_pass`: attention, or kvzip_plus).
     # Costs a second prefill: only methods that score this way call it.
     second_pass_attention: Callable[..., list[torch.Tensor]]
+    # Feeds input embeddings [n, hidden] (learned lookahead queries) after the prompt in the filled cache: per layer,
+    # each token's mean attention from them [B, Hq, N] (`kvruntime.second_pass.lookahead_attention`). Costs n tokens.
+    lookahead_attention: Callable[[torch.Tensor], list[torch.Tensor]]
 
     def token_logprobs(self, last: int) -> torch.Tensor:
         """log p(x_j | x_<j) of the last `last` prompt tokens (teacher-forced, from the prefill): [B, last]."""
@@ -117,6 +120,13 @@ class Method(abc.ABC):
     def required_memory(self) -> str | None:
         """The memory mode this method's per-head counts need (None: either)."""
         return None
+
+    @property
+    def rescores_whole_prompt(self) -> bool:
+        """Whether, given the whole prompt in one piece, this method's scores gain from a look at all of it after the
+        prefill (lookahead queries): its layers are then held whole until `select`, even with budgets known in
+        advance; streamed in chunks, they are cut inside the prefill on `stream_scores` alone."""
+        return False
 
     def reads_token_ids(self) -> str | None:
         """What of this method reads the prompt's token ids (None: nothing): a prompt given as embeddings has none,

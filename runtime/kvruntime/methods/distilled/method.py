@@ -14,6 +14,11 @@ its own inputs, the tokens before it and the prompt's ids (`copy_penalty`: the e
 give way to the last), so with budgets known in advance a prompt streamed in chunks gets the scores it would have had
 in one piece (given the same hidden states).
 
+`lookahead="auto"` (the default) with a scorer that holds lookahead queries (`kvcompile distill`): after a prefill
+of the whole prompt, the queries are fed after it (n tokens, their entries never kept) and each token's log-score is
+the mean of the student's and the log of the queries' mean attention; the layers are then held until the prefill
+ends. A prompt streamed in chunks is cut inside the prefill by the student alone.
+
 `scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) under the
 same selection rule, to measure what the student could reach. What each choice costs and gains:
 docs/methods/distilled.md.
@@ -102,6 +107,14 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             return shares, how + why
         return refloored_shares(shares, self.scorer.share_floor, floor), f"{how}, floor {floor:g}{why}"
 
+    @property
+    def rescores_whole_prompt(self) -> bool:
+        return self.uses_lookahead
+
+    @property
+    def uses_lookahead(self) -> bool:
+        return self.scores == "predicted" and self.lookahead == "auto" and self.scorer.lookahead_queries is not None
+
     def reads_token_ids(self) -> str | None:
         reading = [f"copy_penalty={self.copy_penalty:g}"] if self.copy_penalty else []
         if self.allocation == "compiled" and self.layer_error is None and self.repeating_floor != self.floor:
@@ -151,6 +164,8 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
     def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         if self.scores == "oracle":
             statistics = self._oracle_scores(plan, prefill)
+        elif self.uses_lookahead:
+            statistics = self._with_lookahead(statistics, plan, prefill)
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
             raise KVRuntimeError(f"distilled selects for batch size 1 only (got {batch})")
@@ -163,6 +178,9 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             how = self._fixed_budgets(plan)
         if self.scores == "oracle":
             source = f"the {self.scorer.oracle} oracle (two passes)"
+        elif self.uses_lookahead:
+            queries = self.scorer.lookahead_queries.shape[0]
+            source = f"scores distilled from {self.scorer.oracle} with {queries} lookahead queries"
         else:
             source = f"scores distilled from {self.scorer.oracle}"
         note = (
@@ -170,6 +188,21 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             f"of {length}"
         )
         return Selection(statistics, counts[:, None].expand(num_layers, num_kv_heads).clone(), [note])
+
+    def _with_lookahead(
+        self, statistics: list[torch.Tensor], plan: KeepPlan, prefill: PrefillResult
+    ) -> list[torch.Tensor]:
+        """The student's log-scores averaged with the lookahead queries' (the log of their mean attention per KV
+        head); the copy penalty stays whole, the window and sinks protected."""
+        means = prefill.lookahead_attention(self.scorer.lookahead_queries)
+        combined = []
+        for student, mean in zip(statistics, means):
+            lookahead = lookahead_log_scores(mean, prefill.num_kv_heads).to(student.device)
+            scores = 0.5 * (student + lookahead)
+            if self.copy_penalty and plan.later_occurrences is not None:  # halved with the student's: give it back
+                scores = with_copy_penalty(scores, plan.later_occurrences, 0, 0.5 * self.copy_penalty)
+            combined.append(scores)
+        return combined
 
     def _oracle_scores(self, plan: KeepPlan, prefill: PrefillResult) -> list[torch.Tensor]:
         """The teacher's log-scores per layer [B, Hkv, N], the window and the sinks protected as the student's are."""
@@ -182,6 +215,14 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             )
             for m in maxima
         ]
+
+
+def lookahead_log_scores(mean_attention: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The lookahead queries' mean attention [B, Hq, N] as log-scores per KV head [B, Hkv, N]: the mean over the KV
+    head's query heads (what `kvcompile distill` trains), its log clamped at 1e-12."""
+    batch, num_query_heads, length = mean_attention.shape
+    grouped = mean_attention.view(batch, num_kv_heads, num_query_heads // num_kv_heads, length).mean(dim=2)
+    return grouped.clamp(min=1e-12).log()
 
 
 def with_copy_penalty(scores: torch.Tensor, later: torch.Tensor, start: int, penalty: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 ORACLES = ("reconstruction", "repeat", "kvzip_plus")
 STUDENTS = ("all", "hidden")  # the features a student reads (`features.student_features`)
+MAX_LOOKAHEAD_QUERIES = 256  # positions a scorer's lookahead queries append to every prompt (`kvcompile distill`)
 PREFIXED = ("repeat", "kvzip_plus")  # the oracles whose copy follows an instruction (the artifact records its ids)
 
 

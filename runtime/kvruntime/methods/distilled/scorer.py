@@ -3,7 +3,10 @@
 weights [layers, features, KV heads]: per layer, a linear map from a token's features (`features.py`) to the log of
 the oracle's score for each KV head (ridge regression, `kvcompile distill`). layer_shares [ratios, layers] with
 share_ratios [ratios] (scorers compiled since issue #33): the share of the kept cache each layer took in the
-teacher's dynamic allocation of the calibration prompts, averaged, per ratio (`allocation="compiled"`)."""
+teacher's dynamic allocation of the calibration prompts, averaged, per ratio (`allocation="compiled"`).
+lookahead_queries [n, hidden] (`kvcompile distill`): input embeddings whose attention over a prompt, fed after it,
+was trained to match the same oracle; the runtime averages their log-scores with the student's. They are compiled
+against this student and its model, so they live in its artifact."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import torch
 from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError, short_repr
 from ...requests.serving import compiled_ratios
+from .features import feature_count
+from .oracle import MAX_LOOKAHEAD_QUERIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,11 +31,14 @@ class DistilledScorer(ArtifactReader):
     share_ratios: tuple[float, ...] = ()  # the ratios of `layer_shares`, increasing
     layer_shares: torch.Tensor | None = None  # [ratios, layers]: each layer's share of the kept cache
     share_floor: float = 0.25  # the floor the teacher's allocation gave every layer (every scorer before it: 0.25)
+    lookahead_queries: torch.Tensor | None = None  # [n, hidden]: learned lookahead queries (`kvcompile distill`)
 
     def __post_init__(self) -> None:
         self.check_schema({"weights": self.weights})
         if not 0.0 <= self.share_floor < 1.0:
             raise ArtifactError(f"distilled scorer: share_floor {self.share_floor!r} is not in [0, 1)")
+        if self.lookahead_queries is not None:
+            _check_lookahead_queries(self.lookahead_queries, self.weights.shape[1] - feature_count(0))
         if self.layer_shares is None:
             return
         layers = self.weights.shape[0]
@@ -55,6 +63,7 @@ class DistilledScorer(ArtifactReader):
             share_ratios=_share_ratios(tensors["share_ratios"]) if "share_ratios" in tensors else (),
             layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
             share_floor=_share_floor(params.get("share_floor", 0.25)),
+            lookahead_queries=tensors["lookahead_queries"].float() if "lookahead_queries" in tensors else None,
         )
 
 
@@ -66,6 +75,17 @@ def _share_ratios(ratios: torch.Tensor) -> tuple[float, ...]:
             f"{list(ratios.shape)}"
         )
     return compiled_ratios(ratios.tolist())
+
+
+def _check_lookahead_queries(queries: torch.Tensor, hidden_size: int) -> None:
+    """[n, hidden] finite embeddings of the student's model width, 1 to MAX_LOOKAHEAD_QUERIES of them."""
+    if queries.ndim != 2 or queries.shape[1] != hidden_size or not 1 <= queries.shape[0] <= MAX_LOOKAHEAD_QUERIES:
+        raise ArtifactError(
+            f"distilled scorer: lookahead_queries has shape {list(queries.shape)}, expected [1-{MAX_LOOKAHEAD_QUERIES} "
+            f"queries, {hidden_size}]"
+        )
+    if not bool(torch.isfinite(queries).all()):
+        raise ArtifactError("distilled scorer: lookahead_queries holds values that are not finite")
 
 
 def _share_floor(value: object) -> float:

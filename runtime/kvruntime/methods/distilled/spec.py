@@ -49,6 +49,13 @@ SPEC = MethodSpec(
             minimum=0.0,
         ),
         "scores": Option(("predicted", "oracle"), "predicted", "oracle: the teacher, replayed by a second pass"),
+        # Its queries' attention over the whole prompt sees what one token's features cannot (docs/methods/distilled.md).
+        "lookahead": Option(
+            ("auto", "off"),
+            "auto",
+            "auto: the scorer's lookahead queries (when it has them) are fed after a prompt given in one piece and "
+            "their log-scores averaged with the student's; a prompt streamed in chunks is scored by the student alone",
+        ),
     },
     streams=lambda options: (
         options.get("allocation", ALLOCATION.default) in ("compiled", "uniform")

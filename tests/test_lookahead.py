@@ -1,0 +1,132 @@
+"""Lookahead queries (issue #74): learned embeddings fed after the prompt, scored by their attention over it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CharTokenizer, scorer_that_prefers, tiny_model
+from distributed_worker import CORPUS
+
+import kvruntime
+from kvcompile.recipes.distilled.distill import prompt_features_and_targets
+from kvcompile.recipes.distilled.lookahead import (
+    appended_log_scores,
+    eager_attention,
+    prefilled,
+    train_lookahead_queries,
+)
+from kvruntime import save_artifact
+from kvruntime.cache_ops import attention_modules
+from kvruntime.errors import ArtifactError
+from kvruntime.methods.distilled import DistilledScorer
+from kvruntime.methods.distilled.method import lookahead_log_scores
+from kvruntime.second_pass import lookahead_attention
+
+WINDOW = 8
+STUDENT_WEIGHT = 0.01
+
+
+def appended_in_one_forward(model: torch.nn.Module, ids: torch.Tensor, queries: torch.Tensor) -> list[torch.Tensor]:
+    """Independent reference: the prompt and the queries in one eager forward, the queries' attention rows over the
+    prompt averaged over them, per layer whose cache grows: [Hq, N]."""
+    with eager_attention(model), torch.no_grad():
+        embedded = torch.cat([model.get_input_embeddings()(ids), queries[None]], dim=1)
+        attentions = model.base_model(inputs_embeds=embedded, output_attentions=True).attentions
+    length = ids.shape[1]
+    return [attentions[m.layer_idx][0, :, length:, :length].mean(dim=1) for m in attention_modules(model)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_the_queries_attention_is_theirs_appended_to_the_prompt_and_leaves_the_cache_as_it_was(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    queries = 3 * torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    cache = prefilled(model, ids)
+    held = [layer.keys.clone() for layer in cache.layers]
+    means = lookahead_attention(model, cache, queries, ids.shape[1])
+    for mean, reference in zip(means, appended_in_one_forward(model, ids, queries), strict=True):
+        torch.testing.assert_close(mean[0], reference, atol=1e-5, rtol=1e-4)
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, held))
+    # the compile stage's differentiable scores are the runtime's
+    compiled = appended_log_scores(model, cache, queries, ids.shape[1], [m.layer_idx for m in attention_modules(model)])
+    runtime = torch.stack([lookahead_log_scores(m, cache.layers[0].keys.shape[1])[0] for m in means])
+    torch.testing.assert_close(compiled, runtime, atol=1e-4, rtol=1e-4)
+
+
+def scorer_with_queries(model: torch.nn.Module, queries: torch.Tensor) -> kvruntime.Artifact:
+    """A scorer whose student prefers the oldest tokens, slightly (the queries' scores decide, ties are broken),
+    with lookahead queries."""
+    artifact = scorer_that_prefers(model, model.config.hidden_size + 1, sign=-STUDENT_WEIGHT)
+    artifact.tensors["lookahead_queries"] = queries
+    return artifact
+
+
+def test_the_selection_ranks_the_mean_of_the_students_and_the_queries_log_scores(tokens, tmp_path):
+    model = tiny_model("llama")
+    queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    path = save_artifact(scorer_with_queries(model, queries), tmp_path / "s.safetensors")
+    options = {"window": WINDOW, "copy_penalty": 0.0}
+    kept = {}
+    for lookahead in ("auto", "off"):
+        with kvruntime.compress(
+            model, "distilled", ratio=0.5, artifacts=[path], options={**options, "lookahead": lookahead}
+        ) as session:
+            session.prefill(tokens)
+        kept[lookahead] = session.kept_positions
+        slots = session.report.slots_per_layer
+    length = tokens.shape[1]
+    student = -STUDENT_WEIGHT * torch.log1p(torch.arange(length, dtype=torch.float32))
+    means = lookahead_attention(model, prefilled(model, tokens), queries, length)
+    differs = False
+    for layer, (mean, count) in enumerate(zip(means, slots)):
+        combined = 0.5 * (student + lookahead_log_scores(mean, 2)[0])  # [Hkv, N]
+        combined[:, -WINDOW:] = combined[:, :1] = float("inf")  # the window and the first token stay
+        for head in range(2):
+            expected = sorted(combined[head].topk(count).indices.tolist())
+            assert kept["auto"][layer][0, head].tolist() == expected
+            differs |= kept["off"][layer][0, head].tolist() != expected
+    assert differs, "the queries changed nothing: the test would pass without them"
+
+
+def test_a_prompt_streamed_in_chunks_is_cut_by_the_student_alone(tokens, tmp_path):
+    model = tiny_model("llama")
+    queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    path = save_artifact(scorer_with_queries(model, queries), tmp_path / "s.safetensors")
+    kept = {}
+    for lookahead in ("auto", "off"):
+        options = {"window": WINDOW, "copy_penalty": 0.0, "lookahead": lookahead}
+        with kvruntime.compress(
+            model, "distilled", ratio=0.5, artifacts=[path], options=options, prefill_chunk_size=32
+        ) as session:
+            session.prefill(tokens)
+        kept[lookahead] = [p.tolist() for p in session.kept_positions]
+    assert kept["auto"] == kept["off"]
+
+
+@pytest.mark.parametrize(
+    "queries, message",
+    [
+        (torch.zeros(4, 63), "lookahead_queries has shape [4, 63]"),
+        (torch.zeros(4, 64, 1), "lookahead_queries has shape"),
+        (torch.zeros(300, 64), "expected [1-256 queries, 64]"),
+    ],
+)
+def test_lookahead_queries_of_another_shape_are_refused_when_the_scorer_is_read(tmp_path, queries, message):
+    artifact = scorer_with_queries(tiny_model("llama"), queries)
+    path = save_artifact(artifact, tmp_path / "bad.safetensors")
+    with pytest.raises(ArtifactError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        DistilledScorer.from_artifact(kvruntime.read_artifact(path))
+
+
+def test_training_brings_the_queries_attention_toward_the_oracle():
+    model = tiny_model("llama")
+
+    def oracle(ids: torch.Tensor) -> torch.Tensor:
+        return prompt_features_and_targets(model, CharTokenizer(), ids, "reconstruction")[1]
+
+    trained, losses = train_lookahead_queries(
+        model, CharTokenizer(), CORPUS, oracle, queries=4, steps=60, prompts=2, tokens=64, seed=1
+    )
+    assert trained.shape == (4, model.config.hidden_size)
+    assert losses["kl_last_tenth"] < 0.8 * losses["kl_first_step"]
+    assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
