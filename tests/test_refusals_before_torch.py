@@ -688,6 +688,14 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["distill", "--prompt-tokens", "5000"],
         "--prompt-tokens 5000 read twice (the second pass): 10000 positions, more than the model's 8192",
     ),
+    "distill: more lookahead queries than a scorer holds": (
+        lambda d: ["distill", "--lookahead-queries", "300"],
+        "--lookahead-queries must be between 0 and 256",
+    ),
+    "distill: lookahead queries trained on no context": (
+        lambda d: ["distill", "--lookahead-prompts", "0"],
+        "--lookahead-steps and --lookahead-prompts must be at least 1",
+    ),
     "stats: ratio out of range": (lambda d: ["stats", "--ratios", "1.5"], "--ratios [1.5]: give ratios strictly"),
     "stats: missing task set": (
         lambda d: ["stats", "--task-set", "nope.txt", "--out", "s.safetensors"],
