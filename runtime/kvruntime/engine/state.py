@@ -42,7 +42,7 @@ class PrefillState:
     def path(self) -> str:
         """Where the cache was cut, for the report."""
         if self.budgets is None:
-            return "after the prefill (the method's layer budgets need every layer's scores)"
+            return "after the prefill (the method's selection needs every layer's scores or the whole prompt)"
         if self.chunks == 1:
             return "per layer, right after its attention"
         return f"per layer, after each of {self.chunks} chunks of the prompt"
