@@ -510,7 +510,7 @@ def test_the_compiled_layer_shares_average_the_teachers_over_the_prompts_whose_t
     allocations the compiled shares average, and with no repeating prompt the shares are all prompts'."""
     rng = np.random.default_rng(3)
     periodic, random_text = "the quick brown fox. " * 500, "".join(chr(97 + c) for c in rng.integers(0, 26, 9000))
-    model, settings = tiny_model("llama"), DistillSettings(prompts=4, prompt_tokens=96)
+    model, settings = tiny_model("llama"), DistillSettings(prompts=4, prompt_tokens=96, lookahead_queries=0)
     prompts = calibration_prompts(Corpus("two", (periodic, random_text)), CharTokenizer(), 4, 96, 0)
     teacher = [
         distill.teacher_layer_shares(

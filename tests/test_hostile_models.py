@@ -87,7 +87,7 @@ COMPILE_COMMANDS = {
     "heads": ["--lengths", "256", "--depths", "0.5", "--prompt-format", "raw"],
     "layer-errors": ["--prompts", "1", "--prompt-tokens", "64", "--new-tokens", "2"],
     "stats": ["--prompts", "2", "--prompt-tokens", "64", "--ratios", "0.5"],
-    "distill": ["--prompts", "4", "--prompt-tokens", "64"],
+    "distill": ["--prompts", "4", "--prompt-tokens", "64", "--lookahead-steps", "4", "--lookahead-prompts", "2"],
     "tables": TABLES,
     "tune": ["--methods", "snapkv", "--ratios", "0.5", "--tasks", "passkey", "--lengths", "256", "--samples", "1",
              "--prompt-format", "raw"],
