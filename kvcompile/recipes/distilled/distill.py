@@ -166,6 +166,7 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
     def oracle_log_scores(ids: torch.Tensor) -> torch.Tensor:
         return prompt_features_and_targets(job.model, job.tokenizer, ids, settings.oracle)[1]
 
+    tokens = min(settings.lookahead_tokens, settings.prompt_tokens)  # a context fits where the prompts did
     queries, losses = train_lookahead_queries(
         job.model,
         job.tokenizer,
@@ -174,7 +175,7 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
         queries=settings.lookahead_queries,
         steps=settings.lookahead_steps,
         prompts=settings.lookahead_prompts,
-        tokens=min(settings.lookahead_tokens, settings.prompt_tokens),
+        tokens=tokens,
         seed=settings.seed + 1,
     )
     params = {
@@ -183,7 +184,7 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
             "queries": settings.lookahead_queries,
             "steps": settings.lookahead_steps,
             "prompts": settings.lookahead_prompts,
-            "tokens": min(settings.lookahead_tokens, settings.prompt_tokens),
+            "tokens": tokens,
             "loss": "KL from the oracle's scores to the queries' mean attention, per layer cut and KV head",
             **{name: round(value, 4) for name, value in losses.items()},
         },

@@ -13,7 +13,7 @@ and averages their log-scores with the student's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -80,7 +80,7 @@ def train_lookahead_queries(
     model: nn.Module,
     tokenizer: object,
     corpus: Corpus,
-    oracle_log_scores: object,
+    oracle_log_scores: Callable[[torch.Tensor], torch.Tensor],
     queries: int,
     steps: int,
     prompts: int,
