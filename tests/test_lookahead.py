@@ -8,7 +8,7 @@ from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 from distributed_worker import CORPUS
 
 import kvruntime
-from kvcompile.recipes.distilled.distill import prompt_features_and_targets
+from kvcompile.recipes.distilled.distill import prefill_features_and_targets
 from kvcompile.recipes.distilled.lookahead import (
     appended_log_scores,
     eager_attention,
@@ -121,8 +121,9 @@ def test_lookahead_queries_of_another_shape_are_refused_when_the_scorer_is_read(
 def test_training_brings_the_queries_attention_toward_the_oracle():
     model = tiny_model("llama")
 
-    def oracle(ids: torch.Tensor) -> torch.Tensor:
-        return prompt_features_and_targets(model, CharTokenizer(), ids, "reconstruction")[1]
+    def oracle(ids: torch.Tensor) -> tuple[object, torch.Tensor]:
+        cache, _, targets = prefill_features_and_targets(model, CharTokenizer(), ids, "reconstruction")
+        return cache, targets
 
     trained, losses = train_lookahead_queries(
         model, CharTokenizer(), CORPUS, oracle, queries=4, steps=60, prompts=2, tokens=64, seed=1

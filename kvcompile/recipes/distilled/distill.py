@@ -51,9 +51,9 @@ ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the
 SHARE_RATIOS = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 to 0.95: the compiled allocation's grid
 
 
-def prompt_features_and_targets(
+def prefill_features_and_targets(
     model: nn.Module, tokenizer: object, context_ids: torch.Tensor, oracle: str
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+) -> tuple[DynamicCache, list[torch.Tensor], torch.Tensor]:
     """Each layer's token features [N, F] (float64) from the prefill, and the oracle's log-scores [L, Hkv, N] from
     its second pass (the context again, after `oracle_prefix`); on the CPU, whatever the model's device."""
     prefix = torch.tensor([oracle_prefix(tokenizer, oracle)], dtype=context_ids.dtype)
@@ -77,7 +77,14 @@ def prompt_features_and_targets(
     maxima = task_attention_maxima(model, cache, task_ids, length, target=second_pass_target(oracle))
     num_kv_heads = cache.layers[0].keys.shape[1]
     scores = torch.stack([oracle_scores(task_max, num_kv_heads, oracle)[0] for task_max in maxima])
-    return [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
+    return cache, [inputs[layer] for layer in sorted(inputs)], oracle_targets(scores).cpu()
+
+
+def prompt_features_and_targets(
+    model: nn.Module, tokenizer: object, context_ids: torch.Tensor, oracle: str
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`prefill_features_and_targets` without the prefill's cache."""
+    return prefill_features_and_targets(model, tokenizer, context_ids, oracle)[1:]
 
 
 def teacher_layer_shares(log_scores: torch.Tensor, window: int, sinks: int, floor: float) -> torch.Tensor:
@@ -163,15 +170,16 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
     """The scorer with its lookahead queries, trained on contexts of the same corpus (another seed's) to match the
     same oracle (`lookahead.py`)."""
 
-    def oracle_log_scores(ids: torch.Tensor) -> torch.Tensor:
-        return prompt_features_and_targets(job.model, job.tokenizer, ids, settings.oracle)[1]
+    def prefill_and_oracle(ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+        cache, _, targets = prefill_features_and_targets(job.model, job.tokenizer, ids, settings.oracle)
+        return cache, targets
 
     tokens = min(settings.lookahead_tokens, settings.prompt_tokens)  # a context fits where the prompts did
     queries, losses = train_lookahead_queries(
         job.model,
         job.tokenizer,
         corpus,
-        oracle_log_scores,
+        prefill_and_oracle,
         queries=settings.lookahead_queries,
         steps=settings.lookahead_steps,
         prompts=settings.lookahead_prompts,

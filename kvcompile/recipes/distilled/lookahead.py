@@ -80,7 +80,7 @@ def train_lookahead_queries(
     model: nn.Module,
     tokenizer: object,
     corpus: Corpus,
-    oracle_log_scores: Callable[[torch.Tensor], torch.Tensor],
+    prefill_and_oracle: Callable[[torch.Tensor], tuple[DynamicCache, torch.Tensor]],
     queries: int,
     steps: int,
     prompts: int,
@@ -88,12 +88,13 @@ def train_lookahead_queries(
     seed: int,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The trained queries [n, hidden] (float32, on the CPU) and the KL to the oracle at the first step and over the
-    last tenth. `oracle_log_scores(ids)` gives a context's oracle log-scores [L, Hkv, N] (`distill.py`)."""
+    last tenth. `prefill_and_oracle(ids)` gives a context's prefilled cache and its oracle log-scores [L, Hkv, N]
+    (`distill.py`)."""
     layers = [module.layer_idx for module in attention_modules(model)]
     contexts = []
     for _, ids in tqdm(calibration_prompts(corpus, tokenizer, prompts, tokens, seed), desc="lookahead contexts"):
         ids = ids.to(model.device)
-        contexts.append((prefilled(model, ids), oracle_log_scores(ids), ids.shape[1]))
+        contexts.append((*prefill_and_oracle(ids), ids.shape[1]))
     generator = torch.Generator().manual_seed(seed)
     table = model.get_input_embeddings()
     start = torch.randint(0, table.num_embeddings, (queries,), generator=generator).to(table.weight.device)
