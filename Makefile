@@ -55,7 +55,7 @@ test: lint
 # What it leaves out (the default model, compile recipes end to end, batches, distributed runs) `make test` runs.
 FAST_TESTS ?= $(addprefix tests/test_,compilerkv_math compresskv_math kvcompose_math selection_references \
 	scores_selection window_attention layout artifact run_store refusals_before_torch engine shared_prefill \
-	evaluation serving streaming_prefill distilled lookahead bad_input security ratio_honesty scoring)
+	evaluation serving streaming_prefill distilled lookahead merging bad_input security ratio_honesty scoring)
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration" $(addsuffix .py,$(FAST_TESTS))
 

@@ -202,6 +202,8 @@ def test_a_folder_without_the_artifact_and_a_bad_option_are_refused(artifacts, t
         DistilledPress.from_artifact(artifacts, window="wide")
     with pytest.raises(kvruntime.KVRuntimeError, match="copy_penalty counts the prompt's token ids"):
         DistilledPress.from_artifact(artifacts, copy_penalty=0.25)
+    with pytest.raises(kvruntime.KVRuntimeError, match="kvpress cuts the cache itself and merges nothing"):
+        DistilledPress.from_artifact(artifacts, copy_penalty=0.0, merge="values")
     with pytest.raises(kvruntime.KVRuntimeError, match="from_artifact"):
         DistilledPress(compression_ratio=0.5)
 

@@ -20,6 +20,7 @@ from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores
+from kvruntime.recording import recorded_prefill
 from kvruntime.second_pass import lookahead_attention
 
 WINDOW = 8
@@ -131,3 +132,35 @@ def test_training_brings_the_queries_attention_toward_the_oracle():
     assert trained.shape == (4, model.config.hidden_size)
     assert losses["kl_last_tenth"] < 0.8 * losses["kl_first_step"]
     assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
+
+
+def test_queries_fed_inside_the_prefill_leave_its_output_as_it_was_and_cut_what_a_forward_of_their_own_cuts(
+    tokens, tmp_path
+):
+    model = tiny_model("llama")
+    queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    path = save_artifact(scorer_with_queries(model, queries), tmp_path / "s.safetensors")
+    arguments = dict(ratio=0.5, artifacts=[path], options={"window": WINDOW, "copy_penalty": 0.0})
+    question = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        plain = model(tokens).logits
+    with kvruntime.compress(model, "distilled", **arguments) as session:
+        with torch.no_grad():
+            inside = model(tokens, use_cache=True)  # the queries go inside this forward
+        torch.testing.assert_close(inside.logits, plain, atol=1e-5, rtol=1e-4)
+        held = [layer.keys.shape[2] for layer in inside.past_key_values.layers]
+        assert held == session.report.slots_per_layer  # no entry of the queries left
+        generated = model.generate(tokens, max_new_tokens=3, do_sample=False, pad_token_id=0)  # its own arguments
+        assert int(generated[0, tokens.shape[1]]) == int(plain[0, -1].argmax())
+        fused_answer = session.prefill(tokens).generate(question, max_new_tokens=6, do_sample=False)[0]
+        fused_positions = session.kept_positions
+    recording = recorded_prefill(model, tokens)  # a plain prefill: the queries get a forward of their own
+    with kvruntime.compress(model, "distilled", **arguments) as session:
+        own_answer = session.compress_recording(recording).generate(question, max_new_tokens=6, do_sample=False)[0]
+        for fused, own in zip(fused_positions, session.kept_positions, strict=True):
+            assert torch.equal(fused, own)
+    assert fused_answer.tolist() == own_answer.tolist()
+    whole = {**arguments, "ratio": None, "budget": tokens.shape[1]}  # nothing to cut: the queries' entries still go
+    with kvruntime.compress(model, "distilled", **whole), torch.no_grad():
+        cache = model(tokens, use_cache=True).past_key_values
+    assert [layer.keys.shape[2] for layer in cache.layers] == [tokens.shape[1]] * len(cache.layers)

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
+from benchmarks.distilled.lookahead_probe import student_scores
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.recipe import default_artifact
@@ -84,7 +85,7 @@ def main() -> None:
         task = retrieval_prompt("passkey_prose", corpus, tokenizer, args.tokens, depth, seed=60 + sample, chat=False)
         ids, positions = key_positions(tokenizer, task.prompt[: task.question_start], task.expected[0])
         features, targets = prompt_features_and_targets(model, tokenizer, ids, scorer.oracle)
-        student = torch.einsum("lnf,lfh->lhn", torch.stack([f.float() for f in features]), scorer.weights)
+        student = student_scores(features, scorer)
         cache = prefilled(model, ids)
         leverage = torch.stack([key_leverage(cache.layers[i].keys)[0].log() for i in layers])
         scores = {f"teacher: {scorer.oracle}": targets.float()}

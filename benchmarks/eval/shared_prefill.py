@@ -19,7 +19,7 @@ from pathlib import Path
 
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
-from kvcompile.evaluation.contestants import artifact_paths, parse_methods
+from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import evaluate
@@ -74,6 +74,7 @@ def main() -> None:
     settings.check()
     contestants = parse_methods(args.methods)
     paths = artifact_paths(contestants, (ARTIFACTS,))
+    contestants = resolve_contestants(contestants, paths, settings.ratios)
     model, tokenizer = kvruntime.load_model()
     own_seconds, own = run(model, tokenizer, contestants, paths, settings, shared=False)
     shared_seconds, shared = run(model, tokenizer, contestants, paths, settings, shared=True)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
-from kvcompile.evaluation.contestants import artifact_paths, parse_methods
+from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
 from kvruntime.cache_ops import cache_bytes, hooked_cache
@@ -95,6 +95,7 @@ def main() -> None:
     chunked = [f"{m}:prefill_chunk_size={args.chunk}" for m in CHUNKED if m in methods]
     contestants = parse_methods(",".join([*methods, *chunked]))
     paths = artifact_paths(contestants, (ARTIFACTS,))
+    contestants = resolve_contestants(contestants, paths, (args.ratio,))
     model, tokenizer = kvruntime.load_model()
     largest = LargestCache(model)
     rows = []

@@ -1,8 +1,8 @@
 """Prefill time and peak memory of every method against the uncompressed sdpa prefill, as ratios measured in the
-same run, on the default model: kvcompile's methods and, with the `bench` extra, kvpress's presses.
+same run, on one model (the default model unless `--model` names another): kvcompile's methods and, with the `bench` extra, kvpress's presses.
 
-    python -m benchmarks.performance.prefill_overhead [--lengths 1000,2000,4000] [--repeats 3] [--ratio 0.5] [--methods ...]
-        [--out benchmarks/performance/prefill_overhead.md]
+    python -m benchmarks.performance.prefill_overhead [--model default] [--lengths 1000,2000,4000] [--repeats 3]
+        [--ratio 0.5] [--methods ...] [--out benchmarks/performance/prefill_overhead.md]
 
 For each prompt length (a pass-key prompt), the uncompressed prefill and each method's prefill + compression run
 in turns, `repeats` times; the table gives, per method and length, the median wall time and the median peak
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import kvruntime
 from benchmarks.reporting import command_line, machine
-from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods
+from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
-
-ARTIFACTS = artifact_folder("default")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
     parser.add_argument("--lengths", default="1000,2000,4000")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ratio", type=float, default=0.5)
@@ -34,8 +33,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/performance/prefill_overhead.md")
     args = parser.parse_args()
     contestants = parse_methods(args.methods or default_methods())
-    paths = artifact_paths(contestants, (ARTIFACTS,))
-    model, tokenizer = kvruntime.load_model()
+    paths = artifact_paths(contestants, (artifact_folder(args.model),))
+    contestants = resolve_contestants(contestants, paths, (args.ratio,))
+    model, tokenizer = kvruntime.load_model(args.model)
     lengths, cells = [], {}
     for length in (int(n) for n in args.lengths.split(",")):
         ids = tokenizer(passkey_prompt(tokenizer, length, 0.5, seed=length).text, return_tensors="pt").input_ids
@@ -69,7 +69,7 @@ def main() -> None:
                 row += [f"{time_ratio:.2f}x", f"{peak_ratio:.2f}x"]
         rows.append(row)
     lines = [
-        "# Prefill time and peak memory of each method against the uncompressed sdpa prefill (default model)",
+        f"# Prefill time and peak memory of each method against the uncompressed sdpa prefill ({args.model} model)",
         "",
         f"Command: `{command_line(in_venv=True)}`  ",
         f"Machine: {machine()}  ",

@@ -24,6 +24,7 @@ ERROR_AWARE = "error-aware"  # the name suffix: CompressKV's error-aware layer b
 SUFFIXES = (ERROR_AWARE, "budgets")  # the suffix as written now, then before issue #65
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
+MERGES = ("off", "values")  # every method's `merge` option (`kvruntime.merging`): none, or evicted values folded in
 
 
 def _always(options: Mapping[str, object]) -> bool:
@@ -74,9 +75,11 @@ class MethodSpec:
 
     @property
     def all_options(self) -> dict[str, Option]:
-        """Its options, with the `window` every method takes (issue #33: the rule around the scores matters)."""
+        """Its options, with the `window` (issue #33: the rule around the scores matters) and the `merge` (issue
+        #74: what becomes of the entries it evicts) every method takes."""
         window = Option(int, self.window, "the most recent tokens, always kept")
-        return {"window": window, **self.options}
+        merge = Option(MERGES, "off", "values: each evicted value folded into the kept entry whose key is most alike")
+        return {"window": window, "merge": merge, **self.options}
 
     @property
     def compared_names(self) -> tuple[str, ...]:

@@ -67,7 +67,7 @@ def cut_after_prefill(
     for index, (layer, scores) in enumerate(zip(layers, selection.scores)):
         slot_count = int(counts[index].max())
         indices = top_indices(scores, slot_count)
-        keep_entries(layer, indices)
+        keep_entries(layer, indices, method.merge)
         kept.append(indices)
         slots.append(slot_count)
         head_counts = counts[index] if memory == "masked" else torch.full_like(counts[index], slot_count)
@@ -108,7 +108,7 @@ def cut_layer(method: Method, cache_layer: object, layer: LayerInputs, state: Pr
     budget = min(state.budgets[layer.index], scores.shape[-1])
     if budget < scores.shape[-1]:
         indices = top_indices(scores, budget)
-        keep_entries(cache_layer, indices)
+        keep_entries(cache_layer, indices, method.merge)
         scores, positions = scores.gather(-1, indices), positions.gather(-1, indices)
     state.held[layer.index] = HeldEntries(positions, scores, carry)
 
@@ -127,6 +127,8 @@ def method_prefill(
         return task_attention_maxima(model, cache, torch.cat([prefixed, ids], 1), state.length, target=target)
 
     def lookahead(embeddings: torch.Tensor) -> list[torch.Tensor]:
+        if state.lookahead_means:  # fed inside the prefill (`appended.py`)
+            return [state.lookahead_means[index] for index in sorted(state.lookahead_means)]
         return lookahead_attention(model, cache, embeddings, state.length)
 
     return PrefillResult(

@@ -39,6 +39,7 @@ from ..requests.request import Request
 from ..requests.resolved import ResolvedRequest
 from ..window import hooked_input, hooked_window_queries
 from .answering import CompressedContext
+from .appended import appended_inputs, fused_queries, prompt_part, without_appended
 from .cut import cut_cache, cut_layer, method_prefill
 from .keep_masks import KeepMasks
 from .rows import prefill_rows
@@ -68,6 +69,7 @@ class CompressionSession:
         self.method = resolved.method
         self.request = request
         self.prefill_chunk_size = resolved.prefill_chunk_size
+        self._appended = fused_queries(self.method, self.bounded_layers)
         self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
@@ -183,7 +185,8 @@ class CompressionSession:
         for module in self._windows:
             self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
-            with capturing_queries(self._attention, self.method.window):
+            appended = 0 if self._appended is None else self._appended.shape[0]
+            with capturing_queries(self._attention, self.method.window + appended):
                 yield self
         finally:
             for handle in self._handles:
@@ -228,7 +231,10 @@ class CompressionSession:
                 if self.streams(length) and cache is not None:
                     bounds = chunk_bounds(length, self.prefill_chunk_size)
                     kwargs = feed_earlier_chunks(self.model, forward, kwargs, tokens_key, bounds, state)
+                else:
+                    kwargs = appended_inputs(self.model, kwargs, tokens_key, self._appended, state)
                 output = forward(*args, **kwargs)
+                output = without_appended(output, length) if state.appended else output
             compressed = self._finish(state, output)
         if compressed is not None:
             self.kept_positions = compressed.kept_positions
@@ -265,14 +271,18 @@ class CompressionSession:
             return
         started = time.perf_counter()
         with torch.no_grad():
-            queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window)
+            index = self._position[module]
+            queries, cache_layer, _ = hooked_window_queries(module, args, kwargs, self.method.window + state.appended)
+            hidden_states = hooked_input(args, kwargs)
+            if state.appended:
+                queries, hidden_states = prompt_part(state, index, module, queries, cache_layer, hidden_states)
             layer = LayerInputs(
-                self._position[module],
+                index,
                 queries,
                 cache_layer.keys,
                 cache_layer.values,
                 captured_logits(module),
-                hooked_input(args, kwargs),
+                hidden_states,
                 start=state.chunk_start,
                 final=state.final_chunk,
                 plan=state.plan,

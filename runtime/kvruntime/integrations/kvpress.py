@@ -85,6 +85,11 @@ class CompiledScorerPress(ScorerPress):
         request = resolved.request()
         if request.ratio is None:
             raise KVRuntimeError(f"{cls.__name__} takes a compression ratio, not a budget (kvpress's presses do)")
+        if resolved.method.merge != "off":
+            raise KVRuntimeError(
+                f"{cls.__name__}: kvpress cuts the cache itself and merges nothing; wrap the press in kvpress's "
+                "MergingPress instead of merge=values"
+            )
         kind = method_spec(cls.method_name)[0].needs
         artifact = next(artifact for artifact in resolved.artifacts if artifact.kind == kind)
         return cls(compression_ratio=request.ratio, method=resolved.method, artifact=artifact, force=force)

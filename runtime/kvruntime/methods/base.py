@@ -91,6 +91,7 @@ class Method(abc.ABC):
 
     name: ClassVar[str]
     window: int = 32
+    merge: str = "off"  # what becomes of the evicted entries (`kvruntime.merging`)
 
     def check_request(self, request: Request) -> None:
         """Refuse a request this method cannot serve, before any model work (default: any ratio or budget)."""
@@ -127,6 +128,13 @@ class Method(abc.ABC):
         prefill (lookahead queries): its layers are then held whole until `select`, even with budgets known in
         advance; streamed in chunks, they are cut inside the prefill on `stream_scores` alone."""
         return False
+
+    @property
+    def appended_queries(self) -> torch.Tensor | None:
+        """Input embeddings [n, hidden] (learned lookahead queries) whose attention over a prompt given in one piece
+        this method reads in `select` (`PrefillResult.lookahead_attention`): the engine feeds them inside the
+        prompt's prefill where it can. None: no such queries."""
+        return None
 
     def reads_token_ids(self) -> str | None:
         """What of this method reads the prompt's token ids (None: nothing): a prompt given as embeddings has none,

@@ -156,7 +156,7 @@ def check_method_options(name: str, options: Mapping[str, object]) -> CheckedOpt
     spec, budgets = method_spec(name)
     known = spec.all_options
     if budgets and not spec.options_with_error_aware:
-        known = {"window": known["window"]}
+        known = {key: known[key] for key in ("window", "merge")}
         if set(options) - set(known):
             raise KVRuntimeError(
                 f"{name} takes its layer shares from the layer_budgets artifact: options "

@@ -112,6 +112,10 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         return self.uses_lookahead
 
     @property
+    def appended_queries(self) -> torch.Tensor | None:
+        return self.scorer.lookahead_queries if self.uses_lookahead else None
+
+    @property
     def uses_lookahead(self) -> bool:
         return self.scores == "predicted" and self.lookahead == "auto" and self.scorer.lookahead_queries is not None
 
