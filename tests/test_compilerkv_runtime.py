@@ -261,7 +261,9 @@ def test_a_ratio_runs_the_nearest_compiled_budgets_tables_and_holds_what_the_rat
 def test_method_options_are_checked(tiny, tables):
     with pytest.raises(KVRuntimeError, match="unknown compilerkv options"):
         kvruntime.get_method("compilerkv", [kvruntime.read_artifact(tables)], {"budget_nearest": True})
-    with pytest.raises(KVRuntimeError, match=r"unknown snapkv options \['nearest_budget'\] \(known: \['merge', 'window'\]\)"):
+    with pytest.raises(
+        KVRuntimeError, match=r"unknown snapkv options \['nearest_budget'\] \(known: \['merge', 'window'\]\)"
+    ):
         kvruntime.get_method("snapkv", [], {"nearest_budget": True})
     with pytest.raises(KVRuntimeError, match="unknown method 'compilerkv\\+error-aware'"):
         kvruntime.get_method("compilerkv+error-aware", [])
