@@ -134,24 +134,26 @@ def test_training_brings_the_queries_attention_toward_the_oracle():
     assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])  # gemma3_text: sliding layers of 16 tokens
 def test_queries_fed_inside_the_prefill_leave_its_output_as_it_was_and_cut_what_a_forward_of_their_own_cuts(
-    tokens, tmp_path
+    tokens, tmp_path, kind
 ):
-    model = tiny_model("llama")
+    model = tiny_model(kind)
     queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     path = save_artifact(scorer_with_queries(model, queries), tmp_path / "s.safetensors")
     arguments = dict(ratio=0.5, artifacts=[path], options={"window": WINDOW, "copy_penalty": 0.0})
     question = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        plain = model(tokens).logits
+        plain = model(tokens, use_cache=True)
+    plain_held = [layer.keys.shape[2] for layer in plain.past_key_values.layers]
     with kvruntime.compress(model, "distilled", **arguments) as session:
         with torch.no_grad():
             inside = model(tokens, use_cache=True)  # the queries go inside this forward
-        torch.testing.assert_close(inside.logits, plain, atol=1e-5, rtol=1e-4)
-        held = [layer.keys.shape[2] for layer in inside.past_key_values.layers]
-        assert held == session.report.slots_per_layer  # no entry of the queries left
+        torch.testing.assert_close(inside.logits, plain.logits, atol=1e-5, rtol=1e-4)
+        held = dict(enumerate(plain_held)) | dict(zip(session.report.layers, session.report.slots_per_layer))
+        assert [layer.keys.shape[2] for layer in inside.past_key_values.layers] == list(held.values())
         generated = model.generate(tokens, max_new_tokens=3, do_sample=False, pad_token_id=0)  # its own arguments
-        assert int(generated[0, tokens.shape[1]]) == int(plain[0, -1].argmax())
+        assert int(generated[0, tokens.shape[1]]) == int(plain.logits[0, -1].argmax())
         fused_answer = session.prefill(tokens).generate(question, max_new_tokens=6, do_sample=False)[0]
         fused_positions = session.kept_positions
     recording = recorded_prefill(model, tokens)  # a plain prefill: the queries get a forward of their own
@@ -163,4 +165,9 @@ def test_queries_fed_inside_the_prefill_leave_its_output_as_it_was_and_cut_what_
     whole = {**arguments, "ratio": None, "budget": tokens.shape[1]}  # nothing to cut: the queries' entries still go
     with kvruntime.compress(model, "distilled", **whole), torch.no_grad():
         cache = model(tokens, use_cache=True).past_key_values
-    assert [layer.keys.shape[2] for layer in cache.layers] == [tokens.shape[1]] * len(cache.layers)
+    assert [layer.keys.shape[2] for layer in cache.layers] == plain_held
+    assert [layer.get_seq_length() for layer in cache.layers] == [
+        layer.get_seq_length() for layer in plain.past_key_values.layers
+    ]  # where the next token goes
+    for layer, own in zip(cache.layers, plain.past_key_values.layers, strict=True):  # the prompt's own entries
+        torch.testing.assert_close(layer.keys, own.keys, atol=1e-5, rtol=1e-4)

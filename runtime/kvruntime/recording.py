@@ -23,6 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .attention import AttentionLogits, capturing_queries, per_layer_attention
 from .cache_ops import attention_modules, cache_argument, hooked_cache
+from .errors import KVRuntimeError
 
 RECORDED_QUERIES = 64  # the longest window of the shipped methods (compilerkv's)
 
@@ -109,3 +110,19 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
         hooks.callback(model.base_model.register_forward_hook(record_output, with_kwargs=True).remove)
         model(input_ids=input_ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     return PrefillRecording(input_ids, calls, cache, outputs[0])
+
+
+def check_replayable(recording: PrefillRecording, prefill_chunk_size: int | None, window: int) -> None:
+    """Refuse a recording a session cannot compress as it compresses its own prefill: a prompt it streams in chunks,
+    a method window longer than the queries recorded, a recording of a cache compressed already."""
+    if prefill_chunk_size is not None and recording.length > prefill_chunk_size:
+        raise KVRuntimeError(
+            f"a prompt streamed in chunks of {prefill_chunk_size} tokens is not a recorded prefill of one piece"
+        )
+    if window > RECORDED_QUERIES:
+        raise KVRuntimeError(f"a window of {window} queries is longer than a recording's {RECORDED_QUERIES}: prefill")
+    if not recording.holds_the_whole_prompt():
+        raise KVRuntimeError(
+            "this recording holds a compressed cache (recorded inside a `kvruntime.compress` block): record the "
+            "plain prefill before the block"
+        )

@@ -1,6 +1,6 @@
 """Learned lookahead queries fed inside the prompt's own prefill: their input embeddings go after the prompt's in
-the same forward, each attention layer's hook takes their attention over the prompt and drops their entries, and
-the output is handed back without them. One forward instead of a second one of n tokens, whose cost on a CPU is
+the same forward, each attention layer's hook takes their attention over the prompt and drops their entries (a
+sliding layer stores as many more for the while), and the output is handed back without them. One forward instead of a second one of n tokens, whose cost on a CPU is
 reading every weight again (about 6% of a 2k-token prefill on the default model)."""
 
 from __future__ import annotations
@@ -9,17 +9,22 @@ import torch
 from torch import nn
 
 from ..attention import captured_logits
-from ..methods import Method
 from ..second_pass import context_attention_mean
 from .state import PrefillState
 
 
-def fused_queries(method: Method, bounded_layers: list[int]) -> torch.Tensor | None:
-    """The method's lookahead queries where they go inside the prompt's prefill: on a model whose every layer grows
-    (in a sliding layer they would push prompt entries out of its window). Elsewhere, or for a method without them,
-    None: a forward of their own follows the prefill (`cut.method_prefill`)."""
-    queries = method.appended_queries
-    return queries if queries is not None and not bounded_layers else None
+def widen_window(layer: object, count: int) -> None:
+    """A sliding cache layer about to take a prompt and `count` appended positions: it keeps `count` more entries
+    this once, so that once they are dropped (`narrow_window`) it holds the prompt's own window. The attention's
+    band is the model's (its mask), not the layer's: only what the layer stores changes."""
+    layer.sliding_window += count
+
+
+def narrow_window(layer: object, count: int) -> None:
+    """After `widen_window` and the attention: the appended positions' `count` entries dropped, the window back."""
+    layer.sliding_window -= count
+    layer.keys, layer.values = layer.keys[:, :, :-count], layer.values[:, :, :-count]
+    layer.cumulative_length -= count
 
 
 def appended_inputs(

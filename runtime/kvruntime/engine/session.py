@@ -33,13 +33,13 @@ from ..errors import KVRuntimeError
 from ..methods import LayerInputs
 from ..models.model_spec import SLIDING_KV_BITS, check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
-from ..recording import RECORDED_QUERIES, PrefillRecording
+from ..recording import RECORDED_QUERIES, PrefillRecording, check_replayable
 from ..report import BatchReport, CompressionReport
 from ..requests.request import Request
 from ..requests.resolved import ResolvedRequest
 from ..window import hooked_input, hooked_window_queries
 from .answering import CompressedContext
-from .appended import appended_inputs, fused_queries, prompt_part, without_appended
+from .appended import appended_inputs, narrow_window, prompt_part, widen_window, without_appended
 from .cut import cut_cache, cut_layer, method_prefill
 from .keep_masks import KeepMasks
 from .rows import prefill_rows
@@ -69,7 +69,7 @@ class CompressionSession:
         self.method = resolved.method
         self.request = request
         self.prefill_chunk_size = resolved.prefill_chunk_size
-        self._appended = fused_queries(self.method, self.bounded_layers)
+        self._appended = self.method.appended_queries  # fed inside a prompt's prefill (`appended.py`)
         self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
@@ -147,19 +147,7 @@ class CompressionSession:
         method whose window is longer than the queries recorded (`replays`)."""
         if not self.active:
             raise KVRuntimeError("compress inside the `with kvruntime.compress(...)` block: the block has ended")
-        if self.streams(recording.length):
-            raise KVRuntimeError(
-                f"a prompt streamed in chunks of {self.prefill_chunk_size} tokens is not a recorded prefill of one piece"
-            )
-        if self.method.window > RECORDED_QUERIES:
-            raise KVRuntimeError(
-                f"a window of {self.method.window} queries is longer than a recording's {RECORDED_QUERIES}: prefill"
-            )
-        if not recording.holds_the_whole_prompt():
-            raise KVRuntimeError(
-                "this recording holds a compressed cache (recorded inside a `kvruntime.compress` block): record the "
-                "plain prefill before the block"
-            )
+        check_replayable(recording, self.prefill_chunk_size, self.method.window)
         state = self._new_prefill(recording.input_ids)
         with torch.no_grad(), self._feeding(state):
             cache, output = recording.replay(self.model, self._after_attention)
@@ -183,6 +171,7 @@ class CompressionSession:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
         for module in self._windows:
+            self._handles.append(module.register_forward_pre_hook(self._before_window_attention, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
             appended = 0 if self._appended is None else self._appended.shape[0]
@@ -295,11 +284,18 @@ class CompressionSession:
                 cut_layer(self.method, cache_layer, layer, state)
         state.scoring_seconds += time.perf_counter() - started
 
+    def _before_window_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._prefill is not None and self._prefill.appended:
+            widen_window(hooked_cache(kwargs).layers[module.layer_idx], self._prefill.appended)
+
     def _after_window_attention(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """A sliding-window layer in a prefill lets the prompt's keys and values go once it has attended: the cache
-        held stays its window, not the prompt."""
+        held stays its window, not the prompt (nor the appended positions)."""
         if self._prefill is not None:
-            own_window_storage_of(hooked_cache(kwargs).layers[module.layer_idx])
+            layer = hooked_cache(kwargs).layers[module.layer_idx]
+            if self._prefill.appended:
+                narrow_window(layer, self._prefill.appended)
+            own_window_storage_of(layer)
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         cache = hooked_cache(kwargs)
