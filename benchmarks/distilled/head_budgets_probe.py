@@ -25,16 +25,14 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.distilled.lookahead_probe import student_scores
+from benchmarks.distilled.lookahead_probe import scorer_scores, student_scores
 from benchmarks.distilled.student_features import RATIOS, SINKS, WINDOW, held_out_texts, paired_rows
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import REPEATING_CORPUS, calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prefill_features_and_targets
 from kvruntime.methods.distilled import DistilledScorer
-from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import lookahead_attention
 
 
 def head_mass(log_scores: torch.Tensor) -> torch.Tensor:
@@ -82,12 +80,7 @@ def main() -> None:
     def prompt_scores(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's log-scores and the scorer's (the student averaged with its lookahead queries), [L, Hkv, N]."""
         cache, features, targets = prefill_features_and_targets(model, tokenizer, ids, scorer.oracle)
-        student = student_scores(features, scorer)
-        if scorer.lookahead_queries is not None:
-            means = lookahead_attention(model, cache, scorer.lookahead_queries, ids.shape[1])
-            heads = targets.shape[1]
-            student = 0.5 * (student + torch.stack([lookahead_log_scores(m, heads)[0] for m in means]))
-        return targets.float(), student
+        return targets.float(), scorer_scores(model, cache, student_scores(features, scorer), scorer)
 
     splits: dict[float, list[torch.Tensor]] = {ratio: [] for ratio in RATIOS}  # per ratio: [L, Hkv] shares
     calibration = calibration_prompts(load_corpus(REPEATING_CORPUS), tokenizer, args.calibration, args.tokens, seed=9)

@@ -28,10 +28,24 @@ from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.recipes.distilled.lookahead import appended_log_scores, kl_from_oracle, prefilled
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import DistilledScorer
+from kvruntime.methods.distilled.method import lookahead_log_scores, with_lookahead_scores
+from kvruntime.second_pass import lookahead_attention
 
 
 def student_scores(features: list[torch.Tensor], scorer: DistilledScorer) -> torch.Tensor:
     return torch.einsum("lnf,lfh->lhn", torch.stack([f.float() for f in features]), scorer.weights)
+
+
+def scorer_scores(
+    model: torch.nn.Module, cache: object, student: torch.Tensor, scorer: DistilledScorer
+) -> torch.Tensor:
+    """The shipped scorer's log-scores [L, Hkv, N] of a prompt prefilled in `cache`, as the runtime makes them: the
+    `student`'s (`student_scores`) with its lookahead queries' where it has them."""
+    if scorer.lookahead_queries is None:
+        return student
+    means = lookahead_attention(model, cache, scorer.lookahead_queries, student.shape[-1])
+    lookahead = torch.stack([lookahead_log_scores(mean, student.shape[1])[0] for mean in means])
+    return with_lookahead_scores(student, lookahead)
 
 
 def main() -> None:
@@ -95,7 +109,7 @@ def main() -> None:
                 "student": student,
                 "lookahead, untrained": untrained,
                 "lookahead": lookahead,
-                "mean of student and lookahead": 0.5 * (student + lookahead),
+                "mean of student and lookahead": with_lookahead_scores(student, lookahead),
                 "student plus lookahead": student + lookahead,
             }
             for name, scores in predictions.items():

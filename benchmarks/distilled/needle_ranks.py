@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.distilled.lookahead_probe import student_scores
+from benchmarks.distilled.lookahead_probe import scorer_scores, student_scores
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.recipe import default_artifact
@@ -32,9 +32,7 @@ from kvcompile.tasks.retrieval import retrieval_prompt
 from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import ORACLES, DistilledScorer
 from kvruntime.methods.distilled.leverage import key_leverage
-from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import lookahead_attention
 from kvruntime.selection import protect_sinks, protect_window
 
 RATIOS = (0.5, 0.75)
@@ -94,10 +92,7 @@ def main() -> None:
                 scores[f"teacher: {oracle}"] = prompt_features_and_targets(model, tokenizer, ids, oracle)[1].float()
         scores["student"] = student
         if scorer.lookahead_queries is not None:
-            means = lookahead_attention(model, cache, scorer.lookahead_queries, ids.shape[1])
-            heads = student.shape[1]
-            lookahead = torch.stack([lookahead_log_scores(m, heads)[0] for m in means])
-            scores["student with its lookahead queries"] = 0.5 * (student + lookahead)
+            scores["student with its lookahead queries"] = scorer_scores(model, cache, student, scorer)
         scores.update(
             {
                 "key leverage": leverage,

@@ -112,12 +112,13 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
     return PrefillRecording(input_ids, calls, cache, outputs[0])
 
 
-def check_replayable(recording: PrefillRecording, prefill_chunk_size: int | None, window: int) -> None:
-    """Refuse a recording a session cannot compress as it compresses its own prefill: a prompt it streams in chunks,
-    a method window longer than the queries recorded, a recording of a cache compressed already."""
-    if prefill_chunk_size is not None and recording.length > prefill_chunk_size:
+def check_replayable(recording: PrefillRecording, streamed_in: int | None, window: int) -> None:
+    """Refuse a recording a session cannot compress as it compresses its own prefill: a prompt it streams in chunks
+    (`streamed_in`: their size, None when it takes the prompt in one piece), a method window longer than the queries
+    recorded, a recording of a cache compressed already."""
+    if streamed_in is not None:
         raise KVRuntimeError(
-            f"a prompt streamed in chunks of {prefill_chunk_size} tokens is not a recorded prefill of one piece"
+            f"a prompt streamed in chunks of {streamed_in} tokens is not a recorded prefill of one piece"
         )
     if window > RECORDED_QUERIES:
         raise KVRuntimeError(f"a window of {window} queries is longer than a recording's {RECORDED_QUERIES}: prefill")

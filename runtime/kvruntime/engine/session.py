@@ -147,7 +147,8 @@ class CompressionSession:
         method whose window is longer than the queries recorded (`replays`)."""
         if not self.active:
             raise KVRuntimeError("compress inside the `with kvruntime.compress(...)` block: the block has ended")
-        check_replayable(recording, self.prefill_chunk_size, self.method.window)
+        streamed_in = self.prefill_chunk_size if self.streams(recording.length) else None
+        check_replayable(recording, streamed_in, self.method.window)
         state = self._new_prefill(recording.input_ids)
         with torch.no_grad(), self._feeding(state):
             cache, output = recording.replay(self.model, self._after_attention)

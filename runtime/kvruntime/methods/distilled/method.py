@@ -45,6 +45,10 @@ from .oracle import PREFIXED, oracle_scores, oracle_targets, second_pass_target
 from .scorer import DistilledScorer
 from .spec import SPEC
 
+# The lookahead queries' weight in the scores they give with the student (`with_lookahead_scores`): an even mean,
+# measured in issue #74 (the queries alone and trained as the student's residual both held less).
+LOOKAHEAD_SHARE = 0.5
+
 
 @dataclasses.dataclass
 class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor, sinks, ...): the registration's
@@ -201,10 +205,9 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         means = prefill.lookahead_attention(self.scorer.lookahead_queries)
         combined = []
         for student, mean in zip(statistics, means):
-            lookahead = lookahead_log_scores(mean, prefill.num_kv_heads).to(student.device)
-            scores = 0.5 * (student + lookahead)
-            if self.copy_penalty and plan.later_occurrences is not None:  # halved with the student's: give it back
-                scores = with_copy_penalty(scores, plan.later_occurrences, 0, 0.5 * self.copy_penalty)
+            scores = with_lookahead_scores(student, lookahead_log_scores(mean, prefill.num_kv_heads).to(student.device))
+            if self.copy_penalty and plan.later_occurrences is not None:  # scaled with the student's: give it back
+                scores = with_copy_penalty(scores, plan.later_occurrences, 0, LOOKAHEAD_SHARE * self.copy_penalty)
             combined.append(scores)
         return combined
 
@@ -219,6 +222,12 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             )
             for m in maxima
         ]
+
+
+def with_lookahead_scores(student: torch.Tensor, lookahead: torch.Tensor) -> torch.Tensor:
+    """The student's log-scores and the lookahead queries' (`lookahead_log_scores`), of any matching shape, as one
+    score: their mean (`LOOKAHEAD_SHARE`)."""
+    return (1 - LOOKAHEAD_SHARE) * student + LOOKAHEAD_SHARE * lookahead
 
 
 def lookahead_log_scores(mean_attention: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
