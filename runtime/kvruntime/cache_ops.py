@@ -14,7 +14,7 @@ from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
-from .merging import merged_values
+from .merging import ReferenceQueries, kept_values
 from .models.model_spec import (
     ATTENTION_FLAGS,
     ATTENTION_REFUSAL,
@@ -151,13 +151,14 @@ def bounded_bytes(cache: Cache) -> int:
     )
 
 
-def keep_entries(layer: DynamicLayer, indices: torch.Tensor, merge: str = "off") -> None:
-    """Replace the layer's keys and values by the entries at `indices` [B, Hkv, k] (new, smaller storage), the
-    evicted entries' values folded into the kept ones with `merge="values"` (`merging.merged_values`)."""
+def keep_entries(
+    layer: DynamicLayer, indices: torch.Tensor, merge: str = "off", reference: ReferenceQueries | None = None
+) -> None:
+    """Replace the layer's keys and values by the entries at `indices` [B, Hkv, k] (new, smaller storage), what is
+    evicted merged into the values kept by `merge` (`merging.kept_values`; `refit` fits them to `reference`)."""
     indices = indices.to(layer.keys.device)
-    expanded = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
-    values = merged_values(layer.keys, layer.values, indices) if merge == "values" else layer.values.gather(2, expanded)
-    layer.keys = layer.keys.gather(2, expanded)
+    values = kept_values(layer.keys, layer.values, indices, merge, reference)
+    layer.keys = layer.keys.gather(2, indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
     layer.values = values
 
 

@@ -24,7 +24,7 @@ ERROR_AWARE = "error-aware"  # the name suffix: CompressKV's error-aware layer b
 SUFFIXES = (ERROR_AWARE, "budgets")  # the suffix as written now, then before issue #65
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
-MERGES = ("off", "values")  # every method's `merge` option (`kvruntime.merging`): none, or evicted values folded in
+MERGES = ("off", "values", "refit")  # every method's `merge` option (`kvruntime.merging`)
 
 
 def _always(options: Mapping[str, object]) -> bool:
@@ -78,7 +78,12 @@ class MethodSpec:
         """Its options, with the `window` (issue #33: the rule around the scores matters) and the `merge` (issue
         #74: what becomes of the entries it evicts) every method takes."""
         window = Option(int, self.window, "the most recent tokens, always kept")
-        merge = Option(MERGES, "off", "values: each evicted value folded into the kept entry whose key is most alike")
+        merge = Option(
+            MERGES,
+            "off",
+            "values: each evicted value folded into the kept entry whose key is most alike; refit: the kept values "
+            "fitted so that the prompt's last queries read what the whole prompt gave them",
+        )
         return {"window": window, "merge": merge, **self.options}
 
     @property

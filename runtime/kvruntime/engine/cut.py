@@ -10,6 +10,7 @@ from transformers import Cache
 from ..allocation import apportion
 from ..cache_ops import check_growing_layer, keep_entries
 from ..errors import KVRuntimeError, UnsupportedModelError
+from ..merging import ReferenceQueries
 from ..methods import LayerInputs, Method, PrefillResult
 from ..second_pass import lookahead_attention, task_attention_maxima
 from ..selection import top_indices, top_mask
@@ -67,7 +68,7 @@ def cut_after_prefill(
     for index, (layer, scores) in enumerate(zip(layers, selection.scores)):
         slot_count = int(counts[index].max())
         indices = top_indices(scores, slot_count)
-        keep_entries(layer, indices, method.merge)
+        keep_entries(layer, indices, method.merge, state.references.get(index))
         kept.append(indices)
         slots.append(slot_count)
         head_counts = counts[index] if memory == "masked" else torch.full_like(counts[index], slot_count)
@@ -108,7 +109,7 @@ def cut_layer(method: Method, cache_layer: object, layer: LayerInputs, state: Pr
     budget = min(state.budgets[layer.index], scores.shape[-1])
     if budget < scores.shape[-1]:
         indices = top_indices(scores, budget)
-        keep_entries(cache_layer, indices, method.merge)
+        keep_entries(cache_layer, indices, method.merge, ReferenceQueries(layer.queries, layer.logits))
         scores, positions = scores.gather(-1, indices), positions.gather(-1, indices)
     state.held[layer.index] = HeldEntries(positions, scores, carry)
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from ..merging import ReferenceQueries
 from ..report import CompressionReport
 from ..requests.request import KeepPlan
 
@@ -42,6 +43,7 @@ class PrefillState:
     # attention over the prompt [B, Hq, N], taken as each layer's attention ran.
     appended: int = 0
     lookahead_means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    references: dict[int, ReferenceQueries] = dataclasses.field(default_factory=dict)  # per layer, for merge=refit
 
     def path(self) -> str:
         """Where the cache was cut, for the report."""

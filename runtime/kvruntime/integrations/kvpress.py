@@ -88,7 +88,7 @@ class CompiledScorerPress(ScorerPress):
         if resolved.method.merge != "off":
             raise KVRuntimeError(
                 f"{cls.__name__}: kvpress cuts the cache itself and merges nothing; wrap the press in kvpress's "
-                "MergingPress instead of merge=values"
+                f"MergingPress instead of merge={resolved.method.merge}"
             )
         kind = method_spec(cls.method_name)[0].needs
         artifact = next(artifact for artifact in resolved.artifacts if artifact.kind == kind)
