@@ -88,9 +88,9 @@ def refitted_values(
     output = scores.softmax(dim=-1) @ values.float()  # what the whole prompt gives them [B, Hkv, g*m, D]
     kept_scores = scores.gather(-1, kept.unsqueeze(2).expand(-1, -1, groups * count, -1))
     reading = kept_scores.softmax(dim=-1).nan_to_num(0.0)  # A [B, Hkv, g*m, k]; a row that sees none reads none
-    kept_values = values.float().gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+    held = values.float().gather(2, kept.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
     gram = reading @ reading.transpose(-1, -2)
     damping = ridge * gram.diagonal(dim1=-2, dim2=-1).mean(dim=-1).clamp(min=1e-12)
     gram = gram + damping[..., None, None] * torch.eye(gram.shape[-1], device=gram.device)
-    correction = reading.transpose(-1, -2) @ torch.linalg.solve(gram, output - reading @ kept_values)
-    return (kept_values + correction).to(values.dtype)
+    correction = reading.transpose(-1, -2) @ torch.linalg.solve(gram, output - reading @ held)
+    return (held + correction).to(values.dtype)

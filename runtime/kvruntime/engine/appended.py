@@ -1,7 +1,8 @@
 """Learned lookahead queries fed inside the prompt's own prefill: their input embeddings go after the prompt's in
 the same forward, each attention layer's hook takes their attention over the prompt and drops their entries (a
-sliding layer stores as many more for the while), and the output is handed back without them. One forward instead of a second one of n tokens, whose cost on a CPU is
-reading every weight again (about 6% of a 2k-token prefill on the default model)."""
+sliding layer stores as many more for that forward), and the output is handed back without them. One forward
+instead of a second one of n tokens, whose cost on a CPU is reading every weight again (about 6% of a 2k-token
+prefill on the default model)."""
 
 from __future__ import annotations
 
