@@ -46,6 +46,7 @@ from kvruntime.methods.distilled import (
     token_features,
     with_leverage,
 )
+from kvruntime.methods.distilled.features import LIKENESS_BLOCK
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.repetition import later_occurrences, repeated_ngram_fraction, repeats
 from kvruntime.requests.request import Request, kept_per_head
@@ -141,18 +142,23 @@ def test_the_runtime_scores_a_chunk_as_the_compiled_features_times_the_weights_w
         torch.testing.assert_close(predicted_token_scores(hidden, weights, start, carry), expected)
 
 
-def test_likeness_to_earlier_is_the_cosine_to_the_mean_of_the_earlier_tokens_but_the_first():
-    hidden = torch.randn(2, 7, 5, dtype=torch.float64)
-    expected = torch.zeros(2, 7)
+@pytest.mark.parametrize("length", [7, 2 * LIKENESS_BLOCK + 11])  # inside one block; across blocks and a tail
+def test_likeness_to_earlier_is_the_cosine_to_the_mean_of_the_earlier_tokens_but_the_first(length):
+    # States with a shared direction, as a model's are: the cosines spread over (0, 1), not around 0.
+    hidden = torch.randn(2, length, 5, dtype=torch.float64) + torch.randn(5, dtype=torch.float64)
+    expected = torch.zeros(2, length)
     for b in range(2):
-        for i in range(2, 7):
+        for i in range(2, length):
             mean = hidden[b, 1:i].mean(dim=0)
             expected[b, i] = float(hidden[b, i] @ mean / (hidden[b, i].norm() * mean.norm()))
     torch.testing.assert_close(likeness_to_earlier(hidden), expected)
+    split = length // 2 + 3  # a streamed prompt's second chunk, with the sum of the first but its first token
+    carry = hidden[:, 1:split].float().sum(dim=1)
+    torch.testing.assert_close(likeness_to_earlier(hidden[:, split:], split, carry), expected[:, split:])
     repeated = torch.cat([torch.randn(1, 1, 5), torch.randn(1, 1, 5).expand(1, 6, 5)], dim=1)
     assert bool((likeness_to_earlier(repeated)[0, 2:] > 0.9999).all())  # a state said again is like its copies
     changed = hidden.clone()
-    changed[:, 4:] = torch.randn(2, 3, 5, dtype=torch.float64)
+    changed[:, 4:] = torch.randn(2, length - 4, 5, dtype=torch.float64)
     # causal: what comes later never changes a token's value
     torch.testing.assert_close(likeness_to_earlier(changed)[:, :4], likeness_to_earlier(hidden)[:, :4])
 

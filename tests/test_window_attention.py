@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
 
-from kvruntime.attention import AttentionLogits, captured_logits, per_layer_attention
+from kvruntime.attention import AttentionLogits, captured_logits, capturing_queries, per_layer_attention
 from kvruntime.cache_ops import attention_modules, output_cache
 from kvruntime.window import query_hooks, window_attention
 
@@ -65,3 +65,18 @@ def test_window_attention_is_causal_inside_window():
         assert torch.all(probs[..., i, 20 - 6 + i + 1 :] == 0)
         assert torch.all(probs[..., i, : 20 - 6 + i + 1] > 0)
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, 2, 2, 6))
+
+
+def test_captured_window_queries_do_not_hold_the_layers_whole_queries(tokens):
+    """A capture of the last queries holds their own bytes, not the prompt's: a view would keep every layer's whole
+    query tensor alive until its next call (the default model: 4.7 MB per layer at 2k tokens)."""
+    model = tiny_model("llama")
+    modules = attention_modules(model)
+    window = 4
+    assert tokens.shape[1] > window
+    with per_layer_attention(model), capturing_queries(modules, window) as captures, torch.no_grad():
+        model(tokens, use_cache=True)
+    for capture in captures:
+        assert capture.queries.shape[2] == window
+        held = capture.queries.untyped_storage().nbytes()
+        assert held == capture.queries.numel() * capture.queries.element_size()

@@ -81,12 +81,15 @@ def _context_probabilities(
     keys32 = keys.float()
     for start in range(0, task_length, chunk):
         stop = min(start + chunk, task_length)
-        grouped = queries[:, :, start:stop].float().view(batch, num_kv_heads, groups, stop - start, head_dim)
+        # A KV head's query heads as one matrix [B, Hkv, G x chunk, D]: one batched product per KV head, read from
+        # the keys as they lie (an einsum copied them first).
+        grouped = queries[:, :, start:stop].float().reshape(batch, num_kv_heads, groups * (stop - start), head_dim)
         visible = first + stop  # the chunk's last query sees keys [0, first + stop)
-        scores = logits(torch.einsum("bkgwd,bknd->bkgwn", grouped, keys32[:, :, :visible]))
-        positions = torch.arange(first + start, first + stop, device=keys.device)
-        future = torch.arange(visible, device=keys.device)[None, :] > positions[:, None]
-        scores.masked_fill_(future, float("-inf"))
+        products = torch.matmul(grouped, keys32[:, :, :visible].transpose(-1, -2))
+        scores = logits(products).view(batch, num_kv_heads, groups, stop - start, visible)
+        own = first + start  # the keys before the chunk's first query are seen by all of it
+        positions = torch.arange(own, visible, device=keys.device)
+        scores[..., own:].masked_fill_(positions[None, :] > positions[:, None], float("-inf"))
         yield start, scores.softmax(dim=-1)[..., :context_length]
 
 

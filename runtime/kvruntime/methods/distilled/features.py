@@ -23,6 +23,11 @@ def student_features(hidden_size: int, student: str) -> torch.Tensor:
     return torch.arange(hidden_size + 1)  # the bias is the first extra feature
 
 
+# Tokens per block of `dots_with_earlier`: its Gram matrices cost the block's size per token, its running sum one row
+# per block (16-32 measured fastest at 2k tokens, docs/methods/distilled.md).
+LIKENESS_BLOCK = 32
+
+
 def likeness_to_earlier(
     hidden_states: torch.Tensor, start: int = 0, earlier_sum: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -31,17 +36,42 @@ def likeness_to_earlier(
     the tokens after it. Text that repeats scores near 1, and a second pass spreads its attention over the copies.
     A prompt streamed in chunks: `start` is the position of the chunk's first token and `earlier_sum` the
     `running_state_sum` of the chunks before it."""
+    # It runs inside every layer's prefill: no [B, N, hidden] running sum is built (allocating one per layer cost
+    # more than the arithmetic). The dot products come from `dots_with_earlier`, and the sum's norm from them:
+    # |S + s|^2 = |S|^2 + 2 s.S + |s|^2, accumulated in float64.
     states = hidden_states.float()
-    # The sum of the tokens before each one, in place on one buffer: it runs inside every layer's prefill. A
-    # cumulative sum along the tokens runs about 2x faster over contiguous memory than across the hidden size.
-    before = states.transpose(1, 2).contiguous().cumsum(-1).transpose(1, 2).contiguous().sub_(states)
+    offset = torch.zeros_like(states[:, 0]) if earlier_sum is None else earlier_sum.float()
     if start == 0:
-        before.sub_(states[:, :1])  # the prompt's first token is left out (position 0 itself is masked below)
+        offset = offset - states[:, 0]  # the prompt's first token is left out (position 0 itself is masked below)
+    dots, squares = dots_with_earlier(states, offset, LIKENESS_BLOCK)
+    steps = (2 * dots + squares).double()
+    if start == 0:
+        steps[:, 0] = 0
+    before = steps.cumsum(1) - steps
     if earlier_sum is not None:
-        before.add_(earlier_sum[:, None])
-    cosine = torch.linalg.vecdot(states, before) / (states.norm(dim=-1) * before.norm(dim=-1)).clamp(min=1e-6)
+        before += earlier_sum.double().square().sum(-1, keepdim=True)
+    cosine = dots / (squares.sqrt() * before.clamp(min=0).sqrt().float()).clamp(min=1e-6)
     positions = torch.arange(start, start + states.shape[1], device=states.device)
     return torch.where(positions >= 2, cosine, torch.zeros_like(cosine))
+
+
+def dots_with_earlier(states: torch.Tensor, offset: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, N, hidden] and [B, hidden] -> [B, N] twice: each token's dot product with `offset` plus the sum of the
+    tokens before it, and its squared norm. Per `block` tokens: the earlier blocks through their running sum (one
+    row per block), the earlier tokens of its own block and the norms through the block's Gram matrix."""
+    batch, length, hidden = states.shape
+    whole = length - length % block
+    pieces = [states[:, :whole].reshape(batch, -1, block, hidden), states[:, None, whole:]]  # the blocks, the rest
+    dots, squares, before = [], [], offset
+    for blocks in (piece for piece in pieces if piece.shape[1] * piece.shape[2]):
+        sums = blocks.sum(2)
+        running = sums.cumsum(1).add_(before[:, None])  # each block's sum and every token before it
+        gram = torch.matmul(blocks, blocks.transpose(-1, -2))
+        squares.append(gram.diagonal(dim1=-2, dim2=-1).flatten(1))
+        earlier = torch.matmul(blocks, (running - sums)[..., None]).squeeze(-1)
+        dots.append(gram.tril(-1).sum(-1).add_(earlier).flatten(1))
+        before = running[:, -1]
+    return torch.cat(dots, dim=1), torch.cat(squares, dim=1)
 
 
 def running_state_sum(
