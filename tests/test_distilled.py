@@ -142,7 +142,7 @@ def test_the_runtime_scores_a_chunk_as_the_compiled_features_times_the_weights_w
         torch.testing.assert_close(predicted_token_scores(hidden, weights, start, carry), expected)
 
 
-@pytest.mark.parametrize("length", [7, 2 * LIKENESS_BLOCK + 11])  # inside one block; across blocks and a tail
+@pytest.mark.parametrize("length", [7, 2 * LIKENESS_BLOCK, 2 * LIKENESS_BLOCK + 11])  # a tail alone; blocks alone; both
 def test_likeness_to_earlier_is_the_cosine_to_the_mean_of_the_earlier_tokens_but_the_first(length):
     # States with a shared direction, as a model's are: the cosines spread over (0, 1), not around 0.
     hidden = torch.randn(2, length, 5, dtype=torch.float64) + torch.randn(5, dtype=torch.float64)

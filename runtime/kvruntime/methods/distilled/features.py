@@ -24,7 +24,7 @@ def student_features(hidden_size: int, student: str) -> torch.Tensor:
 
 
 # Tokens per block of `dots_with_earlier`: its Gram matrices cost the block's size per token, its running sum one row
-# per block (16-32 measured fastest at 2k tokens, docs/methods/distilled.md).
+# per block.
 LIKENESS_BLOCK = 32
 
 
@@ -38,19 +38,20 @@ def likeness_to_earlier(
     `running_state_sum` of the chunks before it."""
     # It runs inside every layer's prefill: no [B, N, hidden] running sum is built (allocating one per layer cost
     # more than the arithmetic). The dot products come from `dots_with_earlier`, and the sum's norm from them:
-    # |S + s|^2 = |S|^2 + 2 s.S + |s|^2, accumulated in float64.
+    # |S + s|^2 = |S|^2 + 2 s.S + |s|^2, accumulated in float64 (float32 where the device has none: MPS).
     states = hidden_states.float()
+    accumulated = torch.float32 if states.device.type == "mps" else torch.float64
     offset = torch.zeros_like(states[:, 0]) if earlier_sum is None else earlier_sum.float()
     if start == 0:
         offset = offset - states[:, 0]  # the prompt's first token is left out (position 0 itself is masked below)
     dots, squares = dots_with_earlier(states, offset, LIKENESS_BLOCK)
-    steps = (2 * dots + squares).double()
+    steps = (2 * dots + squares).to(accumulated)
     if start == 0:
-        steps[:, 0] = 0
-    before = steps.cumsum(1) - steps
+        steps[:, 0] = 0  # the first token is left out: the second token's earlier sum is `earlier_sum` alone
+    earlier_norms = steps.cumsum(1) - steps  # squared
     if earlier_sum is not None:
-        before += earlier_sum.double().square().sum(-1, keepdim=True)
-    cosine = dots / (squares.sqrt() * before.clamp(min=0).sqrt().float()).clamp(min=1e-6)
+        earlier_norms += earlier_sum.to(accumulated).square().sum(-1, keepdim=True)
+    cosine = dots / (squares.sqrt() * earlier_norms.clamp(min=0).sqrt().float()).clamp(min=1e-6)
     positions = torch.arange(start, start + states.shape[1], device=states.device)
     return torch.where(positions >= 2, cosine, torch.zeros_like(cosine))
 
