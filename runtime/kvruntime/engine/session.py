@@ -281,7 +281,8 @@ class CompressionSession:
             state.peak_bytes = max(state.peak_bytes, cache_bytes(hooked_cache(kwargs)))
             if state.budgets is None:
                 state.statistics[layer.index] = self.method.layer_statistics(layer)
-                state.references[layer.index] = ReferenceQueries(layer.queries, layer.logits)
+                if self.method.merge == "refit":  # what it fits the kept values to, once the prefill ends
+                    state.references[layer.index] = ReferenceQueries(layer.queries, layer.logits)
             else:
                 check_growing_layer(cache_layer, module.layer_idx)
                 cut_layer(self.method, cache_layer, layer, state)
