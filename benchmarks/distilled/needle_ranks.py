@@ -1,14 +1,15 @@
 """Where the pass key in prose goes: how many of its tokens each score keeps, per model (issue #74).
 
-    python -m benchmarks.distilled.needle_ranks [--model gemma-3-270m] [--prompts 8] [--tokens 2048]
+    python -m benchmarks.distilled.needle_ranks [--model gemma-3-270m] [--prompts 8] [--tokens 2048] [--task multikey]
 
-On pass-key prompts in Moby-Dick (the eval's `passkey_prose`, fresh seeds), context only (question-agnostic), the
-share of the key's tokens that each (layer the runtime cuts, KV head) keeps in its top-k at 0.5 and 0.75 (the last
-16 tokens and the first kept by every score), under: the three teachers `kvcompile distill` can distill
-(reconstruction, the one the shipped student imitates; repeat; KVzip+), the student, the student with its lookahead
-queries (when the scorer holds them: the mean of both log-scores), the key's leverage among the layer's keys
-(Compactor's outlier term) and the student plus that leverage. Beside it, the teacher's mass on the key's tokens over a uniform share, and the normalised entropy of the
-teacher's distribution (1: flat), which say whether the teacher itself singles the key out.
+On pass-key prompts in Moby-Dick (the eval's `passkey_prose`, fresh seeds; `--task multikey`: the asked key's value in
+the eval's multi-key prompts), context only (question-agnostic), the share of the key's tokens that each (layer the
+runtime cuts, KV head) keeps in its top-k at 0.5 and 0.75 (the last 16 tokens and the first kept by every score),
+under: the three teachers `kvcompile distill` can distill (reconstruction, the one the shipped student imitates;
+repeat; KVzip+), the student, the student with its lookahead queries (when the scorer holds them: the mean of both
+log-scores), the key's leverage among the layer's keys (Compactor's outlier term) and the student plus that leverage.
+Beside it, the teacher's mass on the key's tokens over a uniform share, and the normalised entropy of the teacher's
+distribution (1: flat), which say whether the teacher itself singles the key out.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--task", default="passkey_prose", choices=("passkey_prose", "multikey"))
     parser.add_argument("--scorer", default=None, help="a distilled_scorer (default: the model's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     lifts, entropies = [], []
     for sample in tqdm(range(args.prompts), desc="prompts"):
         depth = (sample + 0.5) / args.prompts
-        task = retrieval_prompt("passkey_prose", corpus, tokenizer, args.tokens, depth, seed=60 + sample, chat=False)
+        task = retrieval_prompt(args.task, corpus, tokenizer, args.tokens, depth, seed=60 + sample, chat=False)
         ids, positions = key_positions(tokenizer, task.prompt[: task.question_start], task.expected[0])
         features, targets = prompt_features_and_targets(model, tokenizer, ids, scorer.oracle)
         student = student_scores(features, scorer)
@@ -121,12 +123,12 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/distilled/needle_ranks_{args.model}.md")
     markdown = "\n".join(
         [
-            f"# The pass key in prose: its tokens kept per score, {args.model} (issue #74)",
+            f"# The answer in prose ({args.task}): its tokens kept per score, {args.model} (issue #74)",
             "",
             f"Command: `{command_line()}`  ",
             f"Machine: {machine()}  ",
             f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {time.time() - started:.0f} s. "
-            f"{args.prompts} `passkey_prose` contexts of {args.tokens} tokens (seeds 60-{59 + args.prompts}); "
+            f"{args.prompts} `{args.task}` contexts of {args.tokens} tokens (seeds 60-{59 + args.prompts}); "
             f"{len(layers)} layers cut, {scorer.weights.shape[-1]} KV heads each. The teacher's mass on the key's "
             f"tokens over a uniform share: {sum(lifts) / len(lifts):.2f}x; the teacher's normalised entropy "
             f"{sum(entropies) / len(entropies):.3f} (1: flat).",
