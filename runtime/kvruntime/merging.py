@@ -32,6 +32,11 @@ class ReferenceQueries:
     logits: AttentionLogits
 
 
+def needs_reference_queries(merge: str) -> bool:
+    """Whether a cut by `merge` reads the layer's reference queries (`kept_values`): the refit fits to them."""
+    return merge == "refit"
+
+
 def kept_values(
     keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, merge: str, reference: ReferenceQueries | None
 ) -> torch.Tensor:
@@ -39,7 +44,7 @@ def kept_values(
     values: off, values, refit; refit needs the layer's `reference` queries)."""
     if merge == "values":
         return merged_values(keys, values, kept)
-    if merge == "refit":
+    if needs_reference_queries(merge):
         if reference is None:
             raise ValueError("merge=refit needs the layer's reference queries")
         return refitted_values(keys, values, kept, reference.queries, reference.logits)

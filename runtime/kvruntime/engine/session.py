@@ -30,7 +30,7 @@ from ..cache_ops import (
     window_attention_modules,
 )
 from ..errors import KVRuntimeError
-from ..merging import ReferenceQueries
+from ..merging import ReferenceQueries, needs_reference_queries
 from ..methods import LayerInputs
 from ..models.model_spec import SLIDING_KV_BITS, check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
@@ -281,7 +281,7 @@ class CompressionSession:
             state.peak_bytes = max(state.peak_bytes, cache_bytes(hooked_cache(kwargs)))
             if state.budgets is None:
                 state.statistics[layer.index] = self.method.layer_statistics(layer)
-                if self.method.merge == "refit":  # what it fits the kept values to, once the prefill ends
+                if needs_reference_queries(self.method.merge):  # read by the cut once the prefill ends
                     state.references[layer.index] = ReferenceQueries(layer.queries, layer.logits)
             else:
                 check_growing_layer(cache_layer, module.layer_idx)
