@@ -1,4 +1,4 @@
-"""Where the pass key in prose goes: how many of its tokens each score keeps, per model (issue #74).
+"""Where an answer in prose goes: how many of its tokens each score keeps, per model (issue #74).
 
     python -m benchmarks.distilled.needle_ranks [--model gemma-3-270m] [--prompts 8] [--tokens 2048] [--task multikey]
 
