@@ -56,23 +56,45 @@ def test_the_repeating_corpus_is_the_austen_novels_and_two_repeating_documents()
     assert len(repeating.documents) == len(books.documents) + 2 and repeating.sha256 != books.sha256
 
 
+SENTENCE = r"Sentence number (\d+) tells of the weather on day \1\. ?"
+FACT_PATTERNS = [re.compile(re.sub(r"\\\{\w+\\\}", r"[\\w .-]+?", re.escape(t)) + " ") for t in FACT_TEMPLATES]
+
+
+def inserted_facts(made: str) -> list[str]:
+    """What sits between the sentences of a text of `SENTENCE`s."""
+    return [piece for piece in re.split(SENTENCE, made)[::2] if piece]
+
+
 def test_facts_sit_after_a_sentence_end_every_so_often_and_take_nothing_from_the_text():
     text = " ".join(f"Sentence number {i} tells of the weather on day {i}." for i in range(400))  # 20k characters
     made = with_inserted_facts(text, seed=2, every=2_000)
     assert made == with_inserted_facts(text, seed=2, every=2_000) != with_inserted_facts(text, seed=3, every=2_000)
-    original = r"Sentence number (\d+) tells of the weather on day \1\. ?"
-    facts = [piece for piece in re.split(original, made)[::2] if piece]  # what sits between the text's sentences
+    facts = inserted_facts(made)
     assert 8 <= len(facts) <= 10  # one after the first sentence end past every 2,000 characters
-    assert "".join(re.findall(original.replace("(\\d+)", "\\d+").replace("\\1", "\\d+"), made)).strip() == text
-    templates = [re.sub(r"\\\{\w+\\\}", r"[\\w .-]+?", re.escape(t)) + " " for t in FACT_TEMPLATES]
-    assert all(any(re.fullmatch(t, fact) for t in templates) and re.search(r"\d", fact) for fact in facts)
+    assert "".join(re.findall(SENTENCE.replace("(\\d+)", "\\d+").replace("\\1", "\\d+"), made)).strip() == text
+    assert all(any(t.fullmatch(fact) for t in FACT_PATTERNS) and re.search(r"\d", fact) for fact in facts)
+
+
+def test_facts_in_runs_share_one_template_per_run_and_differ_in_their_values():
+    text = " ".join(f"Sentence number {i} tells of the weather on day {i}." for i in range(800))  # 40k characters
+    facts = inserted_facts(with_inserted_facts(text, seed=5, every=2_000, run=4))
+    used = [next(i for i, t in enumerate(FACT_PATTERNS) if t.fullmatch(fact)) for fact in facts]
+    runs = [used[i : i + 4] for i in range(0, len(used), 4)]
+    assert len(runs) >= 4 and all(len(set(run)) == 1 for run in runs) and len(set(used)) > 1
+    assert len(set(facts)) == len(facts)  # one template, other values
+    assert with_inserted_facts(text, seed=5, every=2_000, run=1) == with_inserted_facts(text, seed=5, every=2_000)
 
 
 def test_the_facts_corpus_is_the_repeating_one_with_facts_in_the_novels_and_never_the_evaluations_wording():
-    repeating, facts = load_corpus("austen-repeats"), load_corpus("austen-facts")
+    repeating, facts, records = (
+        load_corpus("austen-repeats"),
+        load_corpus("austen-facts"),
+        load_corpus("austen-records"),
+    )
     books = len(load_corpus("austen").documents)
-    assert list(facts.documents[books:]) == list(repeating.documents[books:])
+    assert list(facts.documents[books:]) == list(repeating.documents[books:]) == list(records.documents[books:])
     assert all(len(f) > len(r) for f, r in zip(facts.documents[:books], repeating.documents[:books]))
+    assert records.name == "austen-records" and records.sha256 != facts.sha256
     wording = " ".join(FACT_TEMPLATES).lower()
     assert not any(w in wording for w in ("pass key", "magic number", "remember it"))
 

@@ -8,18 +8,21 @@ from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 from distributed_worker import CORPUS
 
 import kvruntime
-from kvcompile.recipes.distilled.distill import prefill_features_and_targets
+from kvcompile.calibration.job import CompileJob
+from kvcompile.recipes.distilled.distill import prefill_features_and_targets, with_lookahead_queries
 from kvcompile.recipes.distilled.lookahead import (
     appended_log_scores,
     eager_attention,
     prefilled,
     train_lookahead_queries,
 )
+from kvcompile.recipes.distilled.settings import DistillSettings
 from kvruntime import save_artifact
 from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores
+from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON
 from kvruntime.recording import recorded_prefill
 from kvruntime.second_pass import lookahead_attention
 
@@ -54,11 +57,13 @@ def test_the_queries_attention_is_theirs_appended_to_the_prompt_and_leaves_the_c
     torch.testing.assert_close(compiled, runtime, atol=1e-4, rtol=1e-4)
 
 
-def scorer_with_queries(model: torch.nn.Module, queries: torch.Tensor) -> kvruntime.Artifact:
+def scorer_with_queries(model: torch.nn.Module, queries: torch.Tensor, on: str | None = None) -> kvruntime.Artifact:
     """A scorer whose student prefers the oldest tokens, slightly (the queries' scores decide, ties are broken),
-    with lookahead queries."""
+    with lookahead queries (for the prompts `on` names, when given)."""
     artifact = scorer_that_prefers(model, model.config.hidden_size + 1, sign=-STUDENT_WEIGHT)
     artifact.tensors["lookahead_queries"] = queries
+    if on is not None:
+        artifact.params["lookahead_on"] = on
     return artifact
 
 
@@ -171,3 +176,60 @@ def test_queries_fed_inside_the_prefill_leave_its_output_as_it_was_and_cut_what_
     ]  # where the next token goes
     for layer, own in zip(cache.layers, plain.past_key_values.layers, strict=True):  # the prompt's own entries
         torch.testing.assert_close(layer.keys, own.keys, atol=1e-5, rtol=1e-4)
+
+
+def test_queries_compiled_for_prompts_that_do_not_repeat_leave_a_repeating_prompt_to_the_student(tokens, tmp_path):
+    model = tiny_model("llama")
+    queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    paths = {
+        on: save_artifact(scorer_with_queries(model, queries, on), tmp_path / f"{on}.safetensors")
+        for on in LOOKAHEAD_ON
+    }
+    repeating = torch.cat([tokens[:, :40], tokens[:, :40]], dim=1)  # over half its 8-grams seen before
+    kept, reports = {}, {}
+    for prompt, ids in (("repeating", repeating), ("unique", tokens)):
+        for on, lookahead in (("all", "auto"), ("all", "off"), ("non-repeating", "auto")):
+            options = {"window": WINDOW, "copy_penalty": 0.0, "lookahead": lookahead}
+            with kvruntime.compress(model, "distilled", ratio=0.5, artifacts=[paths[on]], options=options) as session:
+                session.prefill(ids)
+            kept[prompt, on, lookahead] = [p.tolist() for p in session.kept_positions]
+            reports[prompt, on, lookahead] = session.report
+    assert kept["repeating", "non-repeating", "auto"] == kept["repeating", "all", "off"]
+    assert kept["repeating", "all", "auto"] != kept["repeating", "all", "off"]  # the queries would have changed it
+    assert kept["unique", "non-repeating", "auto"] == kept["unique", "all", "auto"] != kept["unique", "all", "off"]
+    alone = reports["repeating", "non-repeating", "auto"]
+    assert alone.cut == "per layer, right after its attention"  # nothing to wait for: cut inside the prefill
+    assert any("the student alone: the prompt repeats" in note for note in alone.notes)
+    assert "lookahead queries" in " ".join(reports["unique", "non-repeating", "auto"].notes)
+    with (
+        kvruntime.compress(
+            model,
+            "distilled",
+            ratio=0.5,
+            artifacts=[paths["non-repeating"]],
+            options={"copy_penalty": 0.0, "floor": 0.5},
+        ),
+        torch.no_grad(),
+        pytest.raises(kvruntime.KVRuntimeError, match="lookahead queries .* read the prompt's token ids"),
+    ):
+        model(inputs_embeds=model.get_input_embeddings()(tokens), use_cache=True)  # no ids: is it repeating?
+
+
+@pytest.mark.parametrize("on", ["never", ["all"], 1])
+def test_a_scorer_naming_other_prompts_for_its_queries_is_refused_when_it_is_read(tmp_path, on):
+    model = tiny_model("llama")
+    artifact = scorer_with_queries(model, torch.zeros(2, model.config.hidden_size), on)
+    path = save_artifact(artifact, tmp_path / "bad.safetensors")
+    with pytest.raises(ArtifactError, match="lookahead_on .* is not one of all, non-repeating"):
+        DistilledScorer.from_artifact(kvruntime.read_artifact(path))
+
+
+def test_distill_records_the_prompts_its_queries_are_for(tmp_path):
+    model = tiny_model("llama")
+    settings = DistillSettings(
+        lookahead_queries=2, lookahead_steps=2, lookahead_prompts=1, lookahead_tokens=64, lookahead_on="non-repeating"
+    )
+    fitted = scorer_that_prefers(model, model.config.hidden_size + 1)
+    artifact = with_lookahead_queries(fitted, CompileJob(model, CharTokenizer(), tmp_path / "run"), CORPUS, settings)
+    scorer = DistilledScorer.from_artifact(artifact)
+    assert scorer.lookahead_on == "non-repeating" and scorer.lookahead_queries.shape == (2, model.config.hidden_size)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import itertools
 import random
 import re
 from array import array
@@ -31,8 +32,12 @@ DEFAULT_CORPUS = "austen"  # the six Austen novels: calibration only; Moby Dick 
 REPEATING_CORPUS = "austen-repeats"  # the novels and two documents of repeated Austen sentences (`kvcompile distill`)
 MIXED_CORPUS = "mixed"  # austen-repeats and `calibration_data/mixed/`: code, software documentation, math docstrings
 FACTS_CORPUS = "austen-facts"  # austen-repeats with facts (figures, names, codes) set inside the novels' running text
+# austen-facts whose facts come in runs of four of one template, values apart: alike sentences whose values differ
+RECORDS_CORPUS = "austen-records"
+RECORD_RUN = 4
 HELD_OUT_CORPUS = "moby-dick"  # evaluation and tuning text, never calibration
-SHIPPED_CORPORA = (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS, HELD_OUT_CORPUS)  # named, not paths
+BOOK_CORPORA = (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS, RECORDS_CORPUS)  # the Austen novels'
+SHIPPED_CORPORA = (*BOOK_CORPORA, HELD_OUT_CORPUS)  # named, not paths
 # Facts as a prompt holds them inside prose: figures, names and codes a question may ask for. Their wording shares
 # nothing with the evaluation's needles (`kvcompile.tasks`), so that no compile reads what the eval asks.
 FACT_TEMPLATES = (
@@ -99,19 +104,20 @@ class Corpus:
 
 def load_corpus(source: str | Path | None = None) -> Corpus:
     """Load a corpus; `None` or 'austen' is the shipped default, 'austen-repeats' the same with repeating documents
-    (`repeating_documents`), 'austen-facts' those with facts inside the novels' text (`with_inserted_facts`), 'mixed'
-    austen-repeats and the shipped code, documentation and math text (KVzap-style diversity), 'moby-dick' the
-    shipped held-out book."""
-    if source is None or str(source) in (DEFAULT_CORPUS, REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS):
+    (`repeating_documents`), 'austen-facts' those with facts inside the novels' text (`with_inserted_facts`),
+    'austen-records' the same with facts in runs of one template, 'mixed' austen-repeats and the shipped code,
+    documentation and math text (KVzap-style diversity), 'moby-dick' the shipped held-out book."""
+    if source is None or str(source) in BOOK_CORPORA:
         books = _text_files("austen", sorted((shipped_folder("calibration_data") / "books").glob("austen_*.txt.gz")))
-        if str(source) not in (REPEATING_CORPUS, MIXED_CORPUS, FACTS_CORPUS):
+        if source is None or str(source) == DEFAULT_CORPUS:
             return books
         repeating = (*books.documents, *repeating_documents(books.documents))
         if str(source) == REPEATING_CORPUS:
             return Corpus(REPEATING_CORPUS, repeating)
-        if str(source) == FACTS_CORPUS:
-            with_facts = [with_inserted_facts(book, seed) for seed, book in enumerate(books.documents)]
-            return Corpus(FACTS_CORPUS, (*with_facts, *repeating[len(books.documents) :]))
+        if str(source) in (FACTS_CORPUS, RECORDS_CORPUS):
+            run = RECORD_RUN if str(source) == RECORDS_CORPUS else 1
+            with_facts = [with_inserted_facts(book, seed, run=run) for seed, book in enumerate(books.documents)]
+            return Corpus(str(source), (*with_facts, *repeating[len(books.documents) :]))
         mixed = _text_files(MIXED_CORPUS, sorted((shipped_folder("calibration_data") / "mixed").glob("*.txt.gz")))
         return Corpus(MIXED_CORPUS, (*repeating, *mixed.documents))
     if str(source) == HELD_OUT_CORPUS:
@@ -155,16 +161,18 @@ def repeating_documents(
     return made
 
 
-def with_inserted_facts(text: str, seed: int, every: int = 2_000) -> str:
+def with_inserted_facts(text: str, seed: int, every: int = 2_000, run: int = 1) -> str:
     """`text` with a fact sentence (`FACT_TEMPLATES`: seeded figures, names, codes) after the first sentence end past
-    every `every` characters: a 2k-token passage holds about four, inside running text, as a prompt's facts are."""
+    every `every` characters: a 2k-token passage holds about four, inside running text, as a prompt's facts are.
+    `run` facts in a row share one template (a list of records: alike sentences, their values apart)."""
     rng = random.Random(f"facts:{seed}")
-    pieces, start = [], 0
-    while True:
+    pieces, start, template = [], 0, ""
+    for count in itertools.count():
         end = text.find(". ", start + every)
         if end < 0:
             break
-        fact = rng.choice(FACT_TEMPLATES).format(
+        template = rng.choice(FACT_TEMPLATES) if count % run == 0 else template
+        fact = template.format(
             name=rng.choice(FACT_NAMES),
             place=rng.choice(FACT_PLACES),
             number=rng.randint(10_000, 9_999_999),

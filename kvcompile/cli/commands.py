@@ -159,8 +159,9 @@ def generate(options: GenerateOptions, ctx: typer.Context, resources: contextlib
 
 CORPUS_HELP = (
     "Calibration text: 'austen' (shipped, default), 'austen-repeats' (with repeating text; distill's default), "
-    "'austen-facts' (austen-repeats with figures, names and codes inside the novels' text), 'mixed' (austen-repeats "
-    "with shipped code, documentation and math text), a .txt/.txt.gz file or folder, a jsonl/parquet."
+    "'austen-facts' (austen-repeats with figures, names and codes inside the novels' text), 'austen-records' (the "
+    "same, the facts in runs of four of one template), 'mixed' (austen-repeats with shipped code, documentation and "
+    "math text), a .txt/.txt.gz file or folder, a jsonl/parquet."
 )
 
 

@@ -188,6 +188,7 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
     )
     params = {
         **artifact.params,
+        "lookahead_on": settings.lookahead_on,
         "lookahead": {
             "queries": settings.lookahead_queries,
             "steps": settings.lookahead_steps,

@@ -38,8 +38,9 @@ class DistillRecipe(CorpusRecipe):
         shares = artifact.params["share_prompts"]
         lookahead = artifact.params.get("lookahead")
         queries = (
-            f"; {lookahead['queries']} lookahead queries, KL to the oracle {lookahead['kl_first_step']:.3f} at the "
-            f"first step, {lookahead['kl_last_tenth']:.3f} over the last tenth"
+            f"; {lookahead['queries']} lookahead queries (on {artifact.params.get('lookahead_on', 'all')} prompts), KL "
+            f"to the oracle {lookahead['kl_first_step']:.3f} at the first step, {lookahead['kl_last_tenth']:.3f} over "
+            "the last tenth"
             if isinstance(lookahead, dict)
             else "; no lookahead queries"
         )

@@ -8,7 +8,7 @@ import dataclasses
 
 from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
-from kvruntime.methods.distilled.oracle import MAX_LOOKAHEAD_QUERIES, ORACLES, STUDENTS
+from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON, MAX_LOOKAHEAD_QUERIES, ORACLES, STUDENTS
 
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
 
@@ -49,6 +49,13 @@ class DistillSettings(Settings):
     lookahead_prompts: int = option(12, "Calibration contexts the lookahead queries are trained on.")
     lookahead_tokens: int = option(
         1024, "Tokens per context the lookahead queries are trained on (at most --prompt-tokens)."
+    )
+    # On Gemma 3 the queries cost repeated filler what they gain on every other text (docs/methods/distilled.md).
+    lookahead_on: str = option(
+        "all",
+        "The prompts the runtime feeds the lookahead queries after: all, or non-repeating (a prompt whose text "
+        "repeats, a quarter of its 8-grams seen earlier in it, is then scored by the student alone).",
+        choices=LOOKAHEAD_ON,
     )
 
     def check_values(self) -> None:

@@ -28,14 +28,13 @@ def narrow_window(layer: object, count: int) -> None:
     layer.cumulative_length -= count
 
 
-def appended_inputs(
-    model: nn.Module, kwargs: dict, tokens_key: str, embeddings: torch.Tensor | None, state: PrefillState
-) -> dict:
-    """The base model's arguments for one unpadded prompt [1, N] with input `embeddings` [n, hidden] after it (their
-    count set in `state`): the prompt as embeddings (the model's own input embedding, scaling included), its
-    positions and cache positions extended over the n appended positions. Unchanged without embeddings, or where
-    the caller's mask is not a plain [1, N] one (a 4D mask says what each position sees: it is left as it is)."""
-    mask = kwargs.get("attention_mask")
+def appended_inputs(model: nn.Module, kwargs: dict, tokens_key: str, state: PrefillState) -> dict:
+    """The base model's arguments for one unpadded prompt [1, N] with the input embeddings `state.lookahead` [n,
+    hidden] after it (their count set in `state`): the prompt as embeddings (the model's own input embedding,
+    scaling included), its positions and cache positions extended over the n appended positions. Unchanged without
+    embeddings, or where the caller's mask is not a plain [1, N] one (a 4D mask says what each position sees: it is
+    left as it is)."""
+    mask, embeddings = kwargs.get("attention_mask"), state.lookahead
     if embeddings is None or (mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
         return kwargs
     tokens = kwargs[tokens_key]

@@ -70,7 +70,6 @@ class CompressionSession:
         self.method = resolved.method
         self.request = request
         self.prefill_chunk_size = resolved.prefill_chunk_size
-        self._appended = self.method.appended_queries  # fed inside a prompt's prefill (`appended.py`)
         self.reports: list[CompressionReport] = []  # one per compressed prompt (per row of a batch)
         self.batch_reports: list[BatchReport] = []  # one per compressed batch
         # Original positions of the entries each layer kept in the latest compression, [B, Hkv, slots] per layer.
@@ -127,9 +126,8 @@ class CompressionSession:
             _, compressed = self.compressed_forward(self._base_forward, **arguments, use_cache=True)
         if compressed is None:
             raise KVRuntimeError("the context was not compressed")
-        lengths = (
-            [input_ids.shape[1]] * input_ids.shape[0] if attention_mask is None else attention_mask.sum(1).tolist()
-        )
+        rows, length = input_ids.shape
+        lengths = [length] * rows if attention_mask is None else attention_mask.sum(1).tolist()
         return CompressedContext(self, cache, lengths, compressed.report)
 
     def streams(self, length: int) -> bool:
@@ -176,8 +174,8 @@ class CompressionSession:
             self._handles.append(module.register_forward_pre_hook(self._before_window_attention, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
-            appended = 0 if self._appended is None else self._appended.shape[0]
-            with capturing_queries(self._attention, self.method.window + appended):
+            queries = self.method.appended_queries  # fed inside a prompt's prefill (`appended.py`)
+            with capturing_queries(self._attention, self.method.window + (0 if queries is None else len(queries))):
                 yield self
         finally:
             for handle in self._handles:
@@ -223,7 +221,7 @@ class CompressionSession:
                     bounds = chunk_bounds(length, self.prefill_chunk_size)
                     kwargs = feed_earlier_chunks(self.model, forward, kwargs, tokens_key, bounds, state)
                 else:
-                    kwargs = appended_inputs(self.model, kwargs, tokens_key, self._appended, state)
+                    kwargs = appended_inputs(self.model, kwargs, tokens_key, state)
                 output = forward(*args, **kwargs)
                 output = without_appended(output, length) if state.appended else output
             compressed = self._finish(state, output)
@@ -252,7 +250,9 @@ class CompressionSession:
             )
         plan = self.request.plan(length, self.method.window, None if ids is None else ids[0])
         state = PrefillState(length=length, started=time.perf_counter(), input_ids=ids, plan=plan)
-        if self.method.budgets_known_in_advance and (self.streams(length) or not self.method.rescores_whole_prompt):
+        if self.method.rescores_whole_prompt(plan):  # held whole, its queries fed after it
+            state.lookahead = self.method.appended_queries
+        if self.method.budgets_known_in_advance and (self.streams(length) or state.lookahead is None):
             state.budgets = self.method.layer_budgets(len(self._attention), plan)
         return state
 

@@ -39,8 +39,9 @@ class PrefillState:
     chunk_start: int = 0  # position of the first token of the chunk going in
     final_chunk: bool = True
     peak_bytes: int = 0  # the largest KV cache held at the end of an attention layer
-    # Lookahead queries fed after the prompt in its own forward (`appended.py`): how many, and per layer their mean
-    # attention over the prompt [B, Hq, N], taken as each layer's attention ran.
+    # Lookahead queries fed after the prompt in its own forward (`appended.py`): which (None: none for this prompt),
+    # how many went in, and per layer their mean attention over the prompt [B, Hq, N], taken as each layer's ran.
+    lookahead: torch.Tensor | None = None
     appended: int = 0
     lookahead_means: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     references: dict[int, ReferenceQueries] = dataclasses.field(default_factory=dict)  # per layer, for merge=refit

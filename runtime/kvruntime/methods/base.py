@@ -122,18 +122,17 @@ class Method(abc.ABC):
         """The memory mode this method's per-head counts need (None: either)."""
         return None
 
-    @property
-    def rescores_whole_prompt(self) -> bool:
-        """Whether, given the whole prompt in one piece, this method's scores gain from a look at all of it after the
-        prefill (lookahead queries): its layers are then held whole until `select`, even with budgets known in
+    def rescores_whole_prompt(self, plan: KeepPlan) -> bool:
+        """Whether, given this prompt in one piece, this method's scores gain from a look at all of it after the
+        prefill (its `appended_queries`): its layers are then held whole until `select`, even with budgets known in
         advance; streamed in chunks, they are cut inside the prefill on `stream_scores` alone."""
         return False
 
     @property
     def appended_queries(self) -> torch.Tensor | None:
         """Input embeddings [n, hidden] (learned lookahead queries) whose attention over a prompt given in one piece
-        this method reads in `select` (`PrefillResult.lookahead_attention`): the engine feeds them inside the
-        prompt's prefill where it can. None: no such queries."""
+        this method may read in `select` (`PrefillResult.lookahead_attention`): the engine feeds them inside the
+        prefill of each prompt `rescores_whole_prompt` takes, where it can. None: no such queries."""
         return None
 
     def reads_token_ids(self) -> str | None:

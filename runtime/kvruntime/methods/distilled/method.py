@@ -17,7 +17,8 @@ in one piece (given the same hidden states).
 `lookahead="auto"` (the default) with a scorer that holds lookahead queries (`kvcompile distill`): after a prefill
 of the whole prompt, the queries are fed after it (n tokens, their entries never kept) and each token's log-score is
 the mean of the student's and the log of the queries' mean attention; the layers are then held until the prefill
-ends. A prompt streamed in chunks is cut inside the prefill by the student alone.
+ends. A prompt streamed in chunks is cut inside the prefill by the student alone, and so is a prompt that repeats
+when the scorer's queries are compiled for the others only (its `lookahead_on`).
 
 `scores="oracle"` is the teacher: the scorer's oracle replayed on the prompt (a second pass, `oracle.py`) under the
 same selection rule, to measure what the student could reach. What each choice costs and gains:
@@ -86,7 +87,8 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         return super().layer_budgets(num_layers, plan)
 
     def budgets_note(self, plan: KeepPlan) -> str:
-        return f"{self._fixed_budgets(plan)} over scores distilled from {self.scorer.oracle}"
+        alone = " (the student alone: the prompt repeats)" if self._repeats_without_queries(plan) else ""
+        return f"{self._fixed_budgets(plan)} over scores distilled from {self.scorer.oracle}{alone}"
 
     def _fixed_budgets(self, plan: KeepPlan) -> str:
         if self.layer_error is not None:
@@ -111,22 +113,30 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             return shares, how + why
         return refloored_shares(shares, self.scorer.share_floor, floor), f"{how}, floor {floor:g}{why}"
 
-    @property
-    def rescores_whole_prompt(self) -> bool:
-        return self.uses_lookahead
+    def rescores_whole_prompt(self, plan: KeepPlan) -> bool:
+        return self.appended_queries is not None and not self._repeats_without_queries(plan)
 
     @property
     def appended_queries(self) -> torch.Tensor | None:
-        return self.scorer.lookahead_queries if self.uses_lookahead else None
+        if self.scores == "predicted" and self.lookahead == "auto":
+            return self.scorer.lookahead_queries
+        return None
 
-    @property
-    def uses_lookahead(self) -> bool:
-        return self.scores == "predicted" and self.lookahead == "auto" and self.scorer.lookahead_queries is not None
+    def _repeats_without_queries(self, plan: KeepPlan) -> bool:
+        """A prompt that repeats, for a scorer whose queries score the others only: the student scores it alone."""
+        return (
+            self.appended_queries is not None
+            and self.scorer.lookahead_on == "non-repeating"
+            and plan.repeated is not None
+            and repeats(plan.repeated)
+        )
 
     def reads_token_ids(self) -> str | None:
         reading = [f"copy_penalty={self.copy_penalty:g}"] if self.copy_penalty else []
         if self.allocation == "compiled" and self.layer_error is None and self.repeating_floor != self.floor:
             reading.append(f"repeating_floor={self.repeating_floor:g}")
+        if self.appended_queries is not None and self.scorer.lookahead_on == "non-repeating":
+            reading.append("the lookahead queries (its scorer's are for prompts that do not repeat)")
         return " and ".join(reading) or None
 
     def with_layer_budgets(self, layer_error: torch.Tensor) -> Distilled:
@@ -172,7 +182,7 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
     def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: PrefillResult) -> Selection:
         if self.scores == "oracle":
             statistics = self._oracle_scores(plan, prefill)
-        elif self.uses_lookahead:
+        elif self.rescores_whole_prompt(plan):
             statistics = self._with_lookahead(statistics, plan, prefill)
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
@@ -186,11 +196,12 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             how = self._fixed_budgets(plan)
         if self.scores == "oracle":
             source = f"the {self.scorer.oracle} oracle (two passes)"
-        elif self.uses_lookahead:
+        elif self.rescores_whole_prompt(plan):
             queries = self.scorer.lookahead_queries.shape[0]
             source = f"scores distilled from {self.scorer.oracle} with {queries} lookahead queries"
         else:
-            source = f"scores distilled from {self.scorer.oracle}"
+            alone = " (the student alone: the prompt repeats)" if self._repeats_without_queries(plan) else ""
+            source = f"scores distilled from {self.scorer.oracle}{alone}"
         note = (
             f"{self.name:<19} {how} over {source}; tokens kept per layer {int(counts.min())}-{int(counts.max())} "
             f"of {length}"

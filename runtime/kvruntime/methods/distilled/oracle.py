@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 ORACLES = ("reconstruction", "repeat", "kvzip_plus")
 STUDENTS = ("all", "hidden")  # the features a student reads (`features.student_features`)
 MAX_LOOKAHEAD_QUERIES = 256  # positions a scorer's lookahead queries append to every prompt (`kvcompile distill`)
+# The prompts a scorer's lookahead queries score with its student: every prompt, or those whose text does not repeat
+# (`repetition.repeats`; a prompt that repeats is then scored by the student alone). Chosen per model when it is
+# compiled (docs/methods/distilled.md).
+LOOKAHEAD_ON = ("all", "non-repeating")
 PREFIXED = ("repeat", "kvzip_plus")  # the oracles whose copy follows an instruction (the artifact records its ids)
 
 

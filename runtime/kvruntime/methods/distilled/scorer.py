@@ -5,8 +5,9 @@ the oracle's score for each KV head (ridge regression, `kvcompile distill`). lay
 share_ratios [ratios] (scorers compiled since issue #33): the share of the kept cache each layer took in the
 teacher's dynamic allocation of the calibration prompts, averaged, per ratio (`allocation="compiled"`).
 lookahead_queries [n, hidden] (`kvcompile distill`): input embeddings whose attention over a prompt, fed after it,
-was trained to match the same oracle; the runtime averages their log-scores with the student's. They are compiled
-against this student and its model, so they live in its artifact."""
+was trained to match the same oracle; the runtime averages their log-scores with the student's, on the prompts
+`lookahead_on` names (a param). They are compiled against this student and its model, so they live in its
+artifact."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError, short_repr
 from ...requests.serving import compiled_ratios
 from .features import feature_count
-from .oracle import MAX_LOOKAHEAD_QUERIES
+from .oracle import LOOKAHEAD_ON, MAX_LOOKAHEAD_QUERIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,14 @@ class DistilledScorer(ArtifactReader):
     layer_shares: torch.Tensor | None = None  # [ratios, layers]: each layer's share of the kept cache
     share_floor: float = 0.25  # the floor the teacher's allocation gave every layer (every scorer before it: 0.25)
     lookahead_queries: torch.Tensor | None = None  # [n, hidden]: learned lookahead queries (`kvcompile distill`)
+    lookahead_on: str = "all"  # the prompts they score (`LOOKAHEAD_ON`; every scorer before it: all)
 
     def __post_init__(self) -> None:
         self.check_schema({"weights": self.weights})
+        if self.lookahead_on not in LOOKAHEAD_ON:
+            raise ArtifactError(
+                f"distilled scorer: lookahead_on {short_repr(self.lookahead_on)} is not one of {', '.join(LOOKAHEAD_ON)}"
+            )
         if not 0.0 <= self.share_floor < 1.0:
             raise ArtifactError(f"distilled scorer: share_floor {self.share_floor!r} is not in [0, 1)")
         if self.lookahead_queries is not None:
@@ -64,6 +70,7 @@ class DistilledScorer(ArtifactReader):
             layer_shares=tensors["layer_shares"].double() if "layer_shares" in tensors else None,
             share_floor=_share_floor(params.get("share_floor", 0.25)),
             lookahead_queries=tensors["lookahead_queries"].float() if "lookahead_queries" in tensors else None,
+            lookahead_on=params.get("lookahead_on", "all"),
         )
 
 
