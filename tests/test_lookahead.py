@@ -178,8 +178,11 @@ def test_queries_fed_inside_the_prefill_leave_its_output_as_it_was_and_cut_what_
         torch.testing.assert_close(layer.keys, own.keys, atol=1e-5, rtol=1e-4)
 
 
-def test_queries_compiled_for_prompts_that_do_not_repeat_leave_a_repeating_prompt_to_the_student(tokens, tmp_path):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])  # gemma3_text: the shipped rule's model, hybrid
+def test_queries_compiled_for_prompts_that_do_not_repeat_leave_a_repeating_prompt_to_the_student(
+    tokens, tmp_path, kind
+):
+    model = tiny_model(kind)
     queries = 4 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     paths = {
         on: save_artifact(scorer_with_queries(model, queries, on), tmp_path / f"{on}.safetensors")

@@ -87,8 +87,12 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         return super().layer_budgets(num_layers, plan)
 
     def budgets_note(self, plan: KeepPlan) -> str:
+        return f"{self._fixed_budgets(plan)} over {self._student_source(plan)}"
+
+    def _student_source(self, plan: KeepPlan) -> str:
+        """Where the scores of a prompt cut without the lookahead queries came from, for the report."""
         alone = " (the student alone: the prompt repeats)" if self._repeats_without_queries(plan) else ""
-        return f"{self._fixed_budgets(plan)} over scores distilled from {self.scorer.oracle}{alone}"
+        return f"scores distilled from {self.scorer.oracle}{alone}"
 
     def _fixed_budgets(self, plan: KeepPlan) -> str:
         if self.layer_error is not None:
@@ -180,9 +184,10 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
         return protect_sinks(scores, self.sinks) if start == 0 else scores
 
     def select(self, statistics: list[torch.Tensor | None], plan: KeepPlan, prefill: PrefillResult) -> Selection:
+        looks_ahead = self.rescores_whole_prompt(plan)
         if self.scores == "oracle":
             statistics = self._oracle_scores(plan, prefill)
-        elif self.rescores_whole_prompt(plan):
+        elif looks_ahead:
             statistics = self._with_lookahead(statistics, plan, prefill)
         num_layers, (batch, num_kv_heads, length) = len(statistics), statistics[0].shape
         if batch != 1:
@@ -196,12 +201,11 @@ class Distilled(option_fields(SPEC), Method):  # its options (allocation, floor,
             how = self._fixed_budgets(plan)
         if self.scores == "oracle":
             source = f"the {self.scorer.oracle} oracle (two passes)"
-        elif self.rescores_whole_prompt(plan):
+        elif looks_ahead:
             queries = self.scorer.lookahead_queries.shape[0]
             source = f"scores distilled from {self.scorer.oracle} with {queries} lookahead queries"
         else:
-            alone = " (the student alone: the prompt repeats)" if self._repeats_without_queries(plan) else ""
-            source = f"scores distilled from {self.scorer.oracle}{alone}"
+            source = self._student_source(plan)
         note = (
             f"{self.name:<19} {how} over {source}; tokens kept per layer {int(counts.min())}-{int(counts.max())} "
             f"of {length}"
