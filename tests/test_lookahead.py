@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import CharTokenizer, scorer_that_prefers, tiny_model
 from distributed_worker import CORPUS
 
 import kvruntime
+from kvcompile.calibration.corpus import calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.distilled.distill import prefill_features_and_targets, with_lookahead_queries
 from kvcompile.recipes.distilled.lookahead import (
     appended_log_scores,
     eager_attention,
+    lookahead_contexts,
     prefilled,
     train_lookahead_queries,
 )
+from kvcompile.recipes.distilled.recipe import DistillRecipe
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvruntime import save_artifact
 from kvruntime.cache_ops import attention_modules
@@ -23,6 +28,7 @@ from kvruntime.errors import ArtifactError
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON
+from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.recording import recorded_prefill
 from kvruntime.second_pass import lookahead_attention
 
@@ -131,12 +137,40 @@ def test_training_brings_the_queries_attention_toward_the_oracle():
         cache, _, targets = prefill_features_and_targets(model, CharTokenizer(), ids, "reconstruction")
         return cache, targets
 
-    trained, losses = train_lookahead_queries(
-        model, CharTokenizer(), CORPUS, oracle, queries=4, steps=60, prompts=2, tokens=64, seed=1
-    )
+    contexts = lookahead_contexts(model, CharTokenizer(), CORPUS, oracle, count=2, tokens=64, seed=1)
+    trained, losses = train_lookahead_queries(model, contexts, queries=4, steps=60, seed=1)
     assert trained.shape == (4, model.config.hidden_size)
     assert losses["kl_last_tenth"] < 0.8 * losses["kl_first_step"]
     assert all(p.requires_grad for p in model.parameters())  # the model is left as it was
+
+
+def test_held_out_contexts_are_never_trained_on_and_give_the_trained_queries_kl_on_them():
+    model = tiny_model("llama")
+    tokenizer = CharTokenizer()
+
+    def oracle(ids: torch.Tensor) -> tuple[object, torch.Tensor]:
+        cache, _, targets = prefill_features_and_targets(model, tokenizer, ids, "reconstruction")
+        return cache, targets
+
+    contexts = lookahead_contexts(model, tokenizer, CORPUS, oracle, count=4, tokens=64, seed=1)
+    first_two = lookahead_contexts(model, tokenizer, CORPUS, oracle, count=2, tokens=64, seed=1)
+    assert [torch.equal(a.oracle, b.oracle) for a, b in zip(contexts, first_two)] == [True, True]
+    alone, alone_losses = train_lookahead_queries(model, contexts[:2], queries=4, steps=20, seed=1)
+    trained, losses = train_lookahead_queries(model, contexts[:2], queries=4, steps=20, seed=1, held_out=contexts[2:])
+    torch.testing.assert_close(trained, alone, rtol=0, atol=0)  # the held-out contexts took no step
+    assert "kl_held_out" not in alone_losses
+    # independent reference: each unseen context and the queries in one eager forward, KL(oracle || queries) by hand
+    # over the tokens between the first and the last window, averaged over layers, KV heads and contexts
+    heads = model.config.num_key_value_heads
+    kls = []
+    for _, ids in calibration_prompts(CORPUS, tokenizer, 4, 64, 1)[2:]:
+        _, targets = oracle(ids)
+        for attention, target in zip(appended_in_one_forward(model, ids, trained), targets, strict=True):
+            grouped = attention.view(heads, -1, ids.shape[1]).mean(dim=1)[:, 1 : ids.shape[1] - SPEC.window]
+            wanted = target[:, 1 : ids.shape[1] - SPEC.window].softmax(dim=-1)
+            got = grouped.clamp(min=1e-12) / grouped.clamp(min=1e-12).sum(dim=-1, keepdim=True)
+            kls.append(float((wanted * (wanted.log() - got.log())).sum(dim=-1).mean()))
+    assert losses["kl_held_out"] == pytest.approx(sum(kls) / len(kls), rel=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])  # gemma3_text: sliding layers of 16 tokens
@@ -236,3 +270,12 @@ def test_distill_records_the_prompts_its_queries_are_for(tmp_path):
     artifact = with_lookahead_queries(fitted, CompileJob(model, CharTokenizer(), tmp_path / "run"), CORPUS, settings)
     scorer = DistilledScorer.from_artifact(artifact)
     assert scorer.lookahead_on == "non-repeating" and scorer.lookahead_queries.shape == (2, model.config.hidden_size)
+    recorded = artifact.params["lookahead"]  # the default's held-out contexts measured and said
+    held_out = settings.lookahead_held_out
+    assert held_out > 0 and recorded["held_out"] == held_out and recorded["kl_held_out"] > 0
+    whole = dataclasses.replace(  # what a whole distill run adds before the queries
+        artifact,
+        tensors={**artifact.tensors, "held_out_r2": torch.full((len(attention_modules(model)), 5), 0.5)},
+        params={**artifact.params, "share_prompts": "all 4 calibration prompts"},
+    )
+    assert f"{recorded['kl_held_out']:.3f} on {held_out} contexts never trained on" in DistillRecipe().describe(whole)

@@ -26,7 +26,7 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, finish_or_partial
 from kvcompile.calibration.provenance import provenance
-from kvcompile.recipes.distilled.lookahead import train_lookahead_queries
+from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
 from kvruntime.cache_ops import attention_modules, cache_argument
@@ -175,16 +175,22 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
         return cache, targets
 
     tokens = min(settings.lookahead_tokens, settings.prompt_tokens)  # a context fits where the prompts did
-    queries, losses = train_lookahead_queries(
+    contexts = lookahead_contexts(
         job.model,
         job.tokenizer,
         corpus,
         prefill_and_oracle,
-        queries=settings.lookahead_queries,
-        steps=settings.lookahead_steps,
-        prompts=settings.lookahead_prompts,
+        count=settings.lookahead_prompts + settings.lookahead_held_out,
         tokens=tokens,
         seed=settings.seed + 1,
+    )
+    queries, losses = train_lookahead_queries(
+        job.model,
+        contexts[: settings.lookahead_prompts],
+        queries=settings.lookahead_queries,
+        steps=settings.lookahead_steps,
+        seed=settings.seed + 1,
+        held_out=contexts[settings.lookahead_prompts :],
     )
     params = {
         **artifact.params,
@@ -193,6 +199,7 @@ def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, 
             "queries": settings.lookahead_queries,
             "steps": settings.lookahead_steps,
             "prompts": settings.lookahead_prompts,
+            "held_out": settings.lookahead_held_out,
             "tokens": tokens,
             "loss": "KL from the oracle's scores to the queries' mean attention, per layer cut and KV head",
             **{name: round(value, 4) for name, value in losses.items()},

@@ -13,7 +13,8 @@ and averages their log-scores with the student's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -76,25 +77,51 @@ def kl_from_oracle(log_scores: torch.Tensor, oracle: torch.Tensor, window: int) 
     return (target.exp() * (target - queries)).sum(dim=-1).mean()
 
 
-def train_lookahead_queries(
+@dataclasses.dataclass(frozen=True)
+class LookaheadContext:
+    """A calibration context prefilled once: its cache, the oracle's log-scores [L, Hkv, N] and its length."""
+
+    cache: DynamicCache
+    oracle: torch.Tensor
+    length: int
+
+
+def lookahead_contexts(
     model: nn.Module,
     tokenizer: object,
     corpus: Corpus,
     prefill_and_oracle: Callable[[torch.Tensor], tuple[DynamicCache, torch.Tensor]],
-    queries: int,
-    steps: int,
-    prompts: int,
+    count: int,
     tokens: int,
     seed: int,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The trained queries [n, hidden] (float32, on the CPU) and the KL to the oracle at the first step and over the
-    last tenth. `prefill_and_oracle(ids)` gives a context's prefilled cache and its oracle log-scores [L, Hkv, N]
-    (`distill.py`)."""
-    layers = [module.layer_idx for module in attention_modules(model)]
+) -> list[LookaheadContext]:
+    """`count` contexts of `tokens` tokens, each prefilled by `prefill_and_oracle(ids)` (its cache and oracle
+    log-scores, `distill.py`); the first k are the same for any count >= k (calibration_prompts draws in order)."""
     contexts = []
-    for _, ids in tqdm(calibration_prompts(corpus, tokenizer, prompts, tokens, seed), desc="lookahead contexts"):
+    for _, ids in tqdm(calibration_prompts(corpus, tokenizer, count, tokens, seed), desc="lookahead contexts"):
         ids = ids.to(model.device)
-        contexts.append((*prefill_and_oracle(ids), ids.shape[1]))
+        contexts.append(LookaheadContext(*prefill_and_oracle(ids), ids.shape[1]))
+    return contexts
+
+
+def context_kl(model: nn.Module, context: LookaheadContext, queries: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """KL(oracle || queries) on one context, averaged over the layers cut and KV heads; differentiable in `queries`."""
+    log_scores = appended_log_scores(model, context.cache, queries, context.length, layers)
+    return kl_from_oracle(log_scores, context.oracle, SPEC.window)
+
+
+def train_lookahead_queries(
+    model: nn.Module,
+    contexts: Sequence[LookaheadContext],
+    queries: int,
+    steps: int,
+    seed: int,
+    held_out: Sequence[LookaheadContext] = (),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The queries [n, hidden] trained on `contexts` in turn (float32, on the CPU), and the KL to the oracle at the
+    first step, over the last tenth and, with contexts `held_out` (never trained on), their mean KL after training
+    (`kl_held_out`: how well the queries generalise)."""
+    layers = [module.layer_idx for module in attention_modules(model)]
     generator = torch.Generator().manual_seed(seed)
     table = model.get_input_embeddings()
     start = torch.randint(0, table.num_embeddings, (queries,), generator=generator).to(table.weight.device)
@@ -107,9 +134,7 @@ def train_lookahead_queries(
     model.requires_grad_(False)
     try:
         for step in tqdm(range(steps), desc="lookahead queries", unit="step"):
-            cache, oracle, length = contexts[step % len(contexts)]
-            log_scores = appended_log_scores(model, cache, initial + offset, length, layers)
-            loss = kl_from_oracle(log_scores, oracle, SPEC.window)
+            loss = context_kl(model, contexts[step % len(contexts)], initial + offset, layers)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -118,4 +143,10 @@ def train_lookahead_queries(
         for parameter, required in zip(model.parameters(), requires_grad):
             parameter.requires_grad_(required)
     tail = losses[-max(1, steps // 10) :]
-    return (initial + offset).detach().cpu(), {"kl_first_step": losses[0], "kl_last_tenth": sum(tail) / len(tail)}
+    trained = (initial + offset).detach()
+    measured = {"kl_first_step": losses[0], "kl_last_tenth": sum(tail) / len(tail)}
+    if held_out:
+        with torch.no_grad():
+            kls = [float(context_kl(model, context, trained, layers)) for context in held_out]
+        measured["kl_held_out"] = sum(kls) / len(kls)
+    return trained.cpu(), measured

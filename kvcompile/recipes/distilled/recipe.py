@@ -41,6 +41,11 @@ class DistillRecipe(CorpusRecipe):
             f"; {lookahead['queries']} lookahead queries (on {artifact.params.get('lookahead_on', 'all')} prompts), KL "
             f"to the oracle {lookahead['kl_first_step']:.3f} at the first step, {lookahead['kl_last_tenth']:.3f} over "
             "the last tenth"
+            + (
+                f", {lookahead['kl_held_out']:.3f} on {lookahead['held_out']} contexts never trained on"
+                if "kl_held_out" in lookahead
+                else ""
+            )
             if isinstance(lookahead, dict)
             else "; no lookahead queries"
         )

@@ -47,6 +47,9 @@ class DistillSettings(Settings):
     )
     lookahead_steps: int = option(400, "Training steps of the lookahead queries (one context each).")
     lookahead_prompts: int = option(12, "Calibration contexts the lookahead queries are trained on.")
+    lookahead_held_out: int = option(
+        4, "Further calibration contexts the trained queries' KL to the oracle is measured on, never trained on."
+    )
     lookahead_tokens: int = option(
         1024, "Tokens per context the lookahead queries are trained on (at most --prompt-tokens)."
     )
@@ -67,5 +70,7 @@ class DistillSettings(Settings):
             raise KVRuntimeError(f"--lookahead-queries must be between 0 and {MAX_LOOKAHEAD_QUERIES}")
         if self.lookahead_queries and min(self.lookahead_steps, self.lookahead_prompts) < 1:
             raise KVRuntimeError("--lookahead-steps and --lookahead-prompts must be at least 1")
+        if self.lookahead_held_out < 0:
+            raise KVRuntimeError("--lookahead-held-out must be at least 0")
         if self.lookahead_queries and self.lookahead_tokens < 64:
             raise KVRuntimeError("--lookahead-tokens must be at least 64")
