@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -17,6 +18,11 @@ def command_line(in_venv: bool = False) -> str:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     target = ["-m", spec.name] if spec is not None and spec.name else [sys.argv[0]]
     return " ".join([python, *target, shlex.join(sys.argv[1:])]).rstrip()
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """An eval run's records (`runs.jsonl`: one JSON object per line)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def write_results(rows: list[dict], out: Path, markdown: str, quiet: bool = False) -> None:

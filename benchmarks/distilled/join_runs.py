@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.reporting import read_records
 from kvcompile.evaluation.contestants import FULL
 
 
@@ -36,11 +37,7 @@ def joined(bar: list[dict], contestant: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    runs = []
-    for path in sys.argv[1:3]:
-        with open(path) as handle:
-            runs.append([json.loads(line) for line in handle if line.strip()])
-    for record in joined(*runs):
+    for record in joined(*(read_records(path) for path in sys.argv[1:3])):
         print(json.dumps(record, sort_keys=True))
 
 

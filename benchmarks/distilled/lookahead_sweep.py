@@ -18,7 +18,7 @@ from pathlib import Path
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.calibration.corpus import load_corpus
-from kvcompile.recipes.distilled.distill import prefill_features_and_targets
+from kvcompile.recipes.distilled.distill import oracle_prefill
 from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
 from kvcompile.recipes.distilled.settings import DistillSettings
 
@@ -44,12 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     model, tokenizer = kvruntime.load_model(args.model)
-
-    def prefill_and_oracle(ids):  # as `kvcompile distill` does
-        cache, _, targets = prefill_features_and_targets(model, tokenizer, ids, args.oracle)
-        return cache, targets
-
     most = max(args.prompts)
+    prefill_and_oracle = oracle_prefill(model, tokenizer, args.oracle)  # as `kvcompile distill` does
     contexts = lookahead_contexts(
         model, tokenizer, load_corpus(args.corpus), prefill_and_oracle, most + args.held_out, args.tokens, args.seed + 1
     )

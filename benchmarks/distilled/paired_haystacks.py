@@ -8,18 +8,16 @@ subject method minus each other method in log answer KL, in the expected answer'
 
 from __future__ import annotations
 
-import json
 import sys
 
+from benchmarks.reporting import read_records
 from kvcompile.evaluation.report import by_text_type_table, to_markdown
 
 
 def main() -> None:
     path, subject, *renames = sys.argv[1:]
     names = dict(pair.split("=", 1) for pair in renames)
-    with open(path) as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
-    rows = by_text_type_table(records, subject)
+    rows = by_text_type_table(read_records(path), subject)
     print(to_markdown([{**row, "method": names.get(row["method"], row["method"])} for row in rows]), end="")
 
 

@@ -1,7 +1,7 @@
 """A scorer with its lookahead queries trained again (issue #74): n of them, on a corpus, for the prompts
-`--lookahead-on` names, the student and its shares kept. What `kvcompile distill` would compile with those settings,
-without fitting the student again (the same contexts, seed and steps: on the scorer's own corpus the queries come out
-the same), and on corpora distill does not offer: `repeating`, the repeating documents alone
+`--lookahead-on` names, the student and its shares kept. What `kvcompile distill` would compile with those settings
+(its `with_lookahead_queries`), without fitting the student again: on the scorer's own corpus and seed the queries
+come out the same; and on corpora distill does not offer: `repeating`, the repeating documents alone
 (`repeating_documents` of the Austen novels: one sentence said 10-60 times, then a paragraph).
 
     python -m benchmarks.distilled.retrained_queries --model gemma-3-270m --corpus repeating --queries 8 \
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import kvruntime
 from kvcompile.calibration.corpus import Corpus, load_corpus, repeating_documents
+from kvcompile.calibration.job import CompileJob
 from kvcompile.recipe import default_artifact
-from kvcompile.recipes.distilled.distill import prefill_features_and_targets
-from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
+from kvcompile.recipes.distilled.distill import with_lookahead_queries
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON
 
@@ -32,10 +33,7 @@ def main() -> None:
     parser.add_argument("--corpus", default="austen-facts", help="a calibration corpus, or repeating")
     parser.add_argument("--lookahead-on", default="all", choices=LOOKAHEAD_ON)
     parser.add_argument(
-        "--seed",
-        type=int,
-        default=DEFAULTS.seed + 1,
-        help="the contexts' and the queries' start (distill's --seed + 1)",
+        "--seed", type=int, default=DEFAULTS.seed, help="distill's --seed (the queries' contexts and start)"
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -46,29 +44,18 @@ def main() -> None:
         if args.corpus == "repeating"
         else load_corpus(args.corpus)
     )
-
-    def prefill_and_oracle(ids):  # as `kvcompile distill` does
-        cache, _, targets = prefill_features_and_targets(model, tokenizer, ids, shipped.params["oracle"])
-        return cache, targets
-
-    count, seed = DEFAULTS.lookahead_prompts, args.seed
-    contexts = lookahead_contexts(
-        model,
-        tokenizer,
-        corpus,
-        prefill_and_oracle,
-        count + DEFAULTS.lookahead_held_out,
-        DEFAULTS.lookahead_tokens,
-        seed,
+    settings = DistillSettings(
+        oracle=shipped.params["oracle"],
+        seed=args.seed,
+        lookahead_queries=args.queries,
+        lookahead_on=args.lookahead_on,
     )
-    queries, losses = train_lookahead_queries(
-        model, contexts[:count], args.queries, DEFAULTS.lookahead_steps, seed, held_out=contexts[count:]
+    retrained = with_lookahead_queries(shipped, CompileJob(model, tokenizer, Path(args.out)), corpus, settings)
+    lookahead = {**retrained.params["lookahead"], "corpus": args.corpus}
+    kvruntime.save_artifact(
+        dataclasses.replace(retrained, params={**retrained.params, "lookahead": lookahead}), args.out
     )
-    lookahead = {**shipped.params["lookahead"], "queries": args.queries, "corpus": args.corpus, **losses}
-    params = {**shipped.params, "lookahead_on": args.lookahead_on, "lookahead": lookahead}
-    tensors = {**shipped.tensors, "lookahead_queries": queries}
-    kvruntime.save_artifact(dataclasses.replace(shipped, tensors=tensors, params=params), args.out)
-    print(f"wrote {args.out}: {losses}")
+    print(f"wrote {args.out}: {lookahead}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ the full cache's answers check.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
+from benchmarks.reporting import read_records
 from kvcompile.evaluation.contestants import FULL
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.evaluation.report import FIDELITY_MEASURES, to_markdown
@@ -78,10 +78,7 @@ def main() -> None:
     parser.add_argument("--teacher", default="distilled:scores=oracle")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks (default: every task of both runs)")
     args = parser.parse_args()
-    runs = []
-    for path in (args.now, args.before):
-        with open(path) as handle:
-            runs.append([json.loads(line) for line in handle if line.strip()])
+    runs = [read_records(path) for path in (args.now, args.before)]
     tasks = set(args.tasks.split(",")) if args.tasks else None
     print(to_markdown(gap_rows(*runs, args.subject, args.teacher, tasks)), end="")
 

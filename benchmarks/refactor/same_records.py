@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
-from benchmarks.reporting import command_line, machine
+from benchmarks.reporting import command_line, machine, read_records
 
 MEASURED = ("peak_mib", "prefill_seconds", "prefill_vs_full")  # times and memory: not what the code computes
 
 
 def keyed_records(path: Path) -> dict[tuple, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path)
     return {(r["method"], r["ratio"], r["prompt"]): {k: v for k, v in r.items() if k not in MEASURED} for r in records}
 
 

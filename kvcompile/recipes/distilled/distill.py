@@ -17,6 +17,7 @@ prompts whose text repeats (`shares_from`) or all: the layer shares of `allocati
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -166,20 +167,27 @@ def compile_distilled_scorer(job: CompileJob, corpus: Corpus, settings: DistillS
     return with_lookahead_queries(artifact, job, corpus, settings)
 
 
+def oracle_prefill(
+    model: nn.Module, tokenizer: object, oracle: str
+) -> Callable[[torch.Tensor], tuple[DynamicCache, torch.Tensor]]:
+    """What `lookahead_contexts` prefills a context with: ids -> its plain cache and the oracle's log-scores."""
+
+    def prefill_and_oracle(ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+        cache, _, targets = prefill_features_and_targets(model, tokenizer, ids, oracle)
+        return cache, targets
+
+    return prefill_and_oracle
+
+
 def with_lookahead_queries(artifact: Artifact, job: CompileJob, corpus: Corpus, settings: DistillSettings) -> Artifact:
     """The scorer with its lookahead queries, trained on contexts of the same corpus (another seed's) to match the
     same oracle (`lookahead.py`)."""
-
-    def prefill_and_oracle(ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
-        cache, _, targets = prefill_features_and_targets(job.model, job.tokenizer, ids, settings.oracle)
-        return cache, targets
-
     tokens = min(settings.lookahead_tokens, settings.prompt_tokens)  # a context fits where the prompts did
     contexts = lookahead_contexts(
         job.model,
         job.tokenizer,
         corpus,
-        prefill_and_oracle,
+        oracle_prefill(job.model, job.tokenizer, settings.oracle),
         count=settings.lookahead_prompts + settings.lookahead_held_out,
         tokens=tokens,
         seed=settings.seed + 1,
