@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -37,6 +38,7 @@ from kvruntime.models.default_model import SHIPPED_MODELS
 
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
@@ -56,25 +58,77 @@ def artifact_folder(model: str) -> Path:
     return shipped_folder("artifacts") / shipped.artifacts if shipped else store_folder(model)
 
 
+def model_identity(model: str) -> ModelFingerprint | None:
+    """The model's fingerprint before it loads, whichever way it is given: a shipped model's from its shipped
+    artifacts (no torch), else from its weights' files (a GGUF through its converted cache, converted first where
+    it is not there); None where they cannot be read before loading (the model then keys its folders by path)."""
+    try:
+        stamp = os.stat(model).st_mtime_ns  # a folder saved again is another model
+    except OSError:
+        stamp = None
+    return _identity(model, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _identity(model: str, stamp: int | None) -> ModelFingerprint | None:
+    shipped = SHIPPED_MODELS.get(model)
+    if shipped is not None:
+        from kvcompile.shipped import shipped_folder
+
+        known = folder_identity(shipped_folder("artifacts") / shipped.artifacts)
+        if known is not None:
+            return known
+    from kvruntime.artifacts.fingerprint import folder_fingerprint
+    from kvruntime.models.model_loading import weights_folder
+
+    folder = weights_folder(model)
+    return folder_fingerprint(folder) if folder is not None else None
+
+
+def folder_identity(folder: Path) -> ModelFingerprint | None:
+    """The model a folder of artifacts was compiled for, from the header of its first artifact (no torch); None for
+    a folder without one, or one whose header does not name a model."""
+    from kvruntime.artifacts.artifact_header import load_json, read_header
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
+
+    for path in sorted(folder.glob(f"*{ARTIFACT_SUFFIX}")):
+        try:
+            return ModelFingerprint.from_dict(load_json(read_header(path)["model"]))
+        except (KVRuntimeError, KeyError, TypeError, ValueError, RecursionError):
+            continue  # not an artifact, or not one kvcompile wrote: the next file may say
+    return None
+
+
 def store_folder(model: str) -> Path:
     """Where the compile commands write a model's artifacts by default: the store under kvcompile's cache
-    ($KVCOMPILE_CACHE/artifacts/), a folder per model (a shipped model's by its name; a path's by its name and
-    where it is, so two models of one name never share one). The shipped folders are never written."""
+    ($KVCOMPILE_CACHE/artifacts/), a folder per set of weights, named by their fingerprint, so that a model given by
+    name, as a GGUF file (renamed or not) or as a saved folder writes and finds one folder. A model whose weights
+    cannot be read before it loads gets a folder by its name and place. The shipped folders are never written."""
     import hashlib
 
     from kvruntime.artifacts.files import cache_root
 
-    shipped = SHIPPED_MODELS.get(model)
-    if shipped is not None:
-        return cache_root() / "artifacts" / shipped.artifacts
+    identity = model_identity(model)
+    if identity is not None:
+        return cache_root() / "artifacts" / f"{identity.architecture}-{identity.weights_hash}"
     where = hashlib.sha256(str(Path(model).expanduser().absolute()).encode()).hexdigest()[:12]
     return cache_root() / "artifacts" / f"{Path(model).name or 'model'}-{where}"
 
 
 def artifact_folders(model: str) -> tuple[Path, ...]:
-    """Where a model's artifacts are read, in order: its store folder (what was compiled here), then a shipped
-    model's shipped artifacts."""
-    return tuple(dict.fromkeys((store_folder(model), artifact_folder(model))))
+    """Where a model's artifacts are read, in order: its store folder (what was compiled here), then every shipped
+    folder compiled for the same weights (by the fingerprint in its artifacts' headers), or, where the weights cannot
+    be read before loading, a shipped model's own."""
+    from kvcompile.shipped import shipped_folder
+
+    identity = model_identity(model)
+    if identity is None:
+        return tuple(dict.fromkeys((store_folder(model), artifact_folder(model))))
+    try:
+        shipped = sorted(folder for folder in shipped_folder("artifacts").iterdir() if folder.is_dir())
+    except KVRuntimeError:
+        shipped = []  # none shipped
+    return (store_folder(model), *(folder for folder in shipped if folder_identity(folder) == identity))
 
 
 def default_artifact(model: str, kind: str) -> Path:

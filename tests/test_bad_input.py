@@ -128,6 +128,7 @@ def workdir(tmp_path, monkeypatch) -> Path:
     """The working directory of a command: a prompt and a corpus, and a tiny Llama for any model name."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(recipe, "load_model", lambda model, **_: (LLAMA, TensorTokenizer()))
+    monkeypatch.setattr(recipe, "model_identity", lambda model: model_fingerprint(LLAMA))
     (tmp_path / "prompt.txt").write_text(PROMPT)
     (tmp_path / "corpus.txt").write_text("Some calibration text. " * 200)
     return tmp_path

@@ -170,7 +170,7 @@ def test_held_out_contexts_are_never_trained_on_and_give_the_trained_queries_kl_
             wanted = target[:, 1 : ids.shape[1] - SPEC.window].softmax(dim=-1)
             got = grouped.clamp(min=1e-12) / grouped.clamp(min=1e-12).sum(dim=-1, keepdim=True)
             kls.append(float((wanted * (wanted.log() - got.log())).sum(dim=-1).mean()))
-    assert losses["kl_held_out"] == pytest.approx(sum(kls) / len(kls), rel=1e-3)
+    assert losses["kl_held_out"] == pytest.approx(sum(kls) / len(kls), rel=3e-3)  # float32 sums of near-uniform rows
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])  # gemma3_text: sliding layers of 16 tokens

@@ -76,7 +76,7 @@ def test_folders_given_as_files_are_called_folders(workdir):
     (workdir / "folder.safetensors").mkdir()
     assert_refused(workdir, ["generate", "--prompt-file", "folder.safetensors"], "is a folder: give a text file")
     args = ["generate", "--prompt-file", "prompt.txt", "--method", "srh", "--artifact", "folder.safetensors"]
-    assert_refused(workdir, args, "folder.safetensors is a folder: give an artifact file")
+    assert_refused(workdir, args, "folder.safetensors is a folder without artifacts: give an artifact file")
 
 
 @pytest.mark.parametrize("broken", ["empty folder", "truncated weights", "no tokenizer"])

@@ -13,6 +13,7 @@ from kvcompile import recipe, settings
 from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import headers_read_once
+from kvruntime.errors import printable
 from kvruntime.registry import methods_help
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
     """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
     ones), what the method can serve; then the method built from its artifacts, before the model loads."""
-    from kvruntime import ARTIFACT_KINDS
+    from kvcompile.cli.compile_plan import compile_hint
     from kvruntime.artifacts.artifact_header import header_params
     from kvruntime.artifacts.bundle import artifact_files
     from kvruntime.models.model_spec import check_positions
@@ -210,10 +211,13 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
         options = check_method_options(method, options)
         kinds = required_artifact_kinds(method, options)
         paths = [default_artifact(model, kind) for kind in kinds]
-        for kind, path in zip(kinds, paths):
-            if not path.exists():
-                command = ARTIFACT_KINDS[kind].command
-                raise KVRuntimeError(f"method {method!r} needs {path}: compile it with `{command}` or pass --artifact")
+        missing = [kind for kind, path in zip(kinds, paths) if not path.exists()]
+        if missing:
+            raise KVRuntimeError(
+                f"method {method!r} needs {' and '.join(missing)}, which this model has not got (looked for "
+                f"{model_artifacts_described(model)}): compile them with `{compile_hint(model, [method])}`, or pass "
+                "--artifact"
+            )
     resolved = resolve_request(
         method,
         given.ratio,
@@ -227,7 +231,19 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
     )
     resolved = dataclasses.replace(resolved, note=note)
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
+    from kvruntime.artifacts.artifact import check_artifact_matches_model
+
+    identity = recipe.model_identity(model)
+    for artifact in resolved.artifacts if identity is not None else ():  # another model's, before its weights load
+        check_artifact_matches_model(artifact, identity, force=given.force)
     return resolved
+
+
+def model_artifacts_described(model: str) -> str:
+    """Where a model's artifacts were looked for, for a refusal: the weights' fingerprint and the folders."""
+    identity = recipe.model_identity(model)
+    weights = f"{identity.architecture} weights {identity.weights_hash}" if identity is not None else printable(model)
+    return f"{weights} in {' and '.join(str(folder) for folder in recipe.artifact_folders(model))}"
 
 
 def check_nearest_budget(method: str, chosen_by: str) -> None:

@@ -191,6 +191,9 @@ def methods_table() -> str:
     rows = ["| method | what it does | needs | docs |", "| --- | --- | --- | --- |"]
     for spec in METHODS.values():
         needs = f"`{spec.needs}`" if spec.needs else "nothing"
+        error_aware = [alias for alias, full in spec.aliases.items() if "+" in full]
+        if error_aware:  # an alias for the method with error-aware layer budgets reads them too
+            needs += f"; `{', '.join(error_aware)}` also `{LAYER_BUDGETS_KIND}`"
         names = ", ".join(f"`{n}`" for n in (spec.name, *spec.aliases))
         rows.append(f"| {names} | {spec.summary} | {needs} | [docs](docs/methods/{spec.name}.md) |")
     return "\n".join(rows)

@@ -301,17 +301,24 @@ def resolve_artifact_path(source: str | os.PathLike, kind: str) -> Path:
 
 def artifact_files(sources: Sequence[str | os.PathLike]) -> list[Path]:
     """The artifact files that `sources` name: files as given, each bundle (a folder or a hub repo id) as one
-    artifact per kind. A folder that is not a bundle is refused (name its files)."""
+    artifact per kind, and each plain folder of artifacts (`artifacts/<model>/`, a store folder) as its
+    `<kind>.safetensors` files."""
+    from .artifact_kinds import KNOWN_KINDS
+
     files: list[Path] = []
     for source in sources:
         path = locate(source)
-        if path.is_dir():
-            if not is_bundle(path):
-                raise ArtifactError(
-                    f"{source} is a folder: give an artifact file (.safetensors) or a bundle (a folder with a "
-                    f"{MANIFEST_NAME}, written by `kvcompile bundle`)"
-                )
+        if path.is_dir() and is_bundle(path):
             files += read_bundle(path).artifact_files()
+        elif path.is_dir():
+            found = [path / artifact_file_name(kind) for kind in KNOWN_KINDS]
+            held = [check_artifact_file(file) for file in found if os.path.lexists(file)]
+            if not held:
+                raise ArtifactError(
+                    f"{source} is a folder without artifacts: give an artifact file (.safetensors), a folder of "
+                    f"<kind>.safetensors files or a bundle (written by `kvcompile bundle`)"
+                )
+            files += held
         else:
             files.append(check_artifact_file(path))
     return files

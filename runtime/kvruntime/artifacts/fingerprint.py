@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import short_repr
@@ -76,14 +78,26 @@ def model_fingerprint(model: nn.Module) -> ModelFingerprint:
     float32, float16 or bfloat16 has one fingerprint."""
     import torch
 
-    config = model.config
-    num_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     digest = hashlib.sha256()
     with torch.no_grad():
         for weight in _hashed_weights(model):
-            sample = weight.detach().flatten()[:_HASHED_ELEMENTS].to("cpu", torch.bfloat16)
-            digest.update(sample.view(torch.int16).numpy().tobytes())
+            digest.update(_hashed_sample(weight.detach()))
+    return _fingerprint(model, digest.hexdigest()[:16])
+
+
+def _hashed_sample(weight: torch.Tensor) -> bytes:
+    """The bytes hashed of one weight: its first elements in bfloat16."""
+    import torch
+
+    sample = weight.flatten()[:_HASHED_ELEMENTS].to("cpu", torch.bfloat16)
+    return sample.view(torch.int16).numpy().tobytes()
+
+
+def _fingerprint(model: nn.Module, weights_hash: str) -> ModelFingerprint:
+    """The shape facts of `model`'s config with the hash of its weights."""
+    config = model.config
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     return ModelFingerprint(
         architecture=architectures[0],
@@ -92,5 +106,36 @@ def model_fingerprint(model: nn.Module) -> ModelFingerprint:
         num_query_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        weights_hash=digest.hexdigest()[:16],
+        weights_hash=weights_hash,
     )
+
+
+def folder_fingerprint(folder: Path) -> ModelFingerprint | None:
+    """What `model_fingerprint` gives the model saved in a Hugging Face folder, read without loading its weights:
+    the model built on the meta device names the hashed weights, whose first elements are read from the folder's
+    safetensors files. None where they are not all there (weights in another format, or stored under other names):
+    the fingerprint is then known once the model is loaded."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    names = {id(parameter): name for name, parameter in skeleton.named_parameters()}
+    wanted = [names.get(id(weight)) for weight in _hashed_weights(skeleton)]
+    stored = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            stored.update({name: path for name in handle.keys() if name in wanted})
+    if None in wanted or not set(wanted) <= set(stored):
+        return None
+    digest = hashlib.sha256()
+    for name in wanted:
+        with safe_open(str(stored[name]), framework="pt") as handle:
+            part = handle.get_slice(name)
+            shape = part.get_shape()
+            row = math.prod(shape[1:]) if len(shape) > 1 else 1
+            rows = part[: -(-_HASHED_ELEMENTS // row)] if shape else handle.get_tensor(name)
+            digest.update(_hashed_sample(rows))
+    return _fingerprint(skeleton, digest.hexdigest()[:16])

@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -350,17 +351,40 @@ def load_shipped_model(name: str, load_folder: Callable[[Path], tuple]) -> tuple
     return load_gguf_model(gguf_of(name), SHIPPED_MODELS[name].title, load_folder)
 
 
+def converted_gguf(gguf: Path, title: str) -> Path:
+    """The cache folder of the GGUF's converted model (`load_gguf_model` loads it), converted first where it is not
+    there: where a model's weights can be read before it loads (`kvruntime.models.model_loading.weights_folder`)."""
+    versions = converter_versions()
+    folder = cache_folder(gguf, versions)
+    ensure_cache(folder, _builder(gguf, title, versions, folder))
+    return folder
+
+
+def _builder(gguf: Path, title: str, versions: dict[str, str], folder: Path) -> Callable[[Path], dict]:
+    """What builds the GGUF's cache folder in a staging folder (`ensure_cache`), said on stderr: what, where, how
+    large (a float32 copy of a quantised file is several times its size)."""
+
+    def build(staging: Path) -> dict:
+        if cache_key(file_sha256(gguf), versions) != folder.name:  # its bytes, read again before each build
+            raise KVRuntimeError(f"GGUF file {printable(gguf)} changed while it was read: run again")
+        megabytes = gguf.stat().st_size / 1e6
+        print(
+            f"kvruntime: converting {printable(title)} ({megabytes:,.0f} MB GGUF) once into {folder}", file=sys.stderr
+        )
+        marker = dequantise_gguf(gguf, staging) | {"title": title}
+        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+        print(f"kvruntime: wrote {size / 1e9:.2f} GB of float32 weights and tokenizer into {folder}", file=sys.stderr)
+        return marker
+
+    return build
+
+
 def load_gguf_model(gguf: Path, title: str, load_folder: Callable[[Path], tuple]) -> tuple:
     """(model, tokenizer) of a GGUF through `load_folder(folder)`, from a cache that passed its check: one that fails
     it (a tokenizer another version converted, a truncated or missing weights file) is rebuilt once, then refused."""
     versions = converter_versions()
     folder = cache_folder(gguf, versions)
-
-    def build(staging: Path) -> dict:
-        if cache_key(file_sha256(gguf), versions) != folder.name:  # its bytes, read again before each build
-            raise KVRuntimeError(f"GGUF file {printable(gguf)} changed while it was read: run again")
-        return dequantise_gguf(gguf, staging) | {"title": title}
-
+    build = _builder(gguf, title, versions, folder)
     stale = None
     for attempt in range(2):
         marker = ensure_cache(folder, build, stale)

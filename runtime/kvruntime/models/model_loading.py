@@ -10,7 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import KVRuntimeError, first_line, printable
-from .default_model import DEFAULT_MODEL, SHIPPED_MODELS, load_gguf_model, load_shipped_model
+from .default_model import (
+    DEFAULT_MODEL,
+    SHIPPED_MODELS,
+    converted_gguf,
+    gguf_of,
+    load_gguf_model,
+    load_shipped_model,
+)
 from .model_spec import check_model_spec
 
 
@@ -33,6 +40,26 @@ def load_model(
             f"cannot load model {model!r} offline ({first_line(exc)}); nothing is downloaded at run time: give a complete "
             "local model directory (config, weights and tokenizer) or a model in the Hugging Face cache"
         ) from None
+
+
+def weights_folder(model: str) -> Path | None:
+    """The folder whose files hold the model's weights, read before the model loads (its fingerprint,
+    `kvruntime.artifacts.fingerprint.folder_fingerprint`): a GGUF's (a shipped model's included) converted cache,
+    converted first where it is not there; a folder as given; a hub id's snapshot in the local cache; else None."""
+    if model in SHIPPED_MODELS:
+        return converted_gguf(gguf_of(model), SHIPPED_MODELS[model].title)
+    check_model_spec(model)
+    given = Path(model)
+    if given.is_file():
+        return converted_gguf(given.resolve(), given.stem)
+    if given.is_dir():
+        return given
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:  # noqa: BLE001  not in the local cache, or not a hub id: known once loaded
+        return None
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

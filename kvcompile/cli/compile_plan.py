@@ -1,0 +1,38 @@
+"""What `kvcompile compile` runs for some methods, torch-free: the artifact kinds they read, in the order one is
+compiled before what reads it, and the one command a refusal names for what a model lacks."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from kvruntime import KVRuntimeError
+
+ALL_METHODS = "all"
+
+
+def kinds_needed(methods: Sequence[str]) -> list[str]:
+    """The artifact kinds `methods` read, in the order of `ARTIFACT_KINDS` (one compiled before what reads it);
+    refuses an unknown method in one line."""
+    from kvruntime import ARTIFACT_KINDS
+    from kvruntime.requests.request import required_artifact_kinds
+
+    needed = {kind for method in methods for kind in required_artifact_kinds(method)}
+    return [kind for kind in ARTIFACT_KINDS if kind in needed]
+
+
+def methods_of(text: str) -> list[str]:
+    """The methods --methods names ('all': every registered name, aliases included)."""
+    from kvruntime.registry import METHOD_NAMES
+
+    if text.strip() == ALL_METHODS:
+        return list(METHOD_NAMES)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise KVRuntimeError("--methods is empty: name the methods to compile for, or 'all'")
+    return names
+
+
+def compile_hint(model: str, methods: Sequence[str]) -> str:
+    """The one command that compiles what `methods` lack for `model`, as a refusal names it."""
+    return shlex.join(["kvcompile", "compile", "--model", model, "--methods", ",".join(methods)])

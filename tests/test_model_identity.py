@@ -1,0 +1,168 @@
+"""A model's artifacts found by the fingerprint of its weights, read before the model loads, however the model is
+given (a name, a GGUF file renamed or not, a saved folder), and `kvcompile compile`'s plan (issue #75)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_char_tokenizer, tiny_model
+from safetensors.torch import load_file, save_file
+from test_cli import tiny_artifact
+from test_default_model_cache import tiny_spec, write_tiny_model
+from test_refusals_before_torch import gguf_bytes
+from typer.testing import CliRunner
+
+import kvcompile.shipped
+from kvcompile.cli import app
+from kvcompile.cli.compile_plan import kinds_needed, methods_of
+from kvcompile.recipe import artifact_folders, default_artifact, model_identity, store_folder
+from kvruntime import Artifact, save_artifact
+from kvruntime.artifacts.bundle import artifact_files
+from kvruntime.artifacts.fingerprint import folder_fingerprint, model_fingerprint
+from kvruntime.errors import KVRuntimeError
+from kvruntime.models import default_model as dm
+from kvruntime.models import model_loading
+
+runner = CliRunner()
+
+
+def saved(model: torch.nn.Module, folder: Path) -> str:
+    model.save_pretrained(folder)
+    save_char_tokenizer(folder)
+    return str(folder)
+
+
+def other_models_artifact(path: Path) -> Path:
+    """An srh_heads artifact of the same shape as `tiny_artifact`'s, compiled for other weights (seed 1)."""
+    fingerprint = model_fingerprint(tiny_model("llama", seed=1))
+    tensors = {"srh_score": torch.rand(4, 4), "probes": torch.tensor([3])}
+    artifact = Artifact("srh_heads", tensors, fingerprint, {"command": "test", "seed": 0}, {"grid": [1, 2]})
+    return save_artifact(artifact, path)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3_text", "gemma2"])
+def test_a_folders_fingerprint_is_read_without_loading_and_is_the_loaded_models(kind, tmp_path):
+    model = tiny_model(kind)
+    model.save_pretrained(tmp_path / "a")
+    assert folder_fingerprint(tmp_path / "a") == model_fingerprint(model)
+    tiny_model(kind, seed=1).save_pretrained(tmp_path / "b")
+    assert folder_fingerprint(tmp_path / "b").weights_hash != model_fingerprint(model).weights_hash
+
+
+def test_weights_stored_under_other_names_are_known_only_once_loaded(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({f"renamed.{name}": tensor for name, tensor in weights.items()}, tmp_path / "model.safetensors")
+    assert folder_fingerprint(tmp_path) is None
+
+
+@pytest.fixture
+def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A shipped artifacts/ folder holding the tiny model's artifacts and another model's, and an empty store."""
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "shipped" / "artifacts"
+    tiny_artifact(folder / "tiny" / "srh_heads.safetensors")
+    other_models_artifact(folder / "other" / "srh_heads.safetensors")
+    monkeypatch.setattr(kvcompile.shipped, "shipped_folder", lambda name: folder)
+    return folder
+
+
+def test_one_set_of_weights_saved_twice_has_one_store_folder_and_finds_its_shipped_artifacts(shipped, tmp_path):
+    first = saved(tiny_model("llama"), tmp_path / "a" / "m")
+    renamed = shutil.copytree(first, tmp_path / "b" / "renamed")
+    other = saved(tiny_model("llama", seed=1), tmp_path / "c" / "m")  # another model of the same name
+    assert store_folder(first) == store_folder(str(renamed)) != store_folder(other)
+    assert store_folder(first).name == f"LlamaForCausalLM-{model_fingerprint(tiny_model('llama')).weights_hash}"
+    assert artifact_folders(first) == (store_folder(first), shipped / "tiny")
+    assert artifact_folders(other) == (store_folder(other), shipped / "other")
+    assert default_artifact(str(renamed), "srh_heads") == shipped / "tiny" / "srh_heads.safetensors"
+    compiled = store_folder(first) / "srh_heads.safetensors"  # what the user compiled wins over the shipped one
+    tiny_artifact(compiled)
+    assert default_artifact(str(renamed), "srh_heads") == compiled
+
+
+def test_a_renamed_gguf_is_converted_once_and_finds_what_its_weights_have(shipped, tmp_path, monkeypatch, capsys):
+    converted = []
+
+    def dequantise(gguf: Path, staging: Path) -> dict:
+        converted.append(gguf)
+        return write_tiny_model(staging, tiny_spec())
+
+    monkeypatch.setattr(dm, "dequantise_gguf", dequantise)
+    first = tmp_path / "model.Q4_K_M.gguf"
+    first.write_bytes(gguf_bytes())
+    renamed = tmp_path / "elsewhere" / "weights.bin"  # a GGUF by its magic bytes, whatever its name
+    renamed.parent.mkdir()
+    shutil.copy(first, renamed)
+    assert model_identity(str(first)) == model_identity(str(renamed)) is not None
+    assert store_folder(str(first)) == store_folder(str(renamed)) and len(converted) == 1
+    folder = model_loading.weights_folder(str(renamed))
+    said = capsys.readouterr().err
+    assert f"converting model.Q4_K_M (0 MB GGUF) once into {folder}" in said and "GB of float32 weights" in said
+
+
+@pytest.fixture
+def prompt(tmp_path: Path) -> str:
+    (tmp_path / "prompt.txt").write_text("The pass key is 12345. Remember it. What is the pass key?")
+    return str(tmp_path / "prompt.txt")
+
+
+def never_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("the model's weights were loaded")
+
+    monkeypatch.setattr(model_loading, "_load_folder", refuse)
+
+
+def test_generate_names_every_missing_artifact_and_the_one_command_before_loading(
+    shipped, tmp_path, prompt, monkeypatch
+):
+    model = saved(tiny_model("llama", seed=2), tmp_path / "m")  # nothing compiled or shipped for it
+    never_loaded(monkeypatch)
+    result = runner.invoke(app, ["generate", "--model", model, "--method", "compresskv", "--prompt-file", prompt])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "method 'compresskv' needs srh_heads and layer_budgets" in result.output
+    assert f"`kvcompile compile --model {model} --methods compresskv`" in result.output
+    assert str(store_folder(model)) in result.output
+
+
+def test_another_models_artifact_is_refused_before_the_weights_load(shipped, tmp_path, prompt, monkeypatch):
+    model = saved(tiny_model("llama"), tmp_path / "m")
+    never_loaded(monkeypatch)
+    args = ["generate", "--model", model, "--method", "srh", "--prompt-file", prompt]
+    result = runner.invoke(app, [*args, "--artifact", str(shipped / "other")])
+    assert result.exit_code == 2 and "compiled for another checkpoint of LlamaForCausalLM" in result.output
+
+
+def test_a_folder_of_artifacts_gives_its_artifacts_and_one_without_any_is_refused(shipped, tmp_path, prompt):
+    assert artifact_files([shipped / "tiny"]) == [shipped / "tiny" / "srh_heads.safetensors"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KVRuntimeError, match="empty is a folder without artifacts"):
+        artifact_files([tmp_path / "empty"])
+    model = saved(tiny_model("llama"), tmp_path / "m")
+    args = ["generate", "--model", model, "--method", "srh", "--prompt-file", prompt, "--max-new-tokens", "2"]
+    result = runner.invoke(app, [*args, "--artifact", str(shipped / "tiny")])
+    assert result.exit_code == 0 and "compression report: srh" in result.output, result.output
+
+
+def test_compile_plans_what_the_methods_need_in_order_and_runs_only_what_is_missing(shipped, tmp_path, monkeypatch):
+    assert kinds_needed(["compresskv"]) == ["srh_heads", "layer_budgets"] and kinds_needed(["snapkv"]) == []
+    everything = ["srh_heads", "layer_budgets", "compilerkv_tables", "kvcompose_stats", "distilled_scorer"]
+    assert kinds_needed(methods_of("all")) == everything
+    model = saved(tiny_model("llama"), tmp_path / "m")  # its srh_heads shipped
+    ran = []
+    monkeypatch.setattr(
+        "subprocess.run", lambda command: ran.append(command[3:]) or type("Done", (), {"returncode": 0})
+    )
+    result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,kvcompose", "--dry-run"])
+    assert result.exit_code == 0 and ran == [], result.output
+    assert f"srh_heads: have ({shipped / 'tiny' / 'srh_heads.safetensors'})" in result.output
+    assert f"layer_budgets: will compile ({store_folder(model) / 'layer_budgets.safetensors'})" in result.output
+    result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,kvcompose"])
+    job = ["--model", model, "--resume", "--device", "cpu", "--dtype", "float32"]
+    assert result.exit_code == 0 and ran == [["layer-errors", *job], ["stats", *job]], result.output
+    result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,nothing"])
+    assert result.exit_code == 2 and "unknown method 'nothing'" in result.output
