@@ -52,6 +52,10 @@ def device_option() -> Any:
     return option("cpu", "Where the model runs: cpu, cuda (under torchrun: each rank's cuda:LOCAL_RANK), cuda:N, mps.")
 
 
+def dtype_option() -> Any:
+    return option("float32", "The model's dtype: float32, bfloat16 or float16 (bfloat16: half the memory).")
+
+
 def prompt_tokens_option(default: int) -> Any:
     return option(default, "Tokens per calibration prompt.")
 

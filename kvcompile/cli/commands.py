@@ -32,6 +32,7 @@ from kvcompile.settings import (
     command_line_fields,
     command_line_kind,
     device_option,
+    dtype_option,
     flag_of,
     model_option,
     option,
@@ -192,7 +193,7 @@ def job_options(kind: str, shardable: bool, checkpoint_every: int) -> type:
         fields += [("shard", str | None, shard), ("checkpoint_every", int, checkpoint)]
     fields += [
         ("device", str, device_option()),
-        ("dtype", str, option("float32", "The model's dtype: float32, bfloat16 or float16.")),
+        ("dtype", str, dtype_option()),
     ]
     return dataclasses.make_dataclass("JobOptions", fields, frozen=True)
 

@@ -14,7 +14,7 @@ import typer
 
 from kvcompile.cli.commands import settings_command
 from kvcompile.cli.compile_plan import ALL_METHODS, kinds_needed, methods_of
-from kvcompile.settings import device_option, model_option, option
+from kvcompile.settings import device_option, dtype_option, model_option, option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ class CompileOptions:
     )
     dry_run: bool = option(False, "Say what would be compiled, and for which methods, then stop.")
     device: str = device_option()
-    dtype: str = option("float32", "The model's dtype while compiling: float32, bfloat16 or float16.")
+    dtype: str = dtype_option()
 
 
 @settings_command(CompileOptions, name="compile")

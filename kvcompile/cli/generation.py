@@ -54,6 +54,7 @@ class GenerateOptions:
         None, "A method option as key=value, e.g. mode=dynamic or unstructured=true for kvcompose."
     )
     model: str = settings.model_option()
+    dtype: str = settings.dtype_option()
     prompt_format: str = settings.prompt_format_option()
     max_new_tokens: int = settings.option(32, "Tokens to generate.")
     prefill_chunk_size: int | None = settings.option(
@@ -149,6 +150,7 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
         raise KVRuntimeError(f"--batch-size {given.batch_size}: give at least 1 prompt per batch")
     check_prompt_format(given.prompt_format)
     check_model_spec(given.model)
+    recipe.check_dtype_name(given.dtype)
     facts = model_facts(given.model)  # from the model's config or GGUF header, read once
     batched = given.batch_size > 1 and len(prompts) > 1
     check_request_fits(facts, given.kv_bits is not None, batched, given.prompt_format == "chat")
@@ -199,6 +201,9 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
             method = DEFAULT_METHOD
         elif default.exists():
             paths = [default]
+        else:  # nothing tuned for this model: the runtime's default, said (a tuned model may prefer another)
+            note = f"no tuned_defaults for this model (`kvcompile tune`); using {DEFAULT_METHOD}"
+            method = DEFAULT_METHOD
     if given.nearest_budget:  # compilerkv's option, given its own flag: checked with the others
         if not named:
             tuned = tuned_defaults_among(paths) if method is None else None
@@ -312,7 +317,7 @@ def generate_compressed(
     from kvruntime.batch_rows import left_pad
 
     question, max_new_tokens, batch_size = given.question, given.max_new_tokens, given.batch_size
-    loaded, tokenizer = recipe.load_model(given.model)
+    loaded, tokenizer = recipe.load_model(given.model, dtype=given.dtype)
     tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
     limit = getattr(loaded.config, "max_position_embeddings", None)
     encoded = encoded_prompts(

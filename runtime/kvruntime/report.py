@@ -79,9 +79,10 @@ class CompressionReport:
                 f"full-attention layers ({_ranges(self.layers)}), {(self.bytes_before - self.bounded_bytes) / mib:.2f} "
                 f"MiB -> {(self.bytes_after - self.bounded_bytes) / mib:.2f} MiB"
             )
-        lines.append("  kept per layer      layer: slots per head / entries attended (all heads)")
+        # Two counts, not a fraction: a full cache of 3 KV heads reads "1948 s  5844 e", not 1948 of 5844 kept.
+        lines.append("  kept per layer      layer: s = slots per KV head, e = entries attended over all its KV heads")
         indices = self.layers or list(range(len(self.slots_per_layer)))
-        cells = [f"{i:>2}: {s:>5}/{e:<6}" for i, s, e in zip(indices, self.slots_per_layer, self.entries_per_layer)]
+        cells = [f"{i:>2}: {s:>5} s {e:>6} e" for i, s, e in zip(indices, self.slots_per_layer, self.entries_per_layer)]
         lines += ["    " + "  ".join(cells[i : i + 5]) for i in range(0, len(cells), 5)]
         lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)

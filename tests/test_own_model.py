@@ -166,3 +166,19 @@ def test_compile_plans_what_the_methods_need_in_order_and_runs_only_what_is_miss
     assert result.exit_code == 0 and ran == [["layer-errors", *job], ["stats", *job]], result.output
     result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,nothing"])
     assert result.exit_code == 2 and "unknown method 'nothing'" in result.output
+
+
+def test_generate_without_a_tuned_default_says_which_method_serves_and_loads_in_the_dtype_asked(
+    shipped, tmp_path, prompt, monkeypatch
+):
+    model = saved(tiny_model("llama"), tmp_path / "m")
+    dtypes = []
+    load = model_loading._load_folder
+    monkeypatch.setattr(model_loading, "_load_folder", lambda folder, dtype: dtypes.append(dtype) or load(folder, dtype))
+    args = ["generate", "--model", model, "--prompt-file", prompt, "--max-new-tokens", "2", "--dtype", "bfloat16"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "note: no tuned_defaults for this model (`kvcompile tune`); using kvcompress" in result.output
+    assert "compression report: kvcompress, ratio 0.5" in result.output and dtypes == [torch.bfloat16]
+    result = runner.invoke(app, [*args[:-1], "float8"])
+    assert result.exit_code == 2 and "--dtype 'float8': use one of float32, bfloat16, float16" in result.output
