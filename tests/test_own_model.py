@@ -174,7 +174,9 @@ def test_generate_without_a_tuned_default_says_which_method_serves_and_loads_in_
     model = saved(tiny_model("llama"), tmp_path / "m")
     dtypes = []
     load = model_loading._load_folder
-    monkeypatch.setattr(model_loading, "_load_folder", lambda folder, dtype: dtypes.append(dtype) or load(folder, dtype))
+    monkeypatch.setattr(
+        model_loading, "_load_folder", lambda folder, dtype: dtypes.append(dtype) or load(folder, dtype)
+    )
     args = ["generate", "--model", model, "--prompt-file", prompt, "--max-new-tokens", "2", "--dtype", "bfloat16"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
