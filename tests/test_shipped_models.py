@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from test_refusals_before_torch import gguf_bytes
 import kvruntime
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.prompt_format import opened, opening_ids
-from kvcompile.recipe import artifact_folder
+from kvcompile.recipe import artifact_folder, artifact_folders
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models import default_model as dm
+from kvruntime.models import model_loading
 from kvruntime.models.model_spec import model_facts, position_limit
 
 GGUF_BYTES = b"GGUF" + bytes(range(40))
@@ -142,3 +144,18 @@ def test_gemma_3_270m_loads_with_its_bos_and_its_hybrid_cache():
     assert (facts.sliding, facts.chat) == ("sliding_attention" in kinds, bool(tokenizer.chat_template)) == (True, False)
     assert [i for i, kind in enumerate(kinds) if kind == "full_attention"] == [5, 11, 17]
     assert kvruntime.model_fingerprint(model).num_layers == 3
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(importlib.util.find_spec(dm.SHIPPED_MODELS["gemma-3-270m"].package) is None,
+                    reason="gemma-3-270m's packages are not installed (README: the second shipped model)")  # fmt: skip
+def test_gemma_given_by_name_by_its_gguf_renamed_or_by_a_saved_folder_finds_its_shipped_artifacts(tmp_path):
+    """Issue #75: by the fingerprint of its weights, read before it loads. Its converted cache is a folder
+    `save_pretrained` wrote: the saved folder."""
+    gguf = dm.gguf_of("gemma-3-270m")
+    renamed = tmp_path / "weights.bin"
+    shutil.copy(gguf, renamed)
+    shipped = artifact_folder("gemma-3-270m")
+    for given in ("gemma-3-270m", str(gguf), str(renamed), str(model_loading.weights_folder("gemma-3-270m"))):
+        assert artifact_folders(given)[1:] == (shipped,), given
+    assert shipped not in artifact_folders("default")
