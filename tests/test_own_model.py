@@ -164,6 +164,11 @@ def test_compile_plans_what_the_methods_need_in_order_and_runs_only_what_is_miss
     result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,kvcompose"])
     job = ["--model", model, "--resume", "--device", "cpu", "--dtype", "float32"]
     assert result.exit_code == 0 and ran == [["layer-errors", *job], ["stats", *job]], result.output
+    base = saved(tiny_model("llama", seed=2), tmp_path / "base")  # no chat template: heads probes it in raw text
+    ran.clear()
+    result = runner.invoke(app, ["compile", "--model", base, "--methods", "srh"])
+    assert result.exit_code == 0 and ran == [["heads", "--model", base, "--resume", "--prompt-format", "raw",
+                                              "--device", "cpu", "--dtype", "float32"]], result.output  # fmt: skip
     result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv,nothing"])
     assert result.exit_code == 2 and "unknown method 'nothing'" in result.output
 

@@ -13,7 +13,7 @@ import sys
 import typer
 
 from kvcompile.cli.commands import settings_command
-from kvcompile.cli.compile_plan import ALL_METHODS, kinds_needed, methods_of
+from kvcompile.cli.compile_plan import ALL_METHODS, compile_arguments, kinds_needed, methods_of
 from kvcompile.settings import device_option, dtype_option, model_option, option
 
 
@@ -33,10 +33,9 @@ class CompileOptions:
 @settings_command(CompileOptions, name="compile")
 def compile_model(options: CompileOptions, ctx: typer.Context, resources: contextlib.ExitStack) -> None:
     """Compile every artifact the methods need for the model, one compile command after another (each resumable,
-    at its default settings); what the model already has is kept."""
+    at its default settings; heads in raw text for a model without a chat template); what the model has is kept."""
     from kvcompile.recipe import check_device_name, check_dtype_name, default_artifact
-    from kvruntime import ARTIFACT_KINDS
-    from kvruntime.models.model_spec import check_model_spec
+    from kvruntime.models.model_spec import check_model_spec, model_facts
 
     methods = methods_of(options.methods)
     kinds = kinds_needed(methods)
@@ -51,11 +50,9 @@ def compile_model(options: CompileOptions, ctx: typer.Context, resources: contex
     if not missing or options.dry_run:
         typer.echo("nothing to compile" if not missing else f"would run {len(missing)} compile commands", err=True)
         return
+    chat = model_facts(options.model).chat
     for number, kind in enumerate(missing, 1):
-        command = [
-            *ARTIFACT_KINDS[kind].command.split()[1:],
-            *("--model", options.model, "--resume", "--device", options.device, "--dtype", options.dtype),
-        ]
+        command = compile_arguments(kind, options.model, chat, options.device, options.dtype)
         typer.echo(f"[{number}/{len(missing)}] kvcompile {' '.join(command)}", err=True)
         done = subprocess.run([sys.executable, "-m", "kvcompile.cli", *command])
         if done.returncode != 0:

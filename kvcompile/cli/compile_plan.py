@@ -36,3 +36,14 @@ def methods_of(text: str) -> list[str]:
 def compile_hint(model: str, methods: Sequence[str]) -> str:
     """The one command that compiles what `methods` lack for `model`, as a refusal names it."""
     return shlex.join(["kvcompile", "compile", "--model", model, "--methods", ",".join(methods)])
+
+
+def compile_arguments(kind: str, model: str, chat: bool | None, device: str, dtype: str) -> list[str]:
+    """The arguments of the compile command that writes `kind` for `model`, resumable: its defaults, but `heads`
+    probes in raw text for a model without a chat template (its default, the template, would be refused there)."""
+    from kvruntime import ARTIFACT_KINDS
+
+    arguments = [*ARTIFACT_KINDS[kind].command.split()[1:], "--model", model, "--resume"]
+    if kind == "srh_heads" and chat is False:
+        arguments += ["--prompt-format", "raw"]
+    return [*arguments, "--device", device, "--dtype", dtype]
