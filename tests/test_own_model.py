@@ -16,9 +16,15 @@ from test_refusals_before_torch import gguf_bytes
 from typer.testing import CliRunner
 
 import kvcompile.shipped
+from kvcompile.calibration.forward_costs import ForwardCosts
+from kvcompile.calibration.forward_probe import measure_forward_costs
 from kvcompile.cli import app
 from kvcompile.cli.compile_plan import kinds_needed, methods_of
 from kvcompile.recipe import artifact_folders, default_artifact, model_identity, store_folder
+from kvcompile.recipes.compilerkv.settings import TablesSettings
+from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
+from kvcompile.recipes.distilled.settings import DistillSettings
+from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvruntime import Artifact, save_artifact
 from kvruntime.artifacts.bundle import artifact_files
 from kvruntime.artifacts.fingerprint import folder_fingerprint, model_fingerprint
@@ -189,3 +195,50 @@ def test_generate_without_a_tuned_default_says_which_method_serves_and_loads_in_
     assert "compression report: kvcompress, ratio 0.5" in result.output and dtypes == [torch.bfloat16]
     result = runner.invoke(app, [*args[:-1], "float8"])
     assert result.exit_code == 2 and "--dtype 'float8': use one of float32, bfloat16, float16" in result.output
+
+
+COSTS = ForwardCosts(
+    prefill_per_token=(1e-3, 1e-6), second_pass_per_token=(2e-3, 2e-6), decode=0.05, scored=4e-3, query_step=0.3
+)
+
+
+def test_each_compile_commands_estimate_adds_up_its_forwards():
+    shape = model_fingerprint(tiny_model("llama"))  # 4 layers, 4 query heads, 2 KV heads
+
+    def prefill(tokens: int) -> float:
+        return tokens * (1e-3 + 1e-6 * tokens)
+
+    def second(tokens: int) -> float:
+        return tokens * (2e-3 + 2e-6 * tokens)
+
+    heads = 11 * 3 * sum(prefill(n) + 30 * 0.05 for n in (512, 1024, 1536, 2048))
+    assert HeadsSettings().estimated_seconds(COSTS, shape) == pytest.approx(heads)
+    assert LayerErrorsSettings().estimated_seconds(COSTS, shape) == pytest.approx(24 * (prefill(1024) + 32 * 0.05))
+    assert StatsSettings().estimated_seconds(COSTS, shape) == pytest.approx(24 * (prefill(2048) + second(2048)))
+    lookahead = 16 * (prefill(1024) + second(1024)) + 400 * 0.3  # 12 contexts trained, 4 held out, 400 steps
+    distill = 32 * (prefill(2048) + second(2048)) + lookahead
+    assert DistillSettings().estimated_seconds(COSTS, shape) == pytest.approx(distill)
+    # sampled: 2 (layer, KV group) pairs x 2 query heads x 8 weights, 4 layers x 7 thresholds, and the base
+    per_unit = 1 + 2 * 2 * 8 + 4 * 7
+    tables = 64 * prefill(2048) + 32 * (prefill(2048) + 128 * 4e-3) + 2 * 32 * 2 * per_unit * 127 * 4e-3 + 4 * 15
+    assert TablesSettings().estimated_seconds(COSTS, shape) == pytest.approx(tables)
+
+
+def test_the_probe_times_every_forward_on_a_real_model():
+    costs = measure_forward_costs(tiny_model("gemma3_text"))  # sliding layers, the maxima of the growing ones
+    assert all(value > 0 for value in (costs.prefill(512), costs.second_pass(512), costs.decode, costs.scored))
+    assert costs.query_step > 0 and costs.prefill_per_token[1] >= 0 and costs.second_pass_per_token[1] >= 0
+
+
+def test_compile_says_what_each_command_would_take_before_it_starts(shipped, tmp_path, monkeypatch):
+    model = saved(tiny_model("llama", seed=2), tmp_path / "m")
+    monkeypatch.setattr("kvcompile.calibration.forward_probe.measure_forward_costs", lambda loaded: COSTS)
+    result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv", "--dry-run"])
+    shape = model_fingerprint(tiny_model("llama", seed=2))
+    heads = HeadsSettings(chat=False).estimated_seconds(COSTS, shape)  # no chat template: raw probes
+    errors = LayerErrorsSettings().estimated_seconds(COSTS, shape)
+    assert result.exit_code == 0, result.output
+    assert heads > 90 > errors  # minutes above a minute and a half, seconds below
+    assert f"srh_heads: about {heads / 60:.0f} min" in result.output
+    assert f"layer_budgets: about {errors:.0f} s" in result.output
+    assert f"estimate: about {(heads + errors) / 60:.0f} min in all" in result.output

@@ -200,6 +200,7 @@ def job_options(kind: str, shardable: bool, checkpoint_every: int) -> type:
 
 # The commands that write an artifact (what `reproduce` may run), each with its inputs that read a file or folder.
 COMPILE_COMMANDS: dict[str, frozenset[str]] = {}
+COMPILE_SETTINGS: dict[str, type] = {}  # each artifact kind's compile settings (`compile` estimates their time)
 
 
 def _reads_path(kind: object) -> bool:
@@ -222,6 +223,8 @@ def compile_command(
     the command runs `compile_artifact`, refusing bad input in one line. `old_names`: the command's names before a
     rename, kept hidden: the commands recorded in artifacts name them, and `reproduce` reruns those."""
     job_type = job_options(kind, shardable, checkpoint_every)
+    if settings is not None:
+        COMPILE_SETTINGS[kind] = settings
     parts = {"inputs": inputs, "settings": settings, "job": job_type}
     options = {part: settings_options(declared) for part, declared in parts.items()}
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcompile.settings import Settings, option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.methods.compilerkv.operating_points import UTILITIES
 from kvruntime.registry import METHODS
+
+if TYPE_CHECKING:
+    from kvcompile.calibration.forward_costs import ForwardCosts
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 WINDOW = METHODS["compilerkv"].window  # the runtime method's observation window: the rollouts see what it sees
 LOSSES = ("nll", "kl")  # the rollouts' loss: the continuation's NLL (the paper's) or its KL from the full cache
@@ -30,6 +35,19 @@ class ExperienceDesign:
     action_stride: int = 1  # actions are drawn from every `action_stride`-th grid point (more records per action)
     head_weights: tuple[float, ...] = ()
     gate_thresholds: tuple[float, ...] = ()
+
+    def rollouts(self, model: ModelFingerprint, reference: bool) -> int:
+        """About how many continuations a unit rolls out: the base (and the full cache's, for the KL), then each
+        probe; every-state's probes at a neutral weight repeat the base (about half of its head probes)."""
+        layers, heads, groups = model.num_layers, model.num_query_heads, model.num_kv_heads
+        if self.head_weights:
+            head_probes = layers * heads * len(self.head_weights) // 2
+        else:
+            pairs = layers * groups if self.head_groups is None else min(self.head_groups, layers * groups)
+            head_probes = pairs * (heads // groups) * self.head_actions
+        gate_layers = layers if self.gate_layers is None else min(self.gate_layers, layers)
+        gate_probes = gate_layers * (len(self.gate_thresholds) or self.gate_actions)
+        return 1 + int(reference) + head_probes + gate_probes
 
 
 # Named designs (`kvcompile tables --design`). "sampled": a few states and many actions per unit, the tables'
@@ -54,6 +72,9 @@ class CQLSettings:
     steps: int = 2000  # gradient steps per fit
     epochs: int = 10  # learning-curve points per fit (steps are split evenly)
     seed: int = 0
+
+
+CQL_FIT_SECONDS = 15.0  # one d3rlpy DiscreteCQL fit of the tables on the CPU, about (10-20 s measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +127,22 @@ class TablesSettings(Settings):
     cql: CQLSettings = CQLSettings()
     seed: int = seed_option()
     batch_size: int = 8  # variants decoded together
+
+    def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
+        """The candidates' prefills; each chosen prompt's prefill and scored continuation (and its greedy one);
+        then per round, prompt and budget a rollout of the continuation per probe, and the CQL fits (`kvcompile
+        compile`'s estimate)."""
+        context, continuation = self.context_tokens, self.continuation
+        chosen = costs.prefill(context) + continuation * costs.scored
+        if self.continuation_from == "greedy":
+            chosen += costs.prefill(context) + continuation * costs.decode
+        rollouts = self.rounds * self.prompts * len(self.budgets) * self.design.rollouts(model, self.loss == "kl")
+        return (
+            self.candidates * costs.prefill(context)
+            + self.prompts * chosen
+            + rollouts * (continuation - 1) * costs.scored
+            + 2 * self.rounds * CQL_FIT_SECONDS
+        )
 
     def check_values(self) -> None:
         if not self.budgets or list(self.budgets) != sorted(set(self.budgets)):

@@ -5,11 +5,17 @@ imports the work)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
 
+if TYPE_CHECKING:
+    from kvcompile.calibration.forward_costs import ForwardCosts
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
+
 MIN_PROBE_TOKENS = 128  # a needle sentence, its question and some haystack around it
+ANSWER_STEPS = 30  # tokens a probe's answer decodes: its needle sentence and 8 more, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +34,14 @@ class HeadsSettings(Settings):
     )
     seed: int = seed_option()
 
+    def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
+        """Each probe (lengths x depths x needles) a prefill, then the needle sentence decoded (`kvcompile compile`'s
+        estimate)."""
+        from kvcompile.tasks.needles import CALIBRATION_NEEDLES
+
+        probes = len(self.depths) * len(CALIBRATION_NEEDLES)
+        return probes * sum(costs.prefill(length) + ANSWER_STEPS * costs.decode for length in self.lengths)
+
     def check_values(self) -> None:
         if not self.lengths or not self.depths or any(not 0 <= d <= 1 for d in self.depths):
             raise KVRuntimeError("--lengths needs at least one length and --depths values in [0, 1]")
@@ -43,6 +57,10 @@ class LayerErrorsSettings(Settings):
     prompt_tokens: int = prompt_tokens_option(1024)
     new_tokens: int = option(32, "Greedy decoding steps measured per prompt.")
     seed: int = seed_option()
+
+    def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
+        """Each prompt a prefill, then `new_tokens` decoded (`kvcompile compile`'s estimate)."""
+        return self.prompts * (costs.prefill(self.prompt_tokens) + self.new_tokens * costs.decode)
 
     def check_values(self) -> None:
         if min(self.prompts, self.prompt_tokens, self.new_tokens) < 1:

@@ -5,10 +5,15 @@ imports the work)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON, MAX_LOOKAHEAD_QUERIES, ORACLES, STUDENTS
+
+if TYPE_CHECKING:
+    from kvcompile.calibration.forward_costs import ForwardCosts
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 HELD_OUT_EVERY = 4  # prompts 3, 7, 11, ... choose the ridge strength
 
@@ -60,6 +65,20 @@ class DistillSettings(Settings):
         "repeats, a quarter of its 8-grams seen earlier in it, is then scored by the student alone).",
         choices=LOOKAHEAD_ON,
     )
+
+    def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
+        """Each prompt a prefill and the teacher's second pass; the lookahead queries' contexts the same, then their
+        training steps (`kvcompile compile`'s estimate)."""
+
+        def pass_seconds(tokens: int) -> float:  # a prefill and the teacher's second pass
+            return costs.prefill(tokens) + costs.second_pass(tokens)
+
+        seconds = self.prompts * pass_seconds(self.prompt_tokens)
+        if self.lookahead_queries:
+            contexts = self.lookahead_prompts + self.lookahead_held_out
+            tokens = min(self.lookahead_tokens, self.prompt_tokens)
+            seconds += contexts * pass_seconds(tokens) + self.lookahead_steps * costs.query_step
+        return seconds
 
     def check_values(self) -> None:
         if self.prompts < HELD_OUT_EVERY:

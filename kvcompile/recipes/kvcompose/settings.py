@@ -7,10 +7,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.registry import METHODS
+
+if TYPE_CHECKING:
+    from kvcompile.calibration.forward_costs import ForwardCosts
+    from kvruntime.artifacts.fingerprint import ModelFingerprint
 
 WINDOW = METHODS["kvcompose"].window  # the runtime's protected window: the least a layer keeps
 
@@ -49,6 +54,10 @@ class StatsSettings(Settings):
     prompts: int = option(24, "Calibration prompts.")
     prompt_tokens: int = prompt_tokens_option(2048)
     seed: int = seed_option()
+
+    def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
+        """Each prompt a prefill and a second pass over it (`kvcompile compile`'s estimate)."""
+        return self.prompts * (costs.prefill(self.prompt_tokens) + costs.second_pass(self.prompt_tokens))
 
     def check_values(self) -> None:
         if not self.ratios or any(not 0 < r < 1 for r in self.ratios):
