@@ -113,6 +113,27 @@ def settings_from_command_line(settings_type: type, given: dict[str, Any]) -> An
     return settings_type(**values)
 
 
+def command_line_arguments(settings: Any) -> list[str]:
+    """The options that give `settings` on a command line (`settings_from_command_line`'s inverse): each field
+    whose value is not its default, as its flag and the value as the option reads it."""
+    kinds = typing.get_type_hints(type(settings))
+    arguments = []
+    for field in command_line_fields(type(settings)):
+        value = getattr(settings, field.name)
+        if value == field.default:
+            continue
+        choices = field.metadata["choices"]
+        if isinstance(choices, Mapping):
+            arguments += [flag_of(field), next(name for name, choice in choices.items() if choice == value)]
+        elif typing.get_origin(kinds[field.name]) is tuple:
+            arguments += [flag_of(field), ",".join(str(item) for item in value)]
+        elif isinstance(value, bool):  # typer's pair of flags: --x / --no-x
+            arguments.append(flag_of(field) if value else "--no-" + field.name.replace("_", "-"))
+        else:
+            arguments += [flag_of(field), str(value)]
+    return arguments
+
+
 class Settings:
     """A recipe's settings: `check` refuses a value outside its field's choices (a mapping's names are the command
     line's shorthands: in Python the field takes any value of its type), then the recipe's own rules."""

@@ -3,6 +3,9 @@ given (a name, a GGUF file renamed or not, a saved folder), and `kvcompile compi
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -20,11 +23,12 @@ from kvcompile.calibration.forward_costs import ForwardCosts
 from kvcompile.calibration.forward_probe import measure_forward_costs
 from kvcompile.cli import app
 from kvcompile.cli.compile_plan import kinds_needed, methods_of
-from kvcompile.recipe import artifact_folders, default_artifact, model_identity, store_folder
-from kvcompile.recipes.compilerkv.settings import TablesSettings
+from kvcompile.recipe import artifact_folder, artifact_folders, default_artifact, model_identity, store_folder
+from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.settings import StatsSettings
+from kvcompile.settings import command_line_arguments
 from kvruntime import Artifact, save_artifact
 from kvruntime.artifacts.bundle import artifact_files
 from kvruntime.artifacts.fingerprint import folder_fingerprint, model_fingerprint
@@ -242,3 +246,21 @@ def test_compile_says_what_each_command_would_take_before_it_starts(shipped, tmp
     assert f"srh_heads: about {heads / 60:.0f} min" in result.output
     assert f"layer_budgets: about {errors:.0f} s" in result.output
     assert f"estimate: about {(heads + errors) / 60:.0f} min in all" in result.output
+
+
+def test_the_flags_compile_passes_give_back_the_settings_a_recorded_command_names():
+    """The inverse of the command line's parsing, against the shipped Gemma tables' recorded command: the same
+    flags, and only those (every other setting at its default)."""
+    recorded = json.loads((artifact_folder("gemma-3-270m") / "compilerkv_tables.run.json").read_text())
+    flags = shlex.split(recorded["command_line"])[2:]
+    given = dict(zip(flags[::2], flags[1::2]))
+    given = {flag: value for flag, value in given.items() if flag not in ("--model", "--out")}
+    tables = TablesSettings(
+        design=DESIGNS["every-state"], loss="kl", continuation_from="greedy", budgets=(256,), prompts=16, rounds=1,
+        entropy_bins=1, perplexity_bins=1,
+    )  # fmt: skip
+    arguments = command_line_arguments(tables)
+    assert dict(zip(arguments[::2], arguments[1::2])) == given
+    assert command_line_arguments(HeadsSettings(chat=False)) == ["--prompt-format", "raw"]
+    assert "--elastic" in command_line_arguments(dataclasses.replace(tables, elastic=True))
+    assert command_line_arguments(DistillSettings()) == []

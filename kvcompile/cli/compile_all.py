@@ -56,7 +56,7 @@ def compile_model(options: CompileOptions, ctx: typer.Context, resources: contex
         typer.echo(f"would run {len(missing)} compile commands", err=True)
         return
     for number, kind in enumerate(missing, 1):
-        command = compile_arguments(kind, options.model, chat, options.device, options.dtype)
+        command = compile_arguments(kind, options.model, compile_settings(kind, chat), options.device, options.dtype)
         typer.echo(f"[{number}/{len(missing)}] kvcompile {' '.join(command)}", err=True)
         done = subprocess.run([sys.executable, "-m", "kvcompile.cli", *command])
         if done.returncode != 0:
@@ -66,7 +66,7 @@ def compile_model(options: CompileOptions, ctx: typer.Context, resources: contex
 
 def compile_settings(kind: str, chat: bool | None) -> object:
     """The settings `compile` runs `kind`'s command at: its defaults, but heads in raw text for a model without a
-    chat template (`compile_arguments` says so on its command line)."""
+    chat template (its default, the template, would be refused there)."""
     settings = COMPILE_SETTINGS[kind]()
     return dataclasses.replace(settings, chat=False) if kind == "srh_heads" and chat is False else settings
 

@@ -38,12 +38,20 @@ def compile_hint(model: str, methods: Sequence[str]) -> str:
     return shlex.join(["kvcompile", "compile", "--model", model, "--methods", ",".join(methods)])
 
 
-def compile_arguments(kind: str, model: str, chat: bool | None, device: str, dtype: str) -> list[str]:
-    """The arguments of the compile command that writes `kind` for `model`, resumable: its defaults, but `heads`
-    probes in raw text for a model without a chat template (its default, the template, would be refused there)."""
+def compile_arguments(kind: str, model: str, settings: object, device: str, dtype: str) -> list[str]:
+    """The arguments of the compile command that writes `kind` for `model` at `settings`, resumable."""
+    from kvcompile.settings import command_line_arguments
     from kvruntime import ARTIFACT_KINDS
 
-    arguments = [*ARTIFACT_KINDS[kind].command.split()[1:], "--model", model, "--resume"]
-    if kind == "srh_heads" and chat is False:
-        arguments += ["--prompt-format", "raw"]
-    return [*arguments, "--device", device, "--dtype", dtype]
+    command = ARTIFACT_KINDS[kind].command.split()[1:]
+    return [
+        *command,
+        "--model",
+        model,
+        "--resume",
+        *command_line_arguments(settings),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+    ]
