@@ -124,18 +124,19 @@ def folder_fingerprint(folder: Path) -> ModelFingerprint | None:
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     names = {id(parameter): name for name, parameter in skeleton.named_parameters()}
     wanted = [names.get(id(weight)) for weight in _hashed_weights(skeleton)]
-    stored = {}
+    samples = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            stored.update({name: path for name in handle.keys() if name in wanted})
-    if None in wanted or not set(wanted) <= set(stored):
+            for name in set(wanted) & set(handle.keys()):
+                part = handle.get_slice(name)
+                shape = part.get_shape()
+                row = math.prod(shape[1:]) if len(shape) > 1 else 1
+                samples[name] = _hashed_sample(
+                    part[: -(-_HASHED_ELEMENTS // row)] if shape else handle.get_tensor(name)
+                )
+    if None in wanted or not set(wanted) <= set(samples):
         return None
     digest = hashlib.sha256()
     for name in wanted:
-        with safe_open(str(stored[name]), framework="pt") as handle:
-            part = handle.get_slice(name)
-            shape = part.get_shape()
-            row = math.prod(shape[1:]) if len(shape) > 1 else 1
-            rows = part[: -(-_HASHED_ELEMENTS // row)] if shape else handle.get_tensor(name)
-            digest.update(_hashed_sample(rows))
+        digest.update(samples[name])
     return _fingerprint(skeleton, digest.hexdigest()[:16])
