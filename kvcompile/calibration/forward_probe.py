@@ -49,7 +49,7 @@ def measure_forward_costs(model: nn.Module) -> ForwardCosts:
         scored, _ = _timed(lambda: model(rows))
     embeddings = torch.zeros(1, QUERY_EMBEDDINGS, model.config.hidden_size, device=device, requires_grad=True)
 
-    def query_step() -> None:
+    def query_step() -> float:
         with torch.no_grad():
             context = model(ids, use_cache=True, logits_to_keep=1).past_key_values
         started = time.perf_counter()
