@@ -155,8 +155,7 @@ bench-compresskv: setup
 # every state probed on every prompt, the KL reward on the model's own continuations, one threshold per layer
 # (docs/methods/compilerkv.md, issue #35).
 compilerkv: setup
-	$(BIN)/kvcompile tables --design every-state --loss kl --continuation-from greedy --budgets 256 --prompts 16 \
-		--rounds 1 --entropy-bins 1 --perplexity-bins 1
+	$(BIN)/kvcompile tables
 
 bench-compilerkv: setup
 	$(BIN)/python -m benchmarks.compilerkv.table_stability

@@ -60,6 +60,11 @@ def prompt_tokens_option(default: int) -> Any:
     return option(default, "Tokens per calibration prompt.")
 
 
+def scaled_count(count: int, scale: float, least: int, multiple: int = 1) -> int:
+    """`count` x `scale` (0-1) as a multiple of `multiple`, at least `least` (`kvcompile compile --minutes`)."""
+    return max(least, multiple * round(count * scale / multiple))
+
+
 def command_line_fields(settings_type: type) -> list[dataclasses.Field]:
     """The settings a command line sets, in their declared order."""
     return [f for f in dataclasses.fields(settings_type) if "help" in f.metadata]

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 import shutil
+import subprocess
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,13 +25,20 @@ import kvcompile.shipped
 from kvcompile.calibration.forward_costs import ForwardCosts
 from kvcompile.calibration.forward_probe import measure_forward_costs
 from kvcompile.cli import app
-from kvcompile.cli.compile_plan import kinds_needed, methods_of
+from kvcompile.cli.compile_plan import fitted_scale, kinds_needed, methods_of
 from kvcompile.recipe import artifact_folder, artifact_folders, default_artifact, model_identity, store_folder
 from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvcompile.settings import command_line_arguments
+from kvcompile.settings import (
+    command_line_arguments,
+    command_line_default,
+    command_line_fields,
+    command_line_kind,
+    flag_of,
+    settings_from_command_line,
+)
 from kvruntime import Artifact, save_artifact
 from kvruntime.artifacts.bundle import artifact_files
 from kvruntime.artifacts.fingerprint import folder_fingerprint, model_fingerprint
@@ -147,6 +157,18 @@ def test_another_models_artifact_is_refused_before_the_weights_load(shipped, tmp
     assert result.exit_code == 2 and "compiled for another checkpoint of LlamaForCausalLM" in result.output
 
 
+def test_eval_refuses_another_models_artifacts_before_the_weights_load(shipped, tmp_path, monkeypatch):
+    from test_own_suite import ROWS, write_jsonl
+
+    model = saved(tiny_model("llama"), tmp_path / "m")
+    never_loaded(monkeypatch)
+    suite = write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    args = ["eval", "--model", model, "--suite", str(suite), "--methods", "srh", "--out", str(tmp_path / "run")]
+    result = runner.invoke(app, [*args, "--artifacts", str(shipped / "other")])
+    assert result.exit_code == 2 and "compiled for another checkpoint of LlamaForCausalLM" in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_folder_of_artifacts_gives_its_artifacts_and_one_without_any_is_refused(shipped, tmp_path, prompt):
     assert artifact_files([shipped / "tiny"]) == [shipped / "tiny" / "srh_heads.safetensors"]
     (tmp_path / "empty").mkdir()
@@ -222,10 +244,31 @@ def test_each_compile_commands_estimate_adds_up_its_forwards():
     lookahead = 16 * (prefill(1024) + second(1024)) + 400 * 0.3  # 12 contexts trained, 4 held out, 400 steps
     distill = 32 * (prefill(2048) + second(2048)) + lookahead
     assert DistillSettings().estimated_seconds(COSTS, shape) == pytest.approx(distill)
-    # sampled: 2 (layer, KV group) pairs x 2 query heads x 8 weights, 4 layers x 7 thresholds, and the base
+    # every-state: 4 layers x 4 query heads at weight 1.5 (1.0 repeats the base), 4 layers x 3 thresholds, the base
+    # and the full cache's continuation (the KL); the greedy continuation decoded once per chosen prompt
+    per_unit = 1 + 1 + 4 * 4 + 4 * 3
+    chosen = 2 * prefill(2048) + 128 * 4e-3 + 128 * 0.05
+    tables = 64 * prefill(2048) + 16 * chosen + 16 * per_unit * 127 * 4e-3 + 2 * 15
+    assert TablesSettings().estimated_seconds(COSTS, shape) == pytest.approx(tables)
+    # the paper's shape, sampled: 2 (layer, KV group) pairs x 2 query heads x 8 weights, 4 layers x 7 thresholds
+    paper = TablesSettings(
+        design=DESIGNS["sampled"], loss="nll", continuation_from="corpus", budgets=(256, 512), prompts=32, rounds=2
+    )
     per_unit = 1 + 2 * 2 * 8 + 4 * 7
     tables = 64 * prefill(2048) + 32 * (prefill(2048) + 128 * 4e-3) + 2 * 32 * 2 * per_unit * 127 * 4e-3 + 4 * 15
-    assert TablesSettings().estimated_seconds(COSTS, shape) == pytest.approx(tables)
+    assert paper.estimated_seconds(COSTS, shape) == pytest.approx(tables)
+
+
+def read_back(settings_type: type, given: dict[str, str | bool]) -> object:
+    """The settings a command line with the flags `given` (each at its text) reads as: the others at their
+    defaults."""
+    kinds = typing.get_type_hints(settings_type)
+    fields = {flag_of(field): field for field in command_line_fields(settings_type)}
+    values = {field.name: command_line_default(field, kinds[field.name]) for field in fields.values()}
+    for flag, text in given.items():
+        field = fields[flag]
+        values[field.name] = command_line_kind(field, kinds[field.name])(text)
+    return settings_from_command_line(settings_type, values)
 
 
 def test_the_probe_times_every_forward_on_a_real_model():
@@ -248,19 +291,104 @@ def test_compile_says_what_each_command_would_take_before_it_starts(shipped, tmp
     assert f"estimate: about {(heads + errors) / 60:.0f} min in all" in result.output
 
 
+COMPILE_DEFAULTS = [HeadsSettings(), LayerErrorsSettings(), StatsSettings(), DistillSettings(), TablesSettings()]
+
+
+@pytest.mark.parametrize("settings", COMPILE_DEFAULTS, ids=lambda settings: type(settings).__name__)
+def test_scaled_settings_are_the_defaults_at_one_valid_below_and_cheaper_the_smaller(settings):
+    shape = model_fingerprint(tiny_model("llama"))
+    assert settings.scaled(1.0) == settings and command_line_arguments(settings.scaled(1.0)) == []
+    seconds = [settings.scaled(scale).estimated_seconds(COSTS, shape) for scale in (0, 0.2, 0.4, 0.6, 0.8, 1)]
+    assert seconds == sorted(seconds) and seconds[0] < seconds[-1] / 2
+    for scale in (0, 0.3, 0.7):
+        settings.scaled(scale).check()
+
+
+def test_the_least_settings_are_each_recipes_floor_and_a_half_halves_the_counts():
+    assert HeadsSettings().scaled(0) == HeadsSettings(lengths=(512, 1024), depths=(0, 0.5, 1))
+    assert HeadsSettings().scaled(0.5).depths == (0, 0.2, 0.4, 0.6, 0.8, 1)  # 11 x 0.5, rounded, both ends kept
+    assert LayerErrorsSettings().scaled(0) == LayerErrorsSettings(prompts=6, new_tokens=8)
+    assert LayerErrorsSettings().scaled(0.5) == LayerErrorsSettings(prompts=12, new_tokens=16)
+    assert StatsSettings().scaled(0) == StatsSettings(prompts=6, prompt_tokens=512)
+    assert StatsSettings().scaled(0.5) == StatsSettings(prompts=12, prompt_tokens=1024)
+    least = DistillSettings(
+        prompts=8, prompt_tokens=1024, lookahead_steps=100, lookahead_prompts=4, lookahead_held_out=2
+    )
+    assert DistillSettings().scaled(0) == least
+    assert DistillSettings().scaled(0.3).prompts == 8 and DistillSettings().scaled(0.4).prompts == 12  # 4 x round(x)
+    assert TablesSettings().scaled(0) == TablesSettings(prompts=8, candidates=16, continuation=32)
+    assert TablesSettings().scaled(0.75) == TablesSettings(prompts=12, candidates=48, continuation=96)
+
+
+def test_the_fitted_scale_is_the_largest_whose_estimate_fits():
+    def seconds_at(scale: float) -> float:
+        return 100 + 900 * scale
+
+    assert (
+        fitted_scale(seconds_at, 550) == pytest.approx(0.5, abs=0.01)
+        and seconds_at(fitted_scale(seconds_at, 550)) <= 550
+    )
+    assert fitted_scale(seconds_at, 1000) == 1.0 and fitted_scale(seconds_at, 5000) == 1.0
+    assert fitted_scale(seconds_at, 99) is None and fitted_scale(seconds_at, 100) == pytest.approx(0, abs=0.01)
+
+
+def test_compile_fits_the_settings_into_minutes_and_a_rerun_resumes_them(shipped, tmp_path, monkeypatch):
+    model = saved(tiny_model("llama", seed=2), tmp_path / "m")
+    shape = model_fingerprint(tiny_model("llama", seed=2))
+    kinds = [HeadsSettings(chat=False), LayerErrorsSettings()]  # compresskv's, raw probes (no chat template)
+
+    def seconds(scale: float) -> float:
+        return sum(settings.scaled(scale).estimated_seconds(COSTS, shape) for settings in kinds)
+
+    probes, ran = [], []
+    monkeypatch.setattr(
+        "kvcompile.calibration.forward_probe.measure_forward_costs", lambda m: probes.append(1) or COSTS
+    )
+    monkeypatch.setattr(
+        subprocess, "run", lambda command, **_: ran.append(command[3:]) or subprocess.CompletedProcess(command, 0)
+    )
+    minutes = seconds(0.5) / 60
+    args = ["compile", "--model", model, "--methods", "compresskv", "--minutes", str(minutes)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads((store_folder(model) / "compile_plan.json").read_text())
+    scale = plan["scale"]
+    assert seconds(scale) <= minutes * 60 < seconds(scale + 0.01) and 0.45 < scale < 0.55 and probes == [1]
+    assert plan["estimated_seconds"]["srh_heads"] == pytest.approx(
+        kinds[0].scaled(scale).estimated_seconds(COSTS, shape)
+    )
+    for command, settings in zip(ran, kinds, strict=True):
+        flags = command_line_arguments(settings.scaled(scale))
+        assert " ".join(flags) in " ".join(command) and f"({' '.join(flags)})" in result.output
+    assert f"settings scaled by {scale:.2f} to fit --minutes {minutes:g}" in result.output
+    first, ran[:] = list(ran), []
+    result = runner.invoke(app, args)  # the commands' --resume refuses other settings: the same ones, unprobed
+    assert result.exit_code == 0 and "resuming the settings chosen for --minutes" in result.output
+    assert ran == first and probes == [1]
+    result = runner.invoke(app, [*args[:-1], str(seconds(0) / 60 - 0.01)])  # another budget: probed again
+    assert result.exit_code == 2 and probes == [1, 1]
+    least = f"the least settings would take about {seconds(0):.0f} s here; give --minutes {math.ceil(seconds(0) / 60)} or more"
+    assert seconds(0) < 90 and least in result.output
+    result = runner.invoke(app, [*args[:-1], "0"])
+    assert result.exit_code == 2 and "--minutes 0: give a positive number of minutes" in result.output
+    assert probes == [1, 1] and len(ran) == 2
+
+
 def test_the_flags_compile_passes_give_back_the_settings_a_recorded_command_names():
-    """The inverse of the command line's parsing, against the shipped Gemma tables' recorded command: the same
-    flags, and only those (every other setting at its default)."""
+    """The inverse of the command line's parsing; and the shipped Gemma tables' recorded command names the tables'
+    defaults (what `compile` runs), flag for flag."""
     recorded = json.loads((artifact_folder("gemma-3-270m") / "compilerkv_tables.run.json").read_text())
     flags = shlex.split(recorded["command_line"])[2:]
     given = dict(zip(flags[::2], flags[1::2]))
     given = {flag: value for flag, value in given.items() if flag not in ("--model", "--out")}
-    tables = TablesSettings(
-        design=DESIGNS["every-state"], loss="kl", continuation_from="greedy", budgets=(256,), prompts=16, rounds=1,
-        entropy_bins=1, perplexity_bins=1,
+    assert len(given) == 8
+    assert read_back(TablesSettings, given) == TablesSettings()
+    paper = TablesSettings(
+        design=DESIGNS["sampled"], loss="nll", continuation_from="corpus", budgets=(256, 512), prompts=32, rounds=2,
+        entropy_bins=20, perplexity_bins=4,
     )  # fmt: skip
-    arguments = command_line_arguments(tables)
-    assert dict(zip(arguments[::2], arguments[1::2])) == given
+    arguments = command_line_arguments(paper)
+    assert len(arguments) == 16 and read_back(TablesSettings, dict(zip(arguments[::2], arguments[1::2]))) == paper
     assert command_line_arguments(HeadsSettings(chat=False)) == ["--prompt-format", "raw"]
-    assert "--elastic" in command_line_arguments(dataclasses.replace(tables, elastic=True))
+    assert "--elastic" in command_line_arguments(dataclasses.replace(paper, elastic=True))
     assert command_line_arguments(DistillSettings()) == []

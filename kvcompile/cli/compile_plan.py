@@ -4,7 +4,7 @@ compiled before what reads it, and the one command a refusal names for what a mo
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvruntime import KVRuntimeError
 
@@ -55,3 +55,18 @@ def compile_arguments(kind: str, model: str, settings: object, device: str, dtyp
         "--dtype",
         dtype,
     ]
+
+
+def fitted_scale(seconds_at: Callable[[float], float], budget: float) -> float | None:
+    """The largest scale (0-1, to 1%) of the compile settings (`scaled`) whose estimate `seconds_at` fits within
+    `budget` seconds; None where even the least settings (scale 0: every count at its floor) do not. The estimate
+    grows with the scale, every count being non-decreasing in it."""
+    if seconds_at(1.0) <= budget:
+        return 1.0
+    if seconds_at(0.0) > budget:
+        return None
+    low, high = 0.0, 1.0
+    while high - low > 0.01:
+        middle = (low + high) / 2
+        low, high = (middle, high) if seconds_at(middle) <= budget else (low, middle)
+    return low

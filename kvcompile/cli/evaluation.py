@@ -231,6 +231,8 @@ def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitSt
     check_request_fits(facts, quantized, options.batch_size > 1, options.prompt_format == "chat")
     paths = artifact_paths(contestants, (options.artifacts,) if options.artifacts else artifact_folders(options.model))
     contestants = resolve_contestants(contestants, paths, settings.ratios)
+    requests = [contestant.request for contestant in contestants if getattr(contestant, "request", None)]
+    recipe.refuse_other_models_artifacts(options.model, requests)  # before the weights load
     record = {"model": options.model, "methods": [c.label for c in contestants], **settings.record()}
     if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
         del record["task_samples"]

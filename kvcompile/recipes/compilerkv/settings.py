@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcompile.settings import Settings, option, seed_option
+from kvcompile.settings import Settings, option, scaled_count, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.methods.compilerkv.operating_points import UTILITIES
 from kvruntime.registry import METHODS
@@ -77,22 +77,26 @@ class CQLSettings:
 CQL_FIT_SECONDS = 15.0  # one d3rlpy DiscreteCQL fit of the tables on the CPU, about (10-20 s measured)
 
 
+# The defaults are the shipped tables' (every state on every prompt, the KL on the model's own continuations, one
+# threshold per layer: the sampled design's tables agreed by chance, docs/methods/compilerkv.md). The paper's shape:
+# --design sampled --loss nll --continuation-from corpus --budgets 256,512 --prompts 32 --rounds 2
+# --entropy-bins 20 --perplexity-bins 4.
 @dataclasses.dataclass(frozen=True)
 class TablesSettings(Settings):
-    budgets: tuple[int, ...] = option((256, 512), "Budgets (tokens per layer, window included) to compile tables for.")
-    prompts: int = option(32, "Calibration prompts (context + continuation).")
+    budgets: tuple[int, ...] = option((256,), "Budgets (tokens per layer, window included) to compile tables for.")
+    prompts: int = option(16, "Calibration prompts (context + continuation).")
     candidates: int = option(
         64, "Candidate prompts whose risk is measured; --prompts of them are chosen across the risk cells."
     )
     strata: tuple[int, int] = (4, 2)  # entropy x perplexity cells the chosen prompts are spread over
     context_tokens: int = option(2048, "Tokens of context per calibration prompt.", old_flags=("--context",))
     continuation: int = option(128, "Tokens of continuation whose NLL is the reward.")
-    rounds: int = option(2, "At most this many rounds of head then gate learning.")
+    rounds: int = option(1, "At most this many rounds of head then gate learning.")
     tolerance: float = 0.02  # stop once fewer than this share of both tables' entries change in a round
     entropy_bins: int = option(
-        20, "Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer)."
+        1, "Entropy bins of the risk gate (1 with --perplexity-bins 1: one threshold per layer)."
     )
-    perplexity_bins: int = option(4, "Window-perplexity bins of the risk gate.")
+    perplexity_bins: int = option(1, "Window-perplexity bins of the risk gate.")
     penalty: float = 1.0  # the over-budget penalty's weight (elastic rule only)
     elastic: bool = option(
         False,
@@ -107,18 +111,18 @@ class TablesSettings(Settings):
         choices=UTILITIES,
     )
     loss: str = option(
-        "nll",
+        "kl",
         "The rollouts' loss: nll (the continuation's NLL, the paper's reward) or kl (its KL divergence from the full "
         "cache's next-token distributions: the same expectation, about half the noise).",
         choices=LOSSES,
     )
     continuation_from: str = option(
-        "corpus",
+        "greedy",
         "Whose continuation is scored: corpus (the text's own) or greedy (the full-cache model's).",
         choices=CONTINUATIONS,
     )
     design: ExperienceDesign = option(
-        DESIGNS["sampled"],
+        DESIGNS["every-state"],
         "The experience design: sampled (a few states per prompt, many actions: the paper's shape) or every-state "
         "(every head and layer probed on every prompt with weights 1.0/1.5 and thresholds 0.8/0.9/1.0 from neutral "
         "tables: as many records per state as prompts).",
@@ -127,6 +131,17 @@ class TablesSettings(Settings):
     cql: CQLSettings = CQLSettings()
     seed: int = seed_option()
     batch_size: int = 8  # variants decoded together
+
+    def scaled(self, scale: float) -> TablesSettings:
+        """Fewer prompts (at least 8, one per risk cell), candidates (at least twice the prompts) and shorter
+        continuations (at least 32 tokens), by `scale` (`kvcompile compile --minutes`)."""
+        prompts = scaled_count(self.prompts, scale, self.strata[0] * self.strata[1])
+        return dataclasses.replace(
+            self,
+            prompts=prompts,
+            candidates=max(scaled_count(self.candidates, scale, 16), 2 * prompts),
+            continuation=scaled_count(self.continuation, scale, 32),
+        )
 
     def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
         """The candidates' prefills; each chosen prompt's prefill and scored continuation (and its greedy one);

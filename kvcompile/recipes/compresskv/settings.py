@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
+from kvcompile.settings import Settings, option, prompt_tokens_option, scaled_count, seed_option
 from kvruntime import KVRuntimeError
 
 if TYPE_CHECKING:
@@ -34,6 +34,16 @@ class HeadsSettings(Settings):
     )
     seed: int = seed_option()
 
+    def scaled(self, scale: float) -> HeadsSettings:
+        """Fewer depths (evenly spread, both ends kept, at least 3) and the shorter lengths (at least 2), by `scale`
+        (0-1: `kvcompile compile --minutes`)."""
+        depths = scaled_count(len(self.depths), scale, 3)
+        return dataclasses.replace(
+            self,
+            lengths=tuple(sorted(self.lengths)[: scaled_count(len(self.lengths), scale, 2)]),
+            depths=tuple(round(i / (depths - 1), 2) for i in range(depths)),
+        )
+
     def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
         """Each probe (lengths x depths x needles) a prefill, then the needle sentence decoded (`kvcompile compile`'s
         estimate)."""
@@ -57,6 +67,12 @@ class LayerErrorsSettings(Settings):
     prompt_tokens: int = prompt_tokens_option(1024)
     new_tokens: int = option(32, "Greedy decoding steps measured per prompt.")
     seed: int = seed_option()
+
+    def scaled(self, scale: float) -> LayerErrorsSettings:
+        """Fewer prompts (at least 6) and decoding steps (at least 8), by `scale` (`kvcompile compile --minutes`)."""
+        return dataclasses.replace(
+            self, prompts=scaled_count(self.prompts, scale, 6), new_tokens=scaled_count(self.new_tokens, scale, 8)
+        )
 
     def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
         """Each prompt a prefill, then `new_tokens` decoded (`kvcompile compile`'s estimate)."""

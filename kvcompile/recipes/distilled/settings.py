@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
+from kvcompile.settings import Settings, option, prompt_tokens_option, scaled_count, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON, MAX_LOOKAHEAD_QUERIES, ORACLES, STUDENTS
 
@@ -65,6 +65,18 @@ class DistillSettings(Settings):
         "repeats, a quarter of its 8-grams seen earlier in it, is then scored by the student alone).",
         choices=LOOKAHEAD_ON,
     )
+
+    def scaled(self, scale: float) -> DistillSettings:
+        """Fewer and shorter prompts (at least 8 of 1,024 tokens), fewer lookahead contexts (at least 4 and 2 held
+        out) and steps (at least 100), by `scale` (`kvcompile compile --minutes`)."""
+        return dataclasses.replace(
+            self,
+            prompts=scaled_count(self.prompts, scale, 2 * HELD_OUT_EVERY, multiple=HELD_OUT_EVERY),
+            prompt_tokens=scaled_count(self.prompt_tokens, scale, 1024, multiple=256),
+            lookahead_steps=scaled_count(self.lookahead_steps, scale, 100),
+            lookahead_prompts=scaled_count(self.lookahead_prompts, scale, 4),
+            lookahead_held_out=scaled_count(self.lookahead_held_out, scale, 2),
+        )
 
     def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
         """Each prompt a prefill and the teacher's second pass; the lookahead queries' contexts the same, then their

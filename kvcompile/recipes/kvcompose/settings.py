@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcompile.settings import Settings, option, prompt_tokens_option, seed_option
+from kvcompile.settings import Settings, option, prompt_tokens_option, scaled_count, seed_option
 from kvruntime import KVRuntimeError
 from kvruntime.registry import METHODS
 
@@ -54,6 +54,15 @@ class StatsSettings(Settings):
     prompts: int = option(24, "Calibration prompts.")
     prompt_tokens: int = prompt_tokens_option(2048)
     seed: int = seed_option()
+
+    def scaled(self, scale: float) -> StatsSettings:
+        """Fewer prompts (at least 6) and shorter ones (at least 512 tokens), by `scale` (`kvcompile compile
+        --minutes`)."""
+        return dataclasses.replace(
+            self,
+            prompts=scaled_count(self.prompts, scale, 6),
+            prompt_tokens=scaled_count(self.prompt_tokens, scale, 512, multiple=256),
+        )
 
     def estimated_seconds(self, costs: ForwardCosts, model: ModelFingerprint) -> float:
         """Each prompt a prefill and a second pass over it (`kvcompile compile`'s estimate)."""
