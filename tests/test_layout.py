@@ -71,7 +71,7 @@ def test_the_compile_stage_imports_kvruntimes_api_or_its_modules_never_a_private
 
 
 def test_kvruntimes_public_api_is_small_and_every_name_resolves():
-    assert len(kvruntime.__all__) <= 25
+    assert len(kvruntime.__all__) <= 26  # 24 before saved contexts (issue #76) added save_context and load_context
     for name in kvruntime.__all__:
         assert getattr(kvruntime, name) is not None, name
 

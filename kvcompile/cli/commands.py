@@ -147,9 +147,24 @@ def generate(options: GenerateOptions, ctx: typer.Context, resources: contextlib
     """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
     template (`--prompt-format auto`, for instruct models) or raw text."""
-    from kvcompile.cli.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
+    from kvcompile.cli.generation import (
+        SAVED_CONTEXT_METHOD,
+        check_generation_inputs,
+        compression_asked,
+        generate_compressed,
+        read_prompts,
+    )
     from kvruntime.requests.request import parse_option_pairs
 
+    if options.context is not None:
+        from kvcompile.cli.saved_contexts import answer_from_context, checked_context
+
+        answer_from_context(*checked_context(options), options, typer.echo)
+        return
+    if not options.prompt_file:
+        raise KVRuntimeError("give --prompt-file (the prompt, or the document with --question), or --context FILE")
+    if options.save_context is not None and options.method is None and not options.artifact:
+        options = dataclasses.replace(options, method=SAVED_CONTEXT_METHOD)
     prompts = read_prompts(options.prompt_file)
     positions = check_generation_inputs(prompts, options)
     asked = compression_asked(options, parse_option_pairs(options.option or [], options.method), positions)

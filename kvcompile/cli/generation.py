@@ -20,12 +20,17 @@ if TYPE_CHECKING:
     from kvruntime.requests.resolved import ResolvedRequest
 
 
+# A saved context's default: the most faithful method measured per model and text type, the distilled scorer at
+# its defaults, level with or ahead of its two-pass teacher but on repeated text (docs/usage.md has the trade).
+SAVED_CONTEXT_METHOD = "distilled"
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateOptions:
     """`kvcompile generate`'s options, each declared once (`kvcompile.settings.option`)."""
 
-    prompt_file: list[Path] = settings.option(
-        dataclasses.MISSING,
+    prompt_file: list[Path] | None = settings.option(
+        None,
         "Text file holding the prompt (the context in question mode). Repeat it for several prompts, or give a .jsonl "
         'file of prompts (a JSON string or {"prompt": ...} per line).',
     )
@@ -38,6 +43,17 @@ class GenerateOptions:
     budget: int | None = settings.option(None, "Tokens kept per layer (instead of --ratio).")
     question: list[str] | None = settings.option(
         None, "Question mode: compress the prompt without the question, then answer each --question."
+    )
+    save_context: Path | None = settings.option(
+        None,
+        "Write the prompt's compressed context (question mode's: one prompt file) to this file, which --context "
+        "answers from later without the document. Default method there: distilled (the most faithful measured; its "
+        "two-pass teacher, --option scores=oracle, only on repeated text: docs/usage.md).",
+    )
+    context: Path | None = settings.option(
+        None,
+        "Answer each --question from a context file (--save-context's), without the document: no prompt file, "
+        "method or ratio (the file holds them); the model it was made from.",
     )
     memory: str = settings.option("padded", "padded (default) or masked: how per-head counts are stored.")
     artifact: list[Path] | None = settings.option(
@@ -125,6 +141,18 @@ def check_encodable(what: str, text: str) -> None:
         raise KVRuntimeError(f"{what} holds a lone surrogate (not Unicode text): give UTF-8 text") from None
 
 
+def check_context_target(path: Path, prompts: int, kv_bits: int | None) -> None:
+    """Refuse a --save-context that cannot be written as asked: one prompt's context, unquantized, to a file."""
+    if prompts != 1:
+        raise KVRuntimeError(
+            f"--save-context saves one document's context: give one prompt file, not {prompts} prompts"
+        )
+    if kv_bits is not None:
+        raise KVRuntimeError("--save-context saves the kept entries unquantized: leave out --kv-bits")
+    if path.is_dir() or not path.parent.is_dir():
+        raise KVRuntimeError(f"--save-context {path}: give a file in a folder that exists")
+
+
 # Over three times the default model's longest token (81 bytes: a newline and 80 spaces); byte-level BPE merges stay
 # short. A prompt of more bytes than this times the model's positions cannot fit, whatever it says.
 MAX_TOKEN_BYTES = 256
@@ -165,6 +193,8 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
     check_kv_bits(given.kv_bits)
     if given.kv_bits is not None and given.batch_size > 1:
         raise KVRuntimeError("--kv-bits quantizes one prompt at a time: leave --batch-size at 1")
+    if given.save_context is not None:
+        check_context_target(given.save_context, len(prompts), given.kv_bits)
     if given.question is not None and not all(text.strip() for text in given.question):
         raise KVRuntimeError("--question is empty: give the text of each question")
     for text in given.question or []:
@@ -236,11 +266,7 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
     )
     resolved = dataclasses.replace(resolved, note=note)
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
-    from kvruntime.artifacts.artifact import check_artifact_matches_model
-
-    identity = recipe.model_identity(model)
-    for artifact in resolved.artifacts if identity is not None else ():  # another model's, before its weights load
-        check_artifact_matches_model(artifact, identity, force=given.force)
+    recipe.refuse_other_models_artifacts(model, [resolved], force=given.force)
     return resolved
 
 
@@ -293,9 +319,9 @@ def encoded_prompts(
         context = text.strip() if chat else text
         if encode(context).shape[1] < 2:
             raise KVRuntimeError(f"{name} holds fewer than 2 tokens: nothing to compress")
-        if question:
+        if question is not None:
             row = encode(turn_start + context, special=not chat)[0]
-            separator = "\n\n" if chat else ("" if context[-1].isspace() else "\n")
+            separator = question_separator(context, chat)
             asked = [encode(separator + q.strip() + turn_end)[0] for q in question]
         else:
             row, asked = encode(turn_start + context + turn_end, special=not chat)[0], []
@@ -303,6 +329,19 @@ def encoded_prompts(
         check_positions(tokens + max_new_tokens, limit, f"{name} ({tokens} tokens) and {max_new_tokens} new tokens")
         encoded.append((name, row, asked))
     return encoded
+
+
+def padding_and_greedy(tokenizer: Any, max_new_tokens: int) -> tuple[int, dict[str, Any]]:
+    """A batch's padding token (the tokenizer's own, else its end of text: most causal LMs have no pad token) and
+    greedy generation's arguments."""
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    return pad, dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+
+
+def question_separator(context: str, chat: bool) -> str:
+    """What goes between a context and a question's text: a blank line in a chat turn, else a line break unless
+    the context ends with white space."""
+    return "\n\n" if chat else ("" if context[-1].isspace() else "\n")
 
 
 def generate_compressed(
@@ -316,16 +355,14 @@ def generate_compressed(
     from kvcompile.prompt_format import uses_chat
     from kvruntime.batch_rows import left_pad
 
-    question, max_new_tokens, batch_size = given.question, given.max_new_tokens, given.batch_size
+    max_new_tokens, batch_size = given.max_new_tokens, given.batch_size
+    question = [] if given.question is None and given.save_context is not None else given.question
     loaded, tokenizer = recipe.load_model(given.model, dtype=given.dtype)
     tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
     limit = getattr(loaded.config, "max_position_embeddings", None)
-    encoded = encoded_prompts(
-        tokenizer, prompts, question, uses_chat(tokenizer, given.prompt_format), max_new_tokens, limit
-    )
-    # A batch's padding token: the tokenizer's own, else its end of text (most causal LMs have no pad token).
-    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    greedy = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    chat = uses_chat(tokenizer, given.prompt_format)
+    encoded = encoded_prompts(tokenizer, prompts, question, chat, max_new_tokens, limit)
+    pad, greedy = padding_and_greedy(tokenizer, max_new_tokens)
 
     def show(name: str, text: str) -> None:
         if len(encoded) > 1:
@@ -339,8 +376,14 @@ def generate_compressed(
         for first in range(0, len(encoded), batch_size):
             batch = encoded[first : first + batch_size]
             ids, mask = left_pad([row for _, row, _ in batch], pad)
-            if question:
+            if question is not None:
                 compressed = session.prefill(ids, attention_mask=mask)
+                if given.save_context is not None:  # one prompt (`check_generation_inputs`)
+                    separator = question_separator(prompts[0][1].strip() if chat else prompts[0][1], chat)
+                    saved = kvruntime.save_context(
+                        compressed, given.save_context, tokenizer, "chat" if chat else "raw", separator
+                    )
+                    echo(f"saved the compressed context to {saved} ({saved.stat().st_size / (1 << 20):.2f} MiB)")
                 answers: list[list[str]] = [[] for _ in batch]
                 for number, text in enumerate(question):
                     question_ids, question_mask = left_pad([questions[number] for _, _, questions in batch], pad)
@@ -348,7 +391,8 @@ def generate_compressed(
                     for lines, answer in zip(answers, output[:, question_ids.shape[1] :]):
                         lines.append(f"Q: {text.strip()}\nA: {decoded(answer)}")
                 for (name, _, _), lines in zip(batch, answers):
-                    show(name, "\n".join(lines))
+                    if lines:
+                        show(name, "\n".join(lines))
             else:
                 output = loaded.generate(input_ids=ids, attention_mask=mask, **greedy)
                 for (name, _, _), answer in zip(batch, output[:, ids.shape[1] :]):

@@ -22,6 +22,8 @@ _EXPORTS = {
         ("CompressedContext", "CompressionSession", "compress", "generate_after_context", "logits_after_context"),
         "engine",
     ),
+    # A compressed context saved to a file, answered from in another process.
+    **dict.fromkeys(("load_context", "save_context"), "engine.saved_context"),
     **dict.fromkeys(("BatchReport", "CompressionReport"), "report"),
     "DEFAULT_MODEL": "models.default_model",
     "load_model": "models.model_loading",

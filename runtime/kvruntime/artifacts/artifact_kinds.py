@@ -86,6 +86,9 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
         ),
         # Sums of a share of a compile run (`--shard`), for `kvcompile merge`; never applied to a model.
         ArtifactKind("partial_statistics", ""),
+        # A document's compressed cache (`kvcompile generate --save-context`), answered from later; its tensors,
+        # per layer, are checked by `context_file.py` against the model it names.
+        ArtifactKind("compressed_context", "kvcompile generate"),
     )
 }
 KNOWN_KINDS = tuple(ARTIFACT_KINDS)

@@ -37,12 +37,16 @@ class CompressedContext:
         session: AnsweringSession,
         cache: Cache,
         context_lengths: list[int],
-        report: CompressionReport | BatchReport,
+        report: CompressionReport | BatchReport | None,
+        kept_positions: list[torch.Tensor] | None = None,
     ) -> None:
         self.session = session
         self.cache = cache
         self.context_lengths = context_lengths  # each row's own tokens
-        self.report = report
+        self.report = report  # None for a context loaded from a file (`saved_context.py`)
+        # Original positions of the entries each cut layer kept, [B, Hkv, slots] per layer in the order of the
+        # report's `layers` (empty: the context was kept whole).
+        self.kept_positions = kept_positions or []
 
     @property
     def keep_masks(self) -> dict[int, torch.Tensor]:

@@ -8,7 +8,11 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 from transformers import Cache
+
+from ..attention import KEEP_MASK_KEYWORD
+from ..cache_ops import hooked_cache
 
 
 class KeepMasks:
@@ -27,6 +31,13 @@ class KeepMasks:
     def drop(self, cache: Cache) -> None:
         """`cache` starts a new sequence: an earlier prompt's masks do not apply to it."""
         self._by_cache.pop(cache, None)
+
+    def injected(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """An attention module's arguments with its layer's keep mask of the cache it reads (a forward pre-hook's
+        result; None: nothing to hide)."""
+        cache = hooked_cache(kwargs)
+        mask = self.of(cache).get(module.layer_idx) if cache is not None else None
+        return None if mask is None else (args, {**kwargs, KEEP_MASK_KEYWORD: mask})
 
     @contextlib.contextmanager
     def masking(self, cache: Cache, masks: dict[int, torch.Tensor]) -> Iterator[None]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..attention import KEEP_MASK_KEYWORD, captured_logits, capturing_queries
+from ..attention import captured_logits, capturing_queries
 from ..cache_ops import (
     attention_modules,
     bounded_bytes,
@@ -128,7 +128,7 @@ class CompressionSession:
             raise KVRuntimeError("the context was not compressed")
         rows, length = input_ids.shape
         lengths = [length] * rows if attention_mask is None else attention_mask.sum(1).tolist()
-        return CompressedContext(self, cache, lengths, compressed.report)
+        return CompressedContext(self, cache, lengths, compressed.report, compressed.kept_positions)
 
     def streams(self, length: int) -> bool:
         """Whether a prompt of `length` tokens goes in chunks (`prefill_chunk_size`)."""
@@ -153,7 +153,7 @@ class CompressionSession:
             cache, output = recording.replay(self.model, self._after_attention)
         compressed = self._finish(state, output)
         self.kept_positions = compressed.kept_positions
-        return CompressedContext(self, cache, [recording.length], compressed.report)
+        return CompressedContext(self, cache, [recording.length], compressed.report, compressed.kept_positions)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -302,11 +302,7 @@ class CompressionSession:
             own_window_storage_of(layer)
 
     def _inject_keep_mask(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        cache = hooked_cache(kwargs)
-        mask = self.keep_masks.of(cache).get(module.layer_idx) if cache is not None else None
-        if mask is None or self._prefill is not None:
-            return None
-        return args, {**kwargs, KEEP_MASK_KEYWORD: mask}
+        return None if self._prefill is not None else self.keep_masks.injected(module, args, kwargs)
 
     # -- cutting -------------------------------------------------------------------------------------------
     def _finish(self, state: PrefillState, output: object) -> Compressed | None:
