@@ -40,7 +40,6 @@ from kvruntime.models.default_model import SHIPPED_MODELS
 if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, not when the command line starts
     from kvcompile.calibration.job import CompileJob
     from kvruntime.artifacts.fingerprint import ModelFingerprint
-    from kvruntime.requests.resolved import ResolvedRequest
 
 PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
@@ -87,16 +86,21 @@ def _identity(model: str, stamp: int | None) -> ModelFingerprint | None:
     return folder_fingerprint(folder) if folder is not None else None
 
 
-def refuse_other_models_artifacts(model: str, requests: Iterable[ResolvedRequest], force: bool = False) -> None:
-    """Refuse an artifact compiled for other weights than the model's, from the fingerprint read before the model
-    loads (`model_identity`; a model whose weights cannot be read before loading is checked when they are
-    applied). Each request's artifacts are read here, once: the method is built from them later."""
-    from kvruntime.artifacts.artifact import check_artifact_matches_model
+def refuse_other_models_artifacts(model: str, paths: Iterable[Path], force: bool = False) -> None:
+    """Refuse an artifact compiled for other weights than the model's, from its header's fingerprint against the
+    model's, both read before the model loads (`model_identity`), torch-free; a model whose weights cannot be read
+    before loading is checked when they are applied, and so is a header that names no model."""
+    from kvruntime.artifacts.artifact_header import load_json, read_header
+    from kvruntime.artifacts.fingerprint import ModelFingerprint, check_compiled_for
 
     identity = model_identity(model)
-    for request in requests if identity is not None else ():
-        for artifact in request.artifacts:
-            check_artifact_matches_model(artifact, identity, force=force)
+    for path in paths if identity is not None else ():
+        header = read_header(path)
+        try:
+            compiled_for = ModelFingerprint.from_dict(load_json(header["model"]))
+        except (KeyError, TypeError, ValueError, RecursionError):
+            continue
+        check_compiled_for(compiled_for, header.get("kind", ""), str(path), identity, force)
 
 
 def folder_identity(folder: Path) -> ModelFingerprint | None:

@@ -84,10 +84,29 @@ def valid_tensors() -> dict[str, dict[str, torch.Tensor]]:
             "layer_shares": torch.tensor([[0.25] * 4, [0.1, 0.2, 0.3, 0.4]]),
         },
         "partial_statistics": {"xtx": torch.rand(4, 3, 3, dtype=torch.float64, generator=g)},  # for `kvcompile merge`
+        # A saved context of 80 tokens, each layer's last 10 kept: [1, KV heads, slots, head dim]
+        "compressed_context": {
+            f"{kind}.{layer}": tensor
+            for layer in range(4)
+            for kind, tensor in (
+                ("keys", torch.randn(1, 2, 10, 16, generator=g)),
+                ("values", torch.randn(1, 2, 10, 16, generator=g)),
+                ("positions", torch.arange(70, 80, dtype=torch.int32).expand(1, 2, 10).contiguous()),
+            )
+        },
     }
 
 
 PARAMS = {
+    "compressed_context": {
+        "context_length": 80,
+        "layers": 4,
+        "prompt_format": "raw",
+        "question_separator": "",
+        "tokenizer_sha256": "0" * 64,
+        "method": "snapkv",
+        "requested": "ratio 0.5",
+    },  # fmt: skip
     "distilled_scorer": {"oracle": "reconstruction", "share_floor": 0.25},
     "tuned_defaults": {
         "tolerance": 0.02,
@@ -120,6 +139,10 @@ def use(path: Path, kind: str) -> tuple[int, int] | None:
         TunedDefaults.from_artifact(artifact)
         return None
     if kind in ("compilerkv_experience", "partial_statistics"):  # read by the compile stage only
+        return None
+    if kind == "compressed_context":  # answered from: a question's first token after it
+        with kvruntime.load_context(model(), path) as context:
+            context.generate(PROMPT[:, :3], max_new_tokens=1, do_sample=False, pad_token_id=0)
         return None
     method, request, per_head = {
         "srh_heads": ("srh", {"ratio": 0.5}, 80),

@@ -100,7 +100,7 @@ def test_generate_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, mon
     [
         (["--budgets", "32,256"], "--budgets must lie between the 64-token window and the 2048-token context"),
         (["--utility", "local"], "--utility 'local': use one of global, head"),
-        (["--candidates", "8"], "--candidates 8: give at least as many candidate prompts as --prompts 32"),
+        (["--candidates", "8"], "--candidates 8: give at least as many candidate prompts as --prompts 16"),
     ],
 )
 def test_tables_refuses_bad_settings_before_loading_any_model(monkeypatch, args, message):

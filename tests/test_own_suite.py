@@ -151,12 +151,13 @@ def test_eval_resolves_each_contestant_once_per_run(tmp_path, monkeypatch):
     from test_serving import count_resolution
     from transformers import AutoTokenizer
 
-    from kvruntime import save_artifact
+    from kvruntime import model_fingerprint, save_artifact
 
     monkeypatch.chdir(tmp_path)
     save_char_tokenizer(tmp_path / "tok")
     model, tokenizer = tiny_model("llama"), AutoTokenizer.from_pretrained(tmp_path / "tok")
     monkeypatch.setattr(recipe, "load_model", lambda name, **_: (model, tokenizer))
+    monkeypatch.setattr(recipe, "model_identity", lambda name: model_fingerprint(model))  # the tiny one
     save_artifact(scorer_that_prefers(model, 0), tmp_path / "compiled" / "distilled_scorer.safetensors")
     write_jsonl(tmp_path / "mine.jsonl", ROWS)
     calls: list = []

@@ -147,13 +147,8 @@ def generate(options: GenerateOptions, ctx: typer.Context, resources: contextlib
     """Generate from prompt files with a compressed KV cache, then print the compression report (per batch of
     several prompts: each row's and the batch's bytes held). A prompt is the user's turn of the model's chat
     template (`--prompt-format auto`, for instruct models) or raw text."""
-    from kvcompile.cli.generation import (
-        SAVED_CONTEXT_METHOD,
-        check_generation_inputs,
-        compression_asked,
-        generate_compressed,
-        read_prompts,
-    )
+    from kvcompile.cli.generation import check_generation_inputs, compression_asked, generate_compressed, read_prompts
+    from kvruntime.registry import SAVED_CONTEXT_METHOD
     from kvruntime.requests.request import parse_option_pairs
 
     if options.context is not None:

@@ -15,6 +15,7 @@ from kvcompile.cli.commands import command_line, compile_command, settings_comma
 from kvcompile.recipe import artifact_folders, claim_output, compiled_artifact
 from kvcompile.settings import device_option, model_option, option, prompt_format_option, seed_option
 from kvruntime import KVRuntimeError
+from kvruntime.artifacts.artifact_header import headers_read_once
 from kvruntime.registry import COMPARED_NAMES
 
 TASKS_HELP = (
@@ -229,10 +230,13 @@ def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitSt
     contestants = parse_methods(methods)
     quantized = any(contestant.kv_bits is not None for contestant in contestants)
     check_request_fits(facts, quantized, options.batch_size > 1, options.prompt_format == "chat")
-    paths = artifact_paths(contestants, (options.artifacts,) if options.artifacts else artifact_folders(options.model))
-    contestants = resolve_contestants(contestants, paths, settings.ratios)
-    requests = [contestant.request for contestant in contestants if getattr(contestant, "request", None)]
-    recipe.refuse_other_models_artifacts(options.model, requests)  # before the weights load
+    with headers_read_once():  # the fingerprints checked from the headers resolving read
+        paths = artifact_paths(
+            contestants, (options.artifacts,) if options.artifacts else artifact_folders(options.model)
+        )
+        contestants = resolve_contestants(contestants, paths, settings.ratios)
+        files = [path for files in paths.values() for path in files if path.suffix == ".safetensors"]
+        recipe.refuse_other_models_artifacts(options.model, files)  # before the weights load
     record = {"model": options.model, "methods": [c.label for c in contestants], **settings.record()}
     if not settings.task_samples:  # runs recorded before per-task counts existed stay resumable
         del record["task_samples"]

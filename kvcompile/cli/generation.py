@@ -14,15 +14,10 @@ from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import headers_read_once
 from kvruntime.errors import printable
-from kvruntime.registry import methods_help
+from kvruntime.registry import SAVED_CONTEXT_METHOD, methods_help
 
 if TYPE_CHECKING:
     from kvruntime.requests.resolved import ResolvedRequest
-
-
-# A saved context's default: the most faithful method measured per model and text type, the distilled scorer at
-# its defaults, level with or ahead of its two-pass teacher but on repeated text (docs/usage.md has the trade).
-SAVED_CONTEXT_METHOD = "distilled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +42,8 @@ class GenerateOptions:
     save_context: Path | None = settings.option(
         None,
         "Write the prompt's compressed context (question mode's: one prompt file) to this file, which --context "
-        "answers from later without the document. Default method there: distilled (the most faithful measured; its "
-        "two-pass teacher, --option scores=oracle, only on repeated text: docs/usage.md).",
+        f"answers from later without the document. Default method there: {SAVED_CONTEXT_METHOD} (the most faithful "
+        "measured; its two-pass teacher, --option scores=oracle, only on repeated text: docs/usage.md).",
     )
     context: Path | None = settings.option(
         None,
@@ -266,7 +261,8 @@ def compression_asked(given: GenerateOptions, options: dict[str, object], positi
     )
     resolved = dataclasses.replace(resolved, note=note)
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
-    recipe.refuse_other_models_artifacts(model, [resolved], force=given.force)
+    given_files = [artifact.path for artifact in resolved.artifacts if artifact.path is not None]
+    recipe.refuse_other_models_artifacts(model, given_files, force=given.force)  # before the weights load
     return resolved
 
 

@@ -23,6 +23,9 @@ from .errors import KVRuntimeError
 ERROR_AWARE = "error-aware"  # the name suffix: CompressKV's error-aware layer budgets
 SUFFIXES = (ERROR_AWARE, "budgets")  # the suffix as written now, then before issue #65
 DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method and no tuned defaults
+# What a saved context is compressed with when no method is named: the most faithful measured per model and text
+# type, level with or ahead of its two-pass teacher but on repeated text (docs/usage.md).
+SAVED_CONTEXT_METHOD = "distilled"
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
 MERGES = ("off", "values", "refit")  # every method's `merge` option (`kvruntime.merging`)
 

@@ -13,7 +13,6 @@ import hashlib
 import importlib
 import json
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -27,7 +26,7 @@ from ..errors import ArtifactError, first_line, short_repr
 from .artifact_header import FORMAT_NAME, FORMAT_VERSION, check_artifact_file
 from .artifact_kinds import ARTIFACT_KINDS, KNOWN_KINDS
 from .files import write_atomically
-from .fingerprint import ModelFingerprint, model_fingerprint
+from .fingerprint import ModelFingerprint, check_compiled_for, model_fingerprint
 
 T = TypeVar("T")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -273,31 +272,7 @@ def check_kind(artifact: Artifact, kind: str) -> None:
 
 
 def check_artifact_matches_model(artifact: Artifact, model: ModelFingerprint, force: bool = False) -> None:
-    shape_diffs = artifact.model.shape_differences(model)
-    depth_only = ARTIFACT_KINDS[artifact.kind].depth_portable and set(shape_diffs) <= {"architecture", "num_layers"}
-    if shape_diffs and not depth_only:
-        described = "; ".join(f"{name}: {values}" for name, values in shape_diffs.items())
-        raise ArtifactError(f"{artifact.path}: compiled for another model ({described}, artifact vs model)")
-    if shape_diffs:
-        _refuse_unless_forced(
-            f"{artifact.path}: compiled for {artifact.model.architecture} with {artifact.model.num_layers} layers, "
-            f"the model is {model.architecture} with {model.num_layers}",
-            "by relative depth",
-            force,
-        )
-    elif artifact.model.weights_hash != model.weights_hash:
-        _refuse_unless_forced(
-            f"{artifact.path}: compiled for another checkpoint of {model.architecture} "
-            f"(weights hash {artifact.model.weights_hash} vs {model.weights_hash})",
-            "anyway",
-            force,
-        )
-
-
-def _refuse_unless_forced(message: str, how: str, force: bool) -> None:
-    if not force:
-        raise ArtifactError(f"{message}; pass force=True (--force) to apply it {how}")
-    warnings.warn(f"{message}; applied {how} because force was set", stacklevel=4)
+    check_compiled_for(artifact.model, artifact.kind, str(artifact.path), model, force)
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import short_repr
+from ..errors import ArtifactError, short_repr
 from ..models.model_spec import GROWING, loaded_layer_kinds
 
 if TYPE_CHECKING:  # torch only where a model is fingerprinted: a manifest's fingerprint is checked without it
@@ -140,3 +141,38 @@ def folder_fingerprint(folder: Path) -> ModelFingerprint | None:
     for name in wanted:
         digest.update(samples[name])
     return _fingerprint(skeleton, digest.hexdigest()[:16])
+
+
+def check_compiled_for(
+    compiled_for: ModelFingerprint, kind: str, where: str, model: ModelFingerprint, force: bool = False
+) -> None:
+    """Refuse an artifact of `kind` (at `where`) compiled for `compiled_for` on `model`: another shape always (but
+    a depth-portable kind's other depth, with `force`), other weights of the same shape unless `force`. Torch-free:
+    a header's fingerprint is checked before the model loads."""
+    from .artifact_kinds import ARTIFACT_KINDS
+
+    shape_diffs = compiled_for.shape_differences(model)
+    depth_only = ARTIFACT_KINDS[kind].depth_portable and set(shape_diffs) <= {"architecture", "num_layers"}
+    if shape_diffs and not depth_only:
+        described = "; ".join(f"{name}: {values}" for name, values in shape_diffs.items())
+        raise ArtifactError(f"{where}: compiled for another model ({described}, artifact vs model)")
+    if shape_diffs:
+        _refuse_unless_forced(
+            f"{where}: compiled for {compiled_for.architecture} with {compiled_for.num_layers} layers, the model is "
+            f"{model.architecture} with {model.num_layers}",
+            "by relative depth",
+            force,
+        )
+    elif compiled_for.weights_hash != model.weights_hash:
+        _refuse_unless_forced(
+            f"{where}: compiled for another checkpoint of {model.architecture} "
+            f"(weights hash {compiled_for.weights_hash} vs {model.weights_hash})",
+            "anyway",
+            force,
+        )
+
+
+def _refuse_unless_forced(message: str, how: str, force: bool) -> None:
+    if not force:
+        raise ArtifactError(f"{message}; pass force=True (--force) to apply it {how}")
+    warnings.warn(f"{message}; applied {how} because force was set", stacklevel=5)
