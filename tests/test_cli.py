@@ -152,3 +152,15 @@ def test_eval_and_tune_refuse_bad_input_before_loading_the_model_and_write_nothi
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_eval_and_tune_help_names_every_task_of_the_suite():
+    """The help's list of tasks is the suite's (it once named 7 of 17)."""
+    import re
+
+    from kvcompile.tasks.grid import SUITE_TASKS
+
+    for command in ("eval", "tune"):
+        result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+        words = set(re.findall(r"[a-z_]+", result.output[result.output.index("--tasks") :]))
+        assert result.exit_code == 0 and set(SUITE_TASKS) <= words, (command, set(SUITE_TASKS) - words)

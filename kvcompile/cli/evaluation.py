@@ -14,18 +14,20 @@ from kvcompile import recipe
 from kvcompile.cli.commands import command_line, compile_command, settings_command
 from kvcompile.recipe import artifact_folders, claim_output, compiled_artifact
 from kvcompile.settings import device_option, model_option, option, prompt_format_option, seed_option
+from kvcompile.tasks.grid import SUITE_TASKS, TEXT_TYPES
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import headers_read_once
 from kvruntime.registry import COMPARED_NAMES
 
+DEFAULT_TASKS = "passkey,needle,multikey,multivalue,variable_tracking,common_words,qa"
 TASKS_HELP = (
-    "passkey, needle, multikey, multivalue, variable_tracking, common_words, qa (comma-separated); task:N gives a task "
-    "N prompts per length instead of --samples (common_words:2)."
+    f"Comma-separated, of {', '.join(SUITE_TASKS)} (each judged per text type: {', '.join(sorted(set(TEXT_TYPES.values())))}); "
+    "task:N gives a task N prompts per length instead of --samples (common_words:2)."
 )
 
 
 def tasks_option() -> Any:
-    return option("passkey,needle,multikey,multivalue,variable_tracking,common_words,qa", TASKS_HELP)
+    return option(DEFAULT_TASKS, TASKS_HELP)
 
 
 def lengths_option() -> Any:
