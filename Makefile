@@ -175,6 +175,6 @@ bench-kvcompose: $(BENCH_VENV)/bin/.installed
 	$(BENCH_VENV)/bin/python -m benchmarks.kvcompose.comparison
 
 # The evaluation suite on the default model, kvcompile's methods against kvpress's presses in one run, in the bench
-# venv (about 90 minutes on 2 CPU cores); results, tables and plots in benchmarks/eval/suite/.
+# venv (about 90 minutes on 2 CPU cores); results, tables and plots in benchmarks/eval/runs/suite/.
 bench-eval: $(BENCH_VENV)/bin/.installed
-	$(BENCH_VENV)/bin/kvcompile eval --lengths 1k,2k --samples 2 --out benchmarks/eval/suite $(if $(RESUME),--resume)
+	$(BENCH_VENV)/bin/kvcompile eval --lengths 1k,2k --samples 2 --out benchmarks/eval/runs/suite $(if $(RESUME),--resume)
