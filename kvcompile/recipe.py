@@ -88,33 +88,42 @@ def _identity(model: str, stamp: int | None) -> ModelFingerprint | None:
 
 def refuse_other_models_artifacts(model: str, paths: Iterable[Path], force: bool = False) -> None:
     """Refuse an artifact compiled for other weights than the model's, from its header's fingerprint against the
-    model's, both read before the model loads (`model_identity`), torch-free; a model whose weights cannot be read
-    before loading is checked when they are applied, and so is a header that names no model."""
-    from kvruntime.artifacts.artifact_header import load_json, read_header
-    from kvruntime.artifacts.fingerprint import ModelFingerprint, check_compiled_for
+    model's, both read before the model loads (`model_identity`), torch-free (with `force`, the warning is left to
+    where it is applied); a model whose weights cannot be read before loading is checked when they are applied, and
+    so is a file whose header does not say."""
+    from kvruntime.artifacts.fingerprint import check_compiled_for
 
     identity = model_identity(model)
     for path in paths if identity is not None else ():
-        header = read_header(path)
-        try:
-            compiled_for = ModelFingerprint.from_dict(load_json(header["model"]))
-        except (KeyError, TypeError, ValueError, RecursionError):
-            continue
-        check_compiled_for(compiled_for, header.get("kind", ""), str(path), identity, force)
+        said = compiled_for(path)
+        if said is not None:
+            check_compiled_for(*said, str(path), identity, force, warn=False)
 
 
 def folder_identity(folder: Path) -> ModelFingerprint | None:
-    """The model a folder of artifacts was compiled for, from the header of its first artifact (no torch); None for
-    a folder without one, or one whose header does not name a model."""
+    """The model a folder of artifacts was compiled for, from the header of its first artifact that says (no
+    torch); None for a folder without one."""
+    for path in sorted(folder.glob(f"*{ARTIFACT_SUFFIX}")):
+        said = compiled_for(path)
+        if said is not None:
+            return said[0]
+    return None
+
+
+def compiled_for(path: Path) -> tuple[ModelFingerprint, str] | None:
+    """The model a kvcompile artifact was compiled for and its kind, from its header alone (no torch); None for a
+    file that is not one, or whose header names no model or an unknown kind (reading it whole refuses it)."""
+    from kvruntime import ARTIFACT_KINDS
     from kvruntime.artifacts.artifact_header import load_json, read_header
     from kvruntime.artifacts.fingerprint import ModelFingerprint
 
-    for path in sorted(folder.glob(f"*{ARTIFACT_SUFFIX}")):
-        try:
-            return ModelFingerprint.from_dict(load_json(read_header(path)["model"]))
-        except (KVRuntimeError, KeyError, TypeError, ValueError, RecursionError):
-            continue  # not an artifact, or not one kvcompile wrote: the next file may say
-    return None
+    try:
+        header = read_header(path)
+        model, kind = ModelFingerprint.from_dict(load_json(header["model"])), header["kind"]
+        known = kind in ARTIFACT_KINDS
+    except (KVRuntimeError, KeyError, TypeError, ValueError, RecursionError):
+        return None
+    return (model, kind) if known else None
 
 
 def store_folder(model: str) -> Path:

@@ -157,6 +157,20 @@ def test_another_models_artifact_is_refused_before_the_weights_load(shipped, tmp
     assert result.exit_code == 2 and "compiled for another checkpoint of LlamaForCausalLM" in result.output
 
 
+def test_another_checkpoints_artifact_given_with_force_is_applied_with_one_warning(shipped, tmp_path, prompt):
+    """The check before the model loads refuses; with --force it leaves the warning to where the artifact is applied."""
+    import warnings
+
+    model = saved(tiny_model("llama"), tmp_path / "m")
+    args = ["generate", "--model", model, "--method", "srh", "--prompt-file", prompt, "--max-new-tokens", "2"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = runner.invoke(app, [*args, "--artifact", str(shipped / "other"), "--force"])
+    assert result.exit_code == 0, result.output
+    forced = [str(w.message) for w in caught if "applied anyway because force was set" in str(w.message)]
+    assert len(forced) == 1 and "compiled for another checkpoint of LlamaForCausalLM" in forced[0]
+
+
 def test_eval_refuses_another_models_artifacts_before_the_weights_load(shipped, tmp_path, monkeypatch):
     from test_own_suite import ROWS, write_jsonl
 

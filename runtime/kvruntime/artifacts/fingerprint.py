@@ -144,11 +144,17 @@ def folder_fingerprint(folder: Path) -> ModelFingerprint | None:
 
 
 def check_compiled_for(
-    compiled_for: ModelFingerprint, kind: str, where: str, model: ModelFingerprint, force: bool = False
+    compiled_for: ModelFingerprint,
+    kind: str,
+    where: str,
+    model: ModelFingerprint,
+    force: bool = False,
+    warn: bool = True,
 ) -> None:
     """Refuse an artifact of `kind` (at `where`) compiled for `compiled_for` on `model`: another shape always (but
-    a depth-portable kind's other depth, with `force`), other weights of the same shape unless `force`. Torch-free:
-    a header's fingerprint is checked before the model loads."""
+    a depth-portable kind's other depth, with `force`), other weights of the same shape unless `force`, which warns
+    (unless `warn` is off: a check before the model loads leaves the warning to where the artifact is applied).
+    Torch-free: a header's fingerprint is checked before the model loads."""
     from .artifact_kinds import ARTIFACT_KINDS
 
     shape_diffs = compiled_for.shape_differences(model)
@@ -162,6 +168,7 @@ def check_compiled_for(
             f"{model.architecture} with {model.num_layers}",
             "by relative depth",
             force,
+            warn,
         )
     elif compiled_for.weights_hash != model.weights_hash:
         _refuse_unless_forced(
@@ -169,10 +176,12 @@ def check_compiled_for(
             f"(weights hash {compiled_for.weights_hash} vs {model.weights_hash})",
             "anyway",
             force,
+            warn,
         )
 
 
-def _refuse_unless_forced(message: str, how: str, force: bool) -> None:
+def _refuse_unless_forced(message: str, how: str, force: bool, warn: bool) -> None:
     if not force:
         raise ArtifactError(f"{message}; pass force=True (--force) to apply it {how}")
-    warnings.warn(f"{message}; applied {how} because force was set", stacklevel=5)
+    if warn:
+        warnings.warn(f"{message}; applied {how} because force was set", stacklevel=5)
