@@ -89,8 +89,7 @@ def half_billion_estimates() -> list[dict]:
     import torch
     import transformers
 
-    from kvcompile.cli.compile_all import compile_settings
-    from kvcompile.cli.compile_plan import ESTIMATE_MARGIN, fitted_scale
+    from kvcompile.cli.compile_all import CompileEstimate, compile_settings
 
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
@@ -98,14 +97,10 @@ def half_billion_estimates() -> list[dict]:
         num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
     )  # fmt: skip
     model = transformers.Qwen2ForCausalLM(config).eval()
-    costs, shape = measure_forward_costs(model), kvruntime.model_fingerprint(model)
     kinds = list(SHIPPED["default"])
-
-    def seconds(scale: float) -> dict[str, float]:
-        return {kind: compile_settings(kind, True, scale).estimated_seconds(costs, shape) for kind in kinds}
-
-    scale = fitted_scale(lambda at: ESTIMATE_MARGIN * sum(seconds(at).values()), 3600)  # as `compile` fits
-    defaults, fitted = seconds(1.0), seconds(scale)
+    estimate = CompileEstimate(tuple(kinds), True, measure_forward_costs(model), kvruntime.model_fingerprint(model))
+    scale = estimate.scale_within(60)  # as `compile --minutes 60` fits
+    defaults, fitted = estimate.seconds(1.0), estimate.seconds(scale)
     rows = [{"model": "Qwen2.5-0.5B shape", "artifact": kind, "at_defaults_s": round(defaults[kind]),
              "minutes_60_s": round(fitted[kind]), "scale": round(scale, 2),
              "settings_under_minutes_60": " ".join(command_line_arguments(compile_settings(kind, True, scale)))}

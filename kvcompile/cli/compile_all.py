@@ -104,38 +104,54 @@ def compile_settings(kind: str, chat: bool | None, scale: float = 1.0) -> object
     return settings.scaled(scale) if scale < 1 else settings
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileEstimate:
+    """What the compile commands of `kinds` would take on a model whose forwards cost `costs` (`compile_settings`'
+    `estimated_seconds`), at any scale of their settings."""
+
+    kinds: tuple[str, ...]
+    chat: bool | None
+    costs: ForwardCosts
+    model: ModelFingerprint
+
+    def seconds(self, scale: float = 1.0) -> dict[str, float]:
+        return {
+            kind: compile_settings(kind, self.chat, scale).estimated_seconds(self.costs, self.model)
+            for kind in self.kinds
+        }
+
+    def scale_within(self, minutes: float) -> float | None:
+        """The largest scale whose estimate, times what compiles took over theirs at most, fits in `minutes`."""
+        return fitted_scale(lambda scale: ESTIMATE_MARGIN * sum(self.seconds(scale).values()), minutes * 60)
+
+
 def planned_scale(options: CompileOptions, kinds: list[str], chat: bool | None) -> float:
     """The scale the commands run at (1: their defaults), after saying what each would take: under --minutes, the
     largest that fits, chosen once and kept in the model's store with the estimates, so that a rerun resumes the
     same settings (the commands' --resume refuses others)."""
     from kvcompile.recipe import store_folder
     from kvruntime import KVRuntimeError
+    from kvruntime.artifacts.files import write_atomically
 
     plan = store_folder(options.model) / PLAN_FILE
     if options.minutes is not None and (saved := saved_scale(plan, options.minutes)) is not None:
         typer.echo(f"resuming the settings chosen for --minutes {options.minutes:g} ({plan})", err=True)
         return saved
-    costs, identity = _forward_costs(options)
-
-    def seconds(scale: float) -> dict[str, float]:
-        return {kind: compile_settings(kind, chat, scale).estimated_seconds(costs, identity) for kind in kinds}
-
+    estimate = CompileEstimate(tuple(kinds), chat, *_forward_costs(options))
     scale = 1.0
     if options.minutes is not None:
-        fitted = fitted_scale(lambda at: ESTIMATE_MARGIN * sum(seconds(at).values()), options.minutes * 60)
+        fitted = estimate.scale_within(options.minutes)
         if fitted is None:
-            least = ESTIMATE_MARGIN * sum(seconds(0.0).values())
+            least = ESTIMATE_MARGIN * sum(estimate.seconds(0.0).values())
             raise KVRuntimeError(
                 f"--minutes {options.minutes:g}: the least settings would take up to {_duration(least)} here; give "
                 f"--minutes {math.ceil(least / 60)} or more"
             )
         scale = fitted
-    estimates = seconds(scale)
+    estimates = estimate.seconds(scale)
     if not options.dry_run:
-        plan.parent.mkdir(parents=True, exist_ok=True)
-        written = plan.with_suffix(".tmp")
-        written.write_text(json.dumps({"minutes": options.minutes, "scale": scale, "estimated_seconds": estimates}))
-        written.replace(plan)
+        chosen = json.dumps({"minutes": options.minutes, "scale": scale, "estimated_seconds": estimates})
+        write_atomically(plan, lambda name: Path(name).write_text(chosen))
     typer.echo(estimate_lines(options, estimates, chat, scale), err=True)
     return scale
 
@@ -165,6 +181,7 @@ def estimate_lines(options: CompileOptions, seconds: dict[str, float], chat: boo
     """What each compile command would take (at which settings, when scaled), and what the model cache holds on
     disk."""
     from kvcompile.settings import command_line_arguments
+    from kvruntime.artifacts.files import folder_bytes
     from kvruntime.models.model_loading import weights_folder
 
     lines = []
@@ -172,7 +189,7 @@ def estimate_lines(options: CompileOptions, seconds: dict[str, float], chat: boo
         settings = " ".join(command_line_arguments(compile_settings(kind, chat, scale))) if scale < 1 else ""
         lines.append(f"  {kind}: about {_duration(kind_seconds)}" + (f" ({settings})" if settings else ""))
     folder = weights_folder(options.model)
-    held = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file()) if folder is not None else 0
+    held = folder_bytes(folder) if folder is not None else 0
     fit = f", settings scaled by {scale:.2f} to fit --minutes {options.minutes:g}" if scale < 1 else ""
     lines.append(
         f"estimate: about {_duration(sum(seconds.values()))} in all{fit} (whole compiles took 1.0-1.24x their "

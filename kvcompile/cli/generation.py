@@ -375,7 +375,7 @@ def generate_compressed(
             if question is not None:
                 compressed = session.prefill(ids, attention_mask=mask)
                 if given.save_context is not None:  # one prompt (`check_generation_inputs`)
-                    separator = question_separator(prompts[0][1].strip() if chat else prompts[0][1], chat)
+                    separator = question_separator(prompts[0][1], chat)  # in a chat turn whatever the text ends with
                     saved = kvruntime.save_context(
                         compressed, given.save_context, tokenizer, "chat" if chat else "raw", separator
                     )

@@ -23,6 +23,11 @@ def umask_mode(mode: int) -> int:
     return mode & ~umask
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of every file under `folder`."""
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """`write(temporary name)` in the target folder, fsync, then rename: the final name never holds half a file,
     and a reader sees the old file or the new one, whole. A failed write (a full disk, a folder removed or made

@@ -100,6 +100,7 @@ class LoadedContext:
         self.session = session
         self.header = header
         self.tensors = tensors
+        self._by_rows: dict[int, CompressedContext] = {}  # each answer restores its context: built once per count
 
     @property
     def context_length(self) -> int:
@@ -121,7 +122,10 @@ class LoadedContext:
         padded = attention_mask is not None and not bool(attention_mask.all())
         if padded and sliding_layers(self.session.model):
             raise KVRuntimeError(SLIDING_BATCH)
-        return self.context(ids.shape[0])
+        rows = ids.shape[0]
+        if rows not in self._by_rows:
+            self._by_rows[rows] = self.context(rows)
+        return self._by_rows[rows]
 
     def context(self, rows: int) -> CompressedContext:
         """The saved context as a compressed context of `rows` rows (the document's cache for each)."""
@@ -190,10 +194,8 @@ def load_context(model: nn.Module, path: str | os.PathLike, tokenizer: Any = Non
 def check_context_tensors(header: ContextHeader, tensors: dict[str, torch.Tensor], model: nn.Module) -> None:
     """The tensors read are those the header declared (the file was not replaced in between), of the model's
     dtype, each sliding layer within its window, and each head's positions increasing within the context."""
-    read = {name: (tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()}
-    if {name: shape for name, (_, shape) in read.items()} != {
-        name: shape for name, (_, shape) in header.tensors.items()
-    }:
+    declared = {name: shape for name, (_, shape) in header.tensors.items()}
+    if {name: tuple(tensor.shape) for name, tensor in tensors.items()} != declared:
         raise ArtifactError(f"{header.path}: its tensors changed while it was read")
     dtype = next(model.parameters()).dtype
     if tensors["keys.0"].dtype != dtype:

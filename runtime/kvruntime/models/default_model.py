@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..artifacts.files import cache_root, path_lock, write_atomically
+from ..artifacts.files import cache_root, folder_bytes, path_lock, write_atomically
 from ..errors import KVRuntimeError, first_line, printable
 from .model_cache import cache_folder, cache_key, content_sha256, ensure_cache, file_sha256
 
@@ -372,7 +372,7 @@ def _builder(gguf: Path, title: str, versions: dict[str, str], folder: Path) -> 
             f"kvruntime: converting {printable(title)} ({megabytes:,.0f} MB GGUF) once into {folder}", file=sys.stderr
         )
         marker = dequantise_gguf(gguf, staging) | {"title": title}
-        size = sum(path.stat().st_size for path in staging.rglob("*") if path.is_file())
+        size = folder_bytes(staging)
         print(f"kvruntime: wrote {size / 1e9:.2f} GB of float32 weights and tokenizer into {folder}", file=sys.stderr)
         return marker
 
