@@ -423,7 +423,7 @@ def compile_artifact(
     `command` is the command line that reruns it (every setting spelled out, the output left out), recorded in the
     artifact's provenance."""
     from kvcompile.calibration.shards import Shard, planned_shard
-    from kvruntime.models.model_spec import check_model_spec, check_positions, position_limit
+    from kvruntime.models.model_spec import check_model_spec, check_positions, loaded_position_limit, position_limit
 
     started = time.perf_counter()
     recipe.check(settings)
@@ -450,7 +450,7 @@ def compile_artifact(
     share = parse_shard(shard) if recipe.shardable else Shard()
     loaded, tokenizer = load_model(model, device=device, dtype=dtype)
     if positions is not None:
-        check_positions(positions[0], getattr(loaded.config, "max_position_embeddings", None), positions[1])
+        check_positions(positions[0], loaded_position_limit(loaded.config), positions[1])
     job = CompileJob(loaded, tokenizer, target, resume, checkpoint_every, share)
     artifact = recipe.run(job, settings, inputs)
     if command is not None:

@@ -69,6 +69,10 @@ ARCHITECTURES = {
     # Hybrid (sliding and global layers alternate), attention logits soft-capped: eager attention, no sdpa. Weights
     # large enough for logits of a few units, where a cap of 2 bends them (at the default scale it would not).
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**HYBRID, "attn_logit_softcapping": 2.0, "initializer_range": 0.2}),
+    # Hybrid (sliding and full layers alternate), a learned sink logit per query head in every softmax: eager
+    # attention, no sdpa; a mixture of experts.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**HYBRID, "num_local_experts": 2, "num_experts_per_tok": 2,
+                "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }  # fmt: skip
 
 
@@ -79,6 +83,10 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**TINY, **settings})
     model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for module in model.modules():  # learned attention sinks large enough to take a share of each query's weight
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 2.0)
     model.config.architectures = [type(model).__name__]
     return model.eval()
 

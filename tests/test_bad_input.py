@@ -21,7 +21,7 @@ from conftest import CharTokenizer, tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_artifact import _rewrite_metadata
-from transformers import GptOssConfig, GptOssForCausalLM
+from transformers import BloomConfig, BloomForCausalLM
 from typer.testing import CliRunner
 
 import kvcompile.cli as cli
@@ -194,12 +194,11 @@ def test_generate_refuses_a_budget_out_of_range(workdir, budget, message):
 
 
 def test_generate_refuses_a_model_whose_attention_kvruntime_cannot_run_naming_why(workdir, monkeypatch):
-    """gpt-oss's attention sinks need eager attention: transformers runs it without sdpa, where kvruntime takes
-    its queries, and kvruntime's attention function has no sinks."""
-    config = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16,
-                          num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, pad_token_id=0)  # fmt: skip
-    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (GptOssForCausalLM(config).eval(), TensorTokenizer()))
-    message = "model type 'gpt_oss' does not run its attention through transformers' attention interface as sdpa"
+    """BLOOM computes its attention itself (ALiBi), not through transformers' attention interface, where kvruntime
+    takes its queries."""
+    config = BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2)
+    monkeypatch.setattr(recipe, "load_model", lambda model, **_: (BloomForCausalLM(config).eval(), TensorTokenizer()))
+    message = "model type 'bloom' does not run its attention through transformers' attention interface as sdpa"
     assert_refused(workdir, ["generate", "--prompt-file", "prompt.txt", "--method", "kvcompress"], message)
 
 

@@ -28,8 +28,8 @@ from kvcompile.recipes.compresskv.attention_capture import generate_with_attenti
 from kvcompile.recipes.compresskv.layer_errors import PROBE_BUDGET, layer_errors_of_prompt
 from kvcompile.recipes.kvcompose.attention_stats import RANK_QUANTILES, compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings, TaskSet
-from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads
+from kvruntime.models.layout import model_layout
 
 NEW_TOKENS = 6
 
@@ -71,7 +71,7 @@ def layer_projections(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[t
     query/key norms where the model has them), rebuilt from the layer's input on a forward without a cache."""
     positions = torch.arange(ids.shape[1])[None]
     result = []
-    for attention, inputs in zip(attention_modules(model), attention_inputs(model, ids)):
+    for attention, inputs in zip(model_layout(model).cut_modules, attention_inputs(model, ids)):
         states = inputs.float()[None]  # back to the model's float32, exactly
         # Gemma 3's rotary embedding has one set of frequencies per layer kind, and must be told which.
         rope = inspect.signature(model.model.rotary_emb.forward).parameters.get("layer_type")

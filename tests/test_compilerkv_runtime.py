@@ -10,11 +10,11 @@ from transformers import DynamicCache
 import kvruntime
 from kvruntime.artifacts.artifact import Artifact, save_artifact
 from kvruntime.artifacts.fingerprint import model_fingerprint
-from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods import CompilerKV, PrefillResult, get_method
 from kvruntime.methods.compilerkv import CompilerKVTables
 from kvruntime.methods.compilerkv.signals import LayerSignals
+from kvruntime.models.layout import model_layout
 
 BUDGETS = (70, 100)
 ENTROPY_EDGES = torch.tensor([4.0, 4.5], dtype=torch.float64)
@@ -59,7 +59,7 @@ def reference_kept(
     each layer keeps its tokens at or above its threshold, at most the budget. Ratio-honest: the layers share
     budget x layers entries, ranked by score over their layer's threshold (ties: earlier layer, earlier token)."""
     query_heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    growing = [module.layer_idx for module in attention_modules(model)]  # what the runtime cuts (no sliding layer)
+    growing = list(model_layout(model).cut_layers)  # what the runtime cuts (no sliding layer)
     t = table_tensors(len(growing), query_heads)
     implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -141,7 +141,7 @@ def _signals_prefill(length: int) -> PrefillResult:
         num_kv_heads=2,
         input_ids=torch.randint(0, 96, (1, length)),
         hidden_states=torch.randn(1, length, 8),
-        output_embeddings=torch.nn.Linear(8, 96),
+        output_logits=torch.nn.Linear(8, 96),
         second_pass_attention=list,
         lookahead_attention=list,
     )

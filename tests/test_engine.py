@@ -157,8 +157,8 @@ def test_hooks_and_attention_are_removed_after_the_block(tiny, tokens):
 @pytest.mark.parametrize(
     "config, message",
     [
-        (transformers.GptOssConfig(**TINY, head_dim=16, num_local_experts=2, pad_token_id=0),
-         "'gpt_oss' does not run its attention through transformers' attention interface as sdpa or with only"),
+        (transformers.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4),
+         "'bloom' does not run its attention through transformers' attention interface as sdpa or with only"),
         (transformers.LlamaConfig(**TINY, layer_types=["full_attention", "chunked_attention"] * 2),
          "'llama' has chunked_attention layers: kvruntime compresses full-attention layers"),
         (transformers.Olmo3Config(**TINY, sliding_window=8, layer_types=["sliding_attention"] * 4, pad_token_id=0),

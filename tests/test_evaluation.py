@@ -42,8 +42,8 @@ from kvruntime import Request
 from kvruntime.artifacts.artifact import Artifact, save_artifact
 from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.attention import per_layer_attention
-from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import KVRuntimeError
+from kvruntime.models.layout import model_layout
 
 
 # -- scores ------------------------------------------------------------------------------------------------
@@ -509,14 +509,14 @@ def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its
         model(input_ids=question_ids, past_key_values=caches[0], use_cache=True)  # a scoring pass left behind
     hidden = torch.arange(10, 40)
     heads = caches[0].layers[0].keys.shape[1]
-    for module in attention_modules(model):
+    for module in model_layout(model).cut_modules:
         module.masked_key_indices = (
             torch.zeros(heads * 30, dtype=torch.long),
             torch.arange(heads).repeat_interleave(30),
             hidden.repeat(heads),
         )
     masks = press_keep_masks(model, caches[0], 70)
-    assert all(not hasattr(m, "masked_key_indices") for m in attention_modules(model))
+    assert all(not hasattr(m, "masked_key_indices") for m in model_layout(model).cut_modules)
     full_bytes = cache_bytes(caches[1])
     assert cache_bytes(caches[0]) == full_bytes  # the scoring pass's entries are freed
     assert held_bytes(caches[0], masks) == pytest.approx(full_bytes * 40 / 70, rel=1e-3)

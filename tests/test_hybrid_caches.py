@@ -1,9 +1,9 @@
-"""A hybrid cache (issue #62): tiny Gemma 3, OLMo 3 and Gemma 2 (soft-capped logits) models whose sliding-window
-layers (window 16) sit between full-attention ones. Only the full-attention layers are cut; each sliding layer holds
-exactly what the plain prefill leaves in it; the report says what was compressible and what was left, in bytes;
-nothing kept, nothing changed: a context kept whole answers as the plain model does; streamed, the cache held stays
-bounded; what cannot apply (batches, quantized caches) is refused in one line. Which entries each method keeps on a
-hybrid cache is test_selection_references.py's (its gemma3_text and gemma2 models)."""
+"""A hybrid cache (issue #62): tiny Gemma 3, OLMo 3, Gemma 2 (soft-capped logits) and gpt-oss (attention sinks)
+models whose sliding-window layers (window 16) sit between full-attention ones. Only the full-attention layers are
+cut; each sliding layer holds exactly what the plain prefill leaves in it; the report says what was compressible and
+what was left, in bytes; nothing kept, nothing changed: a context kept whole answers as the plain model does;
+streamed, the cache held stays bounded; what cannot apply (batches, quantized caches) is refused in one line. Which
+entries each method keeps on a hybrid cache is test_selection_references.py's (its gemma3_text and gemma2 models)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvruntime
-from kvruntime.cache_ops import attention_modules, cache_argument, sliding_layers
+from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import KVRuntimeError
+from kvruntime.models.layout import model_layout
 
-HYBRIDS = ["gemma3_text", "olmo3", "gemma2"]
+HYBRIDS = ["gemma3_text", "olmo3", "gemma2", "gpt_oss"]
 GREEDY = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)
 
 
@@ -43,8 +44,8 @@ def test_only_the_full_attention_layers_are_cut_and_the_report_says_so(hybrid, p
     with kvruntime.compress(hybrid, method, ratio=0.5, options=options) as session:
         context = session.prefill(prompt)
     report, cache = context.report, context.cache
-    growing = [module.layer_idx for module in attention_modules(hybrid)]
-    sliding = sliding_layers(hybrid)
+    growing = list(model_layout(hybrid).cut_layers)
+    sliding = list(model_layout(hybrid).sliding_layers)
     assert sliding and growing and sorted(sliding + growing) == list(range(hybrid.config.num_hidden_layers))
     assert report.layers == growing and report.bounded_layers == sliding
     for index in sliding:  # as the plain prefill left it (a second pass moved it on, and it was put back)
@@ -124,7 +125,7 @@ def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_th
     )
     assert result.exit_code == 0, result.output
     tables = kvruntime.load_artifact(tmp_path / "t.safetensors", model=model, kind="compilerkv_tables")
-    assert tables.tensors["head_reliability"].shape == (1, len(attention_modules(model)), 4)
+    assert tables.tensors["head_reliability"].shape == (1, len(model_layout(model).cut_modules), 4)
     ids = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(3))
     with kvruntime.compress(model, "compilerkv", budget=80, artifacts=[tmp_path / "t.safetensors"]) as session:
         session.prefill(ids)
@@ -154,7 +155,8 @@ def test_a_kvzap_checkpoint_of_the_cut_layers_sits_at_their_indices_where_kvpres
 
 def test_the_capability_check_reads_the_attention_calls_in_transformers_source():
     """Gemma 2 runs its attention eagerly with a soft cap, which kvruntime's attention function implements: accepted
-    from its config alone; gpt-oss passes attention sinks (`s_aux`) as well: refused, naming why."""
+    from its config alone; so are gpt-oss's attention sinks (`s_aux`). BLOOM computes its attention itself:
+    refused, naming why."""
     from kvruntime.errors import UnsupportedModelError
     from kvruntime.models.model_spec import _modeling_source, attention_call_keywords, check_config_compressible
 
@@ -162,5 +164,6 @@ def test_the_capability_check_reads_the_attention_calls_in_transformers_source()
     assert "s_aux" in attention_call_keywords(_modeling_source("gpt_oss"))
     kinds = ["sliding_attention", "full_attention"]
     check_config_compressible({"model_type": "gemma2", "num_hidden_layers": 2, "layer_types": kinds})
-    with pytest.raises(UnsupportedModelError, match=r"'gpt_oss' does not run its attention .*\(attention sinks\)"):
-        check_config_compressible({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": kinds})
+    check_config_compressible({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": kinds})
+    with pytest.raises(UnsupportedModelError, match=r"'bloom' does not run its attention .*\(logit soft-capping, "):
+        check_config_compressible({"model_type": "bloom", "num_hidden_layers": 2})

@@ -15,8 +15,8 @@ from test_selection_references import eight_head_model
 from transformers import DynamicCache
 
 import kvruntime
-from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import feature_count
+from kvruntime.models.layout import model_layout
 
 kvpress = import_kvpress()
 from kvruntime.integrations.kvpress import DistilledPress, SRHPress  # noqa: E402  (needs kvpress)
@@ -109,17 +109,17 @@ def test_the_distilled_press_runs_under_kvpress_wrappers(model, artifacts, conte
     inner = DistilledPress.from_artifact(artifacts, compression_ratio=RATIO)
     with torch.no_grad(), AdaKVPress(inner)(model):
         model(input_ids=context, past_key_values=transformers_cache(model), use_cache=True)
-    hidden = [m.masked_key_indices for m in attention_modules(model)]
+    hidden = [m.masked_key_indices for m in model_layout(model).cut_modules]
     assert all(len(h[0]) == pytest.approx(RATIO * LENGTH * model.config.num_key_value_heads, abs=2) for h in hidden)
-    for module in attention_modules(model):
+    for module in model_layout(model).cut_modules:
         module.masked_key_indices = None
 
     # The scorer's own scores (no leverage mixed in: the reference below is the scorer's map alone).
     dms = DMSPress(DistilledPress.from_artifact(artifacts, leverage=0.0), threshold=0.0, sliding_window_size=16)
     with torch.no_grad(), dms(model):
         model(input_ids=context, past_key_values=transformers_cache(model), use_cache=True)
-    masked = [module.masked_key_indices for module in attention_modules(model)]
-    for module in attention_modules(model):
+    masked = [module.masked_key_indices for module in model_layout(model).cut_modules]
+    for module in model_layout(model).cut_modules:
         module.masked_key_indices = None
     scores = [inner.method.token_scores(i, h) for i, h in enumerate(attention_inputs(model, context))]
     evictable = LENGTH - max(16, inner.method.window)  # outside DMS's sliding window and the press's own window
@@ -134,7 +134,7 @@ def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Te
     seen: list[torch.Tensor] = []
     handles = [
         m.register_forward_hook(lambda mod, args, kwargs, out: seen.append(kwargs["hidden_states"]), with_kwargs=True)
-        for m in attention_modules(model)
+        for m in model_layout(model).cut_modules
     ]
     try:
         with torch.no_grad():

@@ -17,8 +17,9 @@ from kvcompile.evaluation import prefill, runner
 from kvcompile.evaluation.contestants import CHECKPOINTS, PRESSES, Press
 from kvcompile.evaluation.prefill import press_keep_masks
 from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
-from kvruntime.cache_ops import attention_modules, cache_bytes
+from kvruntime.cache_ops import cache_bytes
 from kvruntime.methods.distilled import feature_count, predicted_scores, token_features
+from kvruntime.models.layout import model_layout
 
 kvpress = import_kvpress()
 
@@ -110,7 +111,7 @@ def test_every_compared_press_holds_its_ratio_and_leaves_nothing_behind(
         assert held == pytest.approx(1 - RATIO, abs=1 / LENGTH), held
     # The press's hooks are gone and no module keeps masks: the model is what it was.
     assert hook_counts(model) == hooks
-    assert all(getattr(module, "masked_key_indices", None) is None for module in attention_modules(model))
+    assert all(getattr(module, "masked_key_indices", None) is None for module in model_layout(model).cut_modules)
     with torch.no_grad():
         after = model(torch.cat([context, question], dim=1)).logits[0, -1]
     torch.testing.assert_close(after, before)

@@ -23,12 +23,12 @@ from kvcompile.recipes.distilled.lookahead import (
 from kvcompile.recipes.distilled.recipe import DistillRecipe
 from kvcompile.recipes.distilled.settings import DistillSettings
 from kvruntime import save_artifact
-from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import ArtifactError
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON
 from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.models.layout import model_layout
 from kvruntime.recording import recorded_prefill
 from kvruntime.second_pass import lookahead_attention
 
@@ -43,7 +43,7 @@ def appended_in_one_forward(model: torch.nn.Module, ids: torch.Tensor, queries: 
         embedded = torch.cat([model.get_input_embeddings()(ids), queries[None]], dim=1)
         attentions = model.base_model(inputs_embeds=embedded, output_attentions=True).attentions
     length = ids.shape[1]
-    return [attentions[m.layer_idx][0, :, length:, :length].mean(dim=1) for m in attention_modules(model)]
+    return [attentions[m.layer_idx][0, :, length:, :length].mean(dim=1) for m in model_layout(model).cut_modules]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
@@ -58,7 +58,7 @@ def test_the_queries_attention_is_theirs_appended_to_the_prompt_and_leaves_the_c
         torch.testing.assert_close(mean[0], reference, atol=1e-5, rtol=1e-4)
     assert all(torch.equal(layer.keys, keys) for layer, keys in zip(cache.layers, held))
     # the compile stage's differentiable scores are the runtime's
-    compiled = appended_log_scores(model, cache, queries, ids.shape[1], [m.layer_idx for m in attention_modules(model)])
+    compiled = appended_log_scores(model, cache, queries, ids.shape[1], list(model_layout(model).cut_layers))
     runtime = torch.stack([lookahead_log_scores(m, cache.layers[0].keys.shape[1])[0] for m in means])
     torch.testing.assert_close(compiled, runtime, atol=1e-4, rtol=1e-4)
 
@@ -275,7 +275,7 @@ def test_distill_records_the_prompts_its_queries_are_for(tmp_path):
     assert held_out > 0 and recorded["held_out"] == held_out and recorded["kl_held_out"] > 0
     whole = dataclasses.replace(  # what a whole distill run adds before the queries
         artifact,
-        tensors={**artifact.tensors, "held_out_r2": torch.full((len(attention_modules(model)), 5), 0.5)},
+        tensors={**artifact.tensors, "held_out_r2": torch.full((len(model_layout(model).cut_modules), 5), 0.5)},
         params={**artifact.params, "share_prompts": "all 4 calibration prompts"},
     )
     assert f"{recorded['kl_held_out']:.3f} on {held_out} contexts never trained on" in DistillRecipe().describe(whole)

@@ -8,9 +8,9 @@ from conftest import tiny_model
 
 import kvruntime
 from kvruntime.attention import AttentionLogits, capturing_queries, per_layer_attention
-from kvruntime.cache_ops import attention_modules
 from kvruntime.errors import KVRuntimeError
 from kvruntime.merging import merged_values, refitted_values
+from kvruntime.models.layout import model_layout
 
 
 def merged_one_by_one(keys: torch.Tensor, values: torch.Tensor, kept: list[int]) -> torch.Tensor:
@@ -85,7 +85,7 @@ def test_refit_makes_the_last_queries_read_from_the_kept_entries_what_the_whole_
 
 def plain_prefill(model, tokens, window):
     """The full cache of a plain forward and each layer's last `window` queries and logits, as the model made them."""
-    modules = attention_modules(model)
+    modules = model_layout(model).cut_modules
     with torch.no_grad(), per_layer_attention(model), capturing_queries(modules, window) as captures:
         full = model(tokens, use_cache=True).past_key_values
     return full, [(capture.queries, capture.logits) for capture in captures]

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 import kvruntime
-from kvruntime.cache_ops import attention_modules
+from kvruntime.models.layout import model_layout
 from kvruntime.recording import recorded_prefill
 
 CONFIG = dict(
@@ -86,7 +86,7 @@ def eager_window_attention(model: torch.nn.Module, ids: torch.Tensor, window: in
             attentions = model(ids, output_attentions=True).attentions
     finally:
         model.set_attn_implementation(implementation)
-    growing = [module.layer_idx for module in attention_modules(model)]  # the layers the methods cut
+    growing = list(model_layout(model).cut_layers)  # the layers the methods cut
     return [attentions[index][0, :, -window:, :].double() for index in growing]
 
 
@@ -128,7 +128,7 @@ def runtime_kept(
     with kvruntime.compress(model, method, memory=memory, **kwargs) as session:
         context = session.prefill(ids)
     masks = context.keep_masks  # by the cache's layer index; the kept positions by the methods' layer order
-    assert session.report.layers == [module.layer_idx for module in attention_modules(model)]
+    assert session.report.layers == list(model_layout(model).cut_layers)
     result = []
     for layer, positions in zip(session.report.layers, session.kept_positions):
         heads = []
@@ -286,7 +286,7 @@ def attention_inputs(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Te
     def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[module.layer_idx] = kwargs["hidden_states"][0].double()
 
-    modules = attention_modules(model)  # the layers the methods score (no sliding-window layer)
+    modules = model_layout(model).cut_modules  # the layers the methods score (no sliding-window layer)
     handles = [module.register_forward_pre_hook(keep, with_kwargs=True) for module in modules]
     try:
         with torch.no_grad():
@@ -365,7 +365,7 @@ def default_scorer(folder: Path, model: torch.nn.Module, seed: int, scale: float
 def recorded_inputs(model: torch.nn.Module, run) -> tuple[object, list[list[torch.Tensor]]]:
     """What `run()` returns, and each scored layer's attention inputs [n, hidden] of the batch's first row, one per
     forward of the layer (a chunk of a streamed prompt; a batch goes through the model a row at a time)."""
-    modules = attention_modules(model)  # the layers the methods score (no sliding-window layer)
+    modules = model_layout(model).cut_modules  # the layers the methods score (no sliding-window layer)
     inputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(len(modules))}
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

@@ -9,7 +9,8 @@ import torch
 from conftest import ARCHITECTURES, tiny_model
 
 from kvruntime.attention import AttentionLogits, captured_logits, capturing_queries, per_layer_attention
-from kvruntime.cache_ops import attention_modules, output_cache
+from kvruntime.cache_ops import output_cache
+from kvruntime.models.layout import model_layout
 from kvruntime.window import query_hooks, window_attention
 
 
@@ -27,7 +28,7 @@ def test_window_attention_equals_eager_rows(kind, tokens):
     model.set_attn_implementation("eager")
     with torch.no_grad():
         output = model(tokens, output_attentions=True, use_cache=True)
-    modules = attention_modules(model)
+    modules = model_layout(model).cut_modules
     assert sorted(captured) == list(range(len(modules))) and modules
     for position, module in enumerate(modules):
         queries, keys, scaling = captured[position]
@@ -71,7 +72,7 @@ def test_captured_window_queries_do_not_hold_the_layers_whole_queries(tokens):
     """A capture of the last queries holds their own bytes, not the prompt's: a view would keep every layer's whole
     query tensor alive until its next call (the default model: 4.7 MB per layer at 2k tokens)."""
     model = tiny_model("llama")
-    modules = attention_modules(model)
+    modules = model_layout(model).cut_modules
     window = 4
     assert tokens.shape[1] > window
     with per_layer_attention(model), capturing_queries(modules, window) as captures, torch.no_grad():

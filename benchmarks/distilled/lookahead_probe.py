@@ -26,9 +26,9 @@ from kvcompile.calibration.corpus import REPEATING_CORPUS, calibration_prompts, 
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.recipes.distilled.lookahead import appended_log_scores, kl_from_oracle, prefilled
-from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores, with_lookahead_scores
+from kvruntime.models.layout import model_layout
 from kvruntime.second_pass import lookahead_attention
 
 
@@ -67,7 +67,7 @@ def main() -> None:
     scorer = DistilledScorer.from_artifact(
         kvruntime.load_artifact(default_artifact(args.model, "distilled_scorer"), model=model)
     )
-    layers = [m.layer_idx for m in attention_modules(model)]
+    layers = list(model_layout(model).cut_layers)
     training = []
     for _, ids in tqdm(
         calibration_prompts(load_corpus(REPEATING_CORPUS), tokenizer, args.train_prompts, args.tokens, seed=5),

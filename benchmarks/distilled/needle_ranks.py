@@ -30,9 +30,9 @@ from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.recipes.distilled.lookahead import prefilled
 from kvcompile.tasks.retrieval import retrieval_prompt
-from kvruntime.cache_ops import attention_modules
 from kvruntime.methods.distilled import ORACLES, DistilledScorer
 from kvruntime.methods.distilled.leverage import key_leverage
+from kvruntime.models.layout import model_layout
 from kvruntime.requests.request import kept_per_head
 from kvruntime.selection import protect_sinks, protect_window
 
@@ -76,7 +76,7 @@ def main() -> None:
     scorer = DistilledScorer.from_artifact(
         kvruntime.load_artifact(args.scorer or default_artifact(args.model, "distilled_scorer"), model=model)
     )
-    layers = [m.layer_idx for m in attention_modules(model)]
+    layers = list(model_layout(model).cut_layers)
     corpus = load_corpus("moby-dick")
     kept: dict[tuple[str, float], list[float]] = {}
     lifts, entropies = [], []

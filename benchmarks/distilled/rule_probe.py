@@ -34,11 +34,11 @@ from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.suite import suite_prompts
-from kvruntime.cache_ops import attention_modules
 from kvruntime.composite_tokens import composite_curve
 from kvruntime.methods import Distilled
 from kvruntime.methods.base import Selection
 from kvruntime.methods.distilled import DistilledScorer, with_leverage
+from kvruntime.models.layout import model_layout
 from kvruntime.selection import global_head_counts, pooled_top_counts
 
 SCORER = default_artifact("default", "distilled_scorer")
@@ -129,7 +129,7 @@ def fitted_leverage_weights() -> tuple:
 
 
 def variants(scorer: DistilledScorer, betas: list[float], model: torch.nn.Module) -> dict[str, kvruntime.Method]:
-    attention = tuple(attention_modules(model))
+    attention = tuple(model_layout(model).cut_modules)
     # The rules as the probe measured them, before `leverage` existed (spelled out: the defaults have moved since).
     plain = dict(scorer=scorer, leverage=0.0)
     return {

@@ -248,9 +248,10 @@ def eval_(options: EvalOptions, ctx: typer.Context, resources: contextlib.ExitSt
     from kvcompile.evaluation.measure import machine
     from kvcompile.evaluation.report import write_report
     from kvcompile.evaluation.suite_run import evaluate
+    from kvruntime.models.model_spec import loaded_position_limit
 
     loaded, tokenizer = recipe.load_model(options.model, device=recipe.resolve_device(options.device))
-    settings.check_positions(getattr(loaded.config, "max_position_embeddings", None))
+    settings.check_positions(loaded_position_limit(loaded.config))
     records = evaluate(
         loaded, tokenizer, contestants, paths, settings, store, options.batch_size, options.shared_prefill
     )

@@ -350,12 +350,13 @@ def generate_compressed(
     import kvruntime
     from kvcompile.prompt_format import uses_chat
     from kvruntime.batch_rows import left_pad
+    from kvruntime.models.model_spec import loaded_position_limit
 
     max_new_tokens, batch_size = given.max_new_tokens, given.batch_size
     question = [] if given.question is None and given.save_context is not None else given.question
     loaded, tokenizer = recipe.load_model(given.model, dtype=given.dtype)
     tokenizer.model_max_length = sys.maxsize  # `encoded_prompts` refuses one past the positions, in one line
-    limit = getattr(loaded.config, "max_position_embeddings", None)
+    limit = loaded_position_limit(loaded.config)
     chat = uses_chat(tokenizer, given.prompt_format)
     encoded = encoded_prompts(tokenizer, prompts, question, chat, max_new_tokens, limit)
     pad, greedy = padding_and_greedy(tokenizer, max_new_tokens)

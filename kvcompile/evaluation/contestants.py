@@ -211,7 +211,7 @@ def at_model_layers(model: Any, modules: Any) -> Any:
     would (it cuts every layer)."""
     from torch import nn
 
-    from kvruntime.cache_ops import attention_modules
+    from kvruntime.models.layout import model_layout
 
     class NoScorer(nn.Module):
         def forward(self, hidden_states: Any) -> Any:
@@ -219,11 +219,14 @@ def at_model_layers(model: Any, modules: Any) -> Any:
                 "the KVzap checkpoint has no scorer for a sliding-window layer (kvruntime leaves them)"
             )
 
-    cut = [module.layer_idx for module in attention_modules(model)]
-    if len(modules) != len(cut):
-        raise KVRuntimeError(f"the KVzap checkpoint has {len(modules)} layers, the model {len(cut)} to cut")
-    layers = model.config.get_text_config().num_hidden_layers
-    return nn.ModuleList(modules[cut.index(i)] if i in cut else NoScorer() for i in range(layers))
+    layout = model_layout(model)
+    if len(modules) != len(layout.cut_layers):
+        raise KVRuntimeError(
+            f"the KVzap checkpoint has {len(modules)} layers, the model {len(layout.cut_layers)} to cut"
+        )
+    return nn.ModuleList(
+        modules[layout.cut_position(i)] if i in layout.cut_layers else NoScorer() for i in range(len(layout.kinds))
+    )
 
 
 def _artifact_file(label: str, folders: tuple[Path, ...], kind: str) -> Path:

@@ -17,7 +17,8 @@ from transformers import DynamicCache
 from kvcompile.evaluation.measure import PeakMemory
 from kvruntime import generate_after_context, logits_after_context
 from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
-from kvruntime.cache_ops import attention_modules, cache_argument, cache_bytes, restored_after
+from kvruntime.cache_ops import cache_argument, cache_bytes, restored_after
+from kvruntime.models.layout import model_layout
 from kvruntime.quantized_cache import quantize_cache
 from kvruntime.recording import PrefillRecording, recorded_prefill
 
@@ -153,7 +154,7 @@ def press_keep_masks(model: nn.Module, cache: DynamicCache, context_length: int)
             layer.keys = layer.keys[..., :context_length, :].clone()
             layer.values = layer.values[..., :context_length, :].clone()
     masks = {}
-    for module in attention_modules(model):
+    for module in model_layout(model).cut_modules:
         indices = getattr(module, "masked_key_indices", None)
         if indices is None:
             continue
@@ -174,7 +175,7 @@ def keep_mask_hooks(model: nn.Module, masks: dict[int, torch.Tensor]) -> Iterato
 
     handles = [
         module.register_forward_pre_hook(inject, with_kwargs=True)
-        for module in attention_modules(model)
+        for module in model_layout(model).cut_modules
         if module.layer_idx in masks
     ]
     try:

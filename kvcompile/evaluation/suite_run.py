@@ -31,6 +31,7 @@ from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.tasks.grid import suite_cells
 from kvcompile.tasks.retrieval import TaskPrompt
+from kvruntime.models.model_spec import loaded_position_limit
 
 HELD_OUT_BOOK = "moby-dick"  # calibration reads Austen
 
@@ -45,7 +46,7 @@ def evaluate(
     batch_size: int = 1,
     shared_prefills: bool = True,
 ) -> list[dict]:
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = loaded_position_limit(model.config)
     prompts = settings.prompts(load_corpus(HELD_OUT_BOOK), tokenizer, limit)
     full = contestants[0]
     # The full cache quantized (`full:kv_bits=N`) removes no entry: it runs once, at ratio 0.

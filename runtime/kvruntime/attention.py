@@ -17,7 +17,8 @@ RoPE and whatever else its architecture does: an attention module given a `Query
 keeps its last queries there, with how the model turns a query-key product into a logit (`AttentionLogits`: the
 scaling it passed, and the soft cap of a model that caps its logits, Gemma 2). Nothing is rebuilt by hand, so any
 decoder transformers runs through its attention interface is scored on what it computes. A soft-capped model's
-attention is computed here in full (sdpa cannot cap), with the same masks.
+attention, and one with learned attention sinks (gpt-oss: a logit per query head that takes part in the softmax and
+attends to nothing), is computed here in full (sdpa does neither), with the same masks.
 """
 
 from __future__ import annotations
@@ -43,13 +44,22 @@ _CAPTURE = "_kvruntime_query_capture"
 @dataclasses.dataclass(frozen=True)
 class AttentionLogits:
     """How the model turns query-key products into attention logits: scaled, then soft-capped (tanh) where the
-    model caps them."""
+    model caps them; and into probabilities: a softmax, with each query head's learned sink logit where the model
+    has them (its weight dropped: the sink attends to nothing)."""
 
     scaling: float
     softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [Hq]
 
     def __call__(self, products: torch.Tensor) -> torch.Tensor:
         return soft_capped(products * self.scaling, self.softcap)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Softmax of float32 logits grouped by KV head, [B, Hkv, G, q, N] (query head h = KV head h // G)."""
+        if self.sinks is None:
+            return logits.softmax(dim=-1)
+        sink = self.sinks.float().reshape(1, *logits.shape[1:3], 1, 1).expand(*logits.shape[:-1], 1)
+        return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -91,7 +101,9 @@ def per_layer_sdpa(
     # `args`: a caller may pass dropout and scaling by position (kvpress's attention wrapper does), so the keep mask
     # is keyword-only and the rest goes through to sdpa as it came.
     scaling = kwargs.get("scaling", args[1] if len(args) > 1 else None)
-    logits = AttentionLogits(query.shape[-1] ** -0.5 if scaling is None else scaling, kwargs.pop("softcap", None))
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss's attention sinks [Hq]
+    default_scaling = query.shape[-1] ** -0.5
+    logits = AttentionLogits(default_scaling if scaling is None else scaling, kwargs.pop("softcap", None), sinks)
     capture = getattr(module, _CAPTURE, None)
     if capture is not None:
         # A copy when it is a part: a view would hold the layer's whole query tensor (the prompt's length of queries,
@@ -112,26 +124,29 @@ def per_layer_sdpa(
             mask = mask & right_aligned_causal_mask(q_len, kv_len, query.device, window)
     elif (q_len > 1 and q_len != kv_len) or window is not None:
         mask = right_aligned_causal_mask(q_len, kv_len, query.device, window)[None, None]
-    if logits.softcap is not None:
+    if logits.softcap is not None or sinks is not None:
         if mask is None and q_len > 1:
             mask = right_aligned_causal_mask(q_len, kv_len, query.device)[None, None]
-        return capped_attention(query, key, value, mask, logits), None
+        return explicit_attention(query, key, value, mask, logits), None
     # With no mask, sdpa_attention_forward uses is_causal for q_len > 1 (here q_len == kv_len: plain prefill).
     return sdpa_attention_forward(module, query, key, value, mask, *args, **kwargs)
 
 
-def capped_attention(
+def explicit_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, logits: AttentionLogits
 ) -> torch.Tensor:
-    """Attention with soft-capped logits (what sdpa cannot do), in float32 for the softmax: query [B, Hq, q, D],
-    key and value [B, Hkv, N, D], mask boolean (broadcast to [B, Hq, q, N]) -> output [B, q, Hq, D]."""
+    """Attention with soft-capped logits or attention sinks (what sdpa cannot do), in float32 for the softmax:
+    query [B, Hq, q, D], key and value [B, Hkv, N, D], mask boolean (broadcast to [B, Hq, q, N]) -> output
+    [B, q, Hq, D]."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = logits(torch.matmul(query, key.transpose(2, 3)))
+    scores = logits(torch.matmul(query, key.transpose(2, 3))).float()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.float().softmax(dim=-1).to(value.dtype)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+    batch, heads, rows, length = scores.shape
+    grouped = scores.view(batch, heads // groups, groups, rows, length)  # as `probabilities` reads heads
+    weights = logits.probabilities(grouped).view(batch, heads, rows, length)
+    return torch.matmul(weights.to(value.dtype), value).transpose(1, 2).contiguous()
 
 
 @contextlib.contextmanager

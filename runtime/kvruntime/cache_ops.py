@@ -1,5 +1,4 @@
-"""Model and cache plumbing: find the attention modules, hand over and find the cache, check its layout, keep
-entries, count bytes."""
+"""Cache plumbing: hand over and find the cache, check its layers, keep entries, count bytes."""
 
 from __future__ import annotations
 
@@ -15,63 +14,8 @@ from transformers.cache_utils import DynamicLayer
 
 from .errors import UnsupportedModelError
 from .merging import ReferenceQueries, kept_values
-from .models.model_spec import (
-    ATTENTION_FLAGS,
-    ATTENTION_REFUSAL,
-    BOUNDED,
-    GROWING,
-    attention_supported,
-    check_layer_kinds,
-    loaded_layer_kinds,
-)
+from .models.layout import is_window_layer
 from .quantized_cache import layer_bytes
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules whose cache grows with the prompt (full-attention layers), in layer order: the
-    layers every method scores and cuts, a method's layer i being the i-th of them. A sliding-window layer is bounded
-    by the model itself and left to it. Refuses a model the runtime cannot compress (`check_compressible`)."""
-    kinds = check_compressible(model)
-    modules = sorted(_self_attention(model), key=lambda m: m.layer_idx)
-    if len(modules) != len(kinds):
-        raise UnsupportedModelError(
-            f"{_model_type(model)}: found {len(modules)} self-attention modules for {len(kinds)} layers"
-        )
-    return [module for module in modules if kinds[module.layer_idx] == GROWING]
-
-
-def sliding_layers(model: nn.Module) -> list[int]:
-    """The indices of the model's sliding-window layers, which the runtime leaves to the model."""
-    return [index for index, kind in enumerate(check_compressible(model)) if kind == BOUNDED]
-
-
-def check_compressible(model: nn.Module) -> list[str]:
-    """Each layer's kind (`layer_kinds`), once the model is one the runtime compresses: one whose attention goes
-    through transformers' attention interface as sdpa or with only what kvruntime's attention function implements
-    (`attention_supported`), whose layers are full-attention or sliding-window ones, at least one of them
-    full."""
-    flags = {flag: bool(getattr(model, flag, False)) for flag in ATTENTION_FLAGS}
-    if not attention_supported(flags, _class_source(type(model))):
-        raise UnsupportedModelError(f"model type {_model_type(model)!r} {ATTENTION_REFUSAL}")
-    return check_layer_kinds(loaded_layer_kinds(model.config), _model_type(model))
-
-
-@functools.cache
-def _class_source(model_class: type) -> str:
-    """The source of the module defining a model class (its attention calls); empty where it cannot be read."""
-    try:
-        return inspect.getsource(inspect.getmodule(model_class))
-    except (OSError, TypeError):
-        return ""
-
-
-def _model_type(model: nn.Module) -> str:
-    return getattr(model.config, "model_type", type(model).__name__)
-
-
-def _self_attention(model: nn.Module) -> list[nn.Module]:
-    """The attention modules of the decoder layers: those that know their layer (transformers' `layer_idx`)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
 def cache_argument(model: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
@@ -118,7 +62,7 @@ def uncompressed_bytes(cache: Cache, length: int) -> int:
     cache of the prompt holds); a sliding-window layer, never cut, holds what it holds."""
     total = 0
     for layer in cache.layers:
-        entries = layer.keys.shape[-2] if getattr(layer, "is_sliding", False) else length
+        entries = layer.keys.shape[-2] if is_window_layer(layer) else length
         per_entry = layer.keys[..., :1, :].numel() * layer.keys.element_size()
         total += entries * (per_entry + layer.values[..., :1, :].numel() * layer.values.element_size())
     return total
@@ -127,7 +71,7 @@ def uncompressed_bytes(cache: Cache, length: int) -> int:
 def own_window_storage(cache: Cache) -> None:
     """Give each sliding-window layer storage of its window alone (`own_window_storage_of`)."""
     for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and layer.is_initialized:
+        if is_window_layer(layer) and layer.is_initialized:
             own_window_storage_of(layer)
 
 
@@ -138,17 +82,9 @@ def own_window_storage_of(layer: object) -> None:
         layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
 
 
-def window_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules of the sliding-window layers (`sliding_layers`), in layer order."""
-    sliding = set(sliding_layers(model))
-    return sorted((m for m in _self_attention(model) if m.layer_idx in sliding), key=lambda m: m.layer_idx)
-
-
 def bounded_bytes(cache: Cache) -> int:
     """Bytes the cache's sliding-window layers hold: bounded by the model, left as they are."""
-    return sum(
-        layer_bytes(layer) for layer in cache.layers if layer.is_initialized and getattr(layer, "is_sliding", False)
-    )
+    return sum(layer_bytes(layer) for layer in cache.layers if layer.is_initialized and is_window_layer(layer))
 
 
 def keep_entries(

@@ -22,8 +22,9 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .attention import AttentionLogits, capturing_queries, per_layer_attention
-from .cache_ops import attention_modules, cache_argument, hooked_cache
+from .cache_ops import cache_argument, hooked_cache
 from .errors import KVRuntimeError
+from .models.layout import is_window_layer, model_layout
 
 RECORDED_QUERIES = 64  # the longest window of the shipped methods (compilerkv's)
 
@@ -60,7 +61,7 @@ class PrefillRecording:
     def holds_the_whole_prompt(self) -> bool:
         """Whether every growing layer of the recorded cache holds the whole prompt (a recording made inside a
         `compress` block holds what that block kept)."""
-        growing = [layer for layer in self.cache.layers if not getattr(layer, "is_sliding", False)]
+        growing = [layer for layer in self.cache.layers if not is_window_layer(layer)]
         return all(layer.keys.shape[-2] == self.length for layer in growing)
 
     def replay(self, model: nn.Module, hook: AttentionHook) -> tuple[DynamicCache, BaseModelOutputWithPast]:
@@ -70,9 +71,9 @@ class PrefillRecording:
         queries (and logits) are its captured ones while its hook runs. Returns that cache and the base model's output over it."""
         cache = DynamicCache(config=model.config)
         for index, layer in enumerate(self.cache.layers):
-            if getattr(layer, "is_sliding", False):
+            if is_window_layer(layer):
                 cache.layers[index] = copy.copy(layer)  # its own object: answering moves its window on
-        modules = attention_modules(model)
+        modules = model_layout(model).cut_modules
         with capturing_queries(modules, RECORDED_QUERIES) as captures:
             for module, call, capture in zip(modules, self.calls, captures):
                 layer = self.cache.layers[module.layer_idx]
@@ -100,7 +101,7 @@ def recorded_prefill(model: nn.Module, input_ids: torch.Tensor) -> PrefillRecord
     calls: list[RecordedCall] = []
     outputs: list[torch.Tensor] = []
     cache = DynamicCache(config=model.config)
-    modules = attention_modules(model)
+    modules = model_layout(model).cut_modules
     positions = {module: position for position, module in enumerate(modules)}
     with contextlib.ExitStack() as hooks, torch.no_grad():
         hooks.enter_context(per_layer_attention(model))

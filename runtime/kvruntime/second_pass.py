@@ -90,7 +90,7 @@ def _context_probabilities(
         own = first + start  # the keys before the chunk's first query are seen by all of it
         positions = torch.arange(own, visible, device=keys.device)
         scores[..., own:].masked_fill_(positions[None, :] > positions[:, None], float("-inf"))
-        yield start, scores.softmax(dim=-1)[..., :context_length]
+        yield start, logits.probabilities(scores)[..., :context_length]
 
 
 def output_norms(values: torch.Tensor, output_weight: torch.Tensor, num_query_heads: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from .attention import AttentionLogits, captured_queries, capturing_queries, per_layer_attention
-from .cache_ops import attention_modules, hooked_cache
+from .cache_ops import hooked_cache
+from .models.layout import model_layout
 
 
 def hooked_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -46,7 +47,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, logits: Attentio
     scores = logits(torch.einsum("bkgwd,bknd->bkgwn", grouped, keys.float()))
     future = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(diagonal=1)
     scores[..., length - window :].masked_fill_(future, float("-inf"))
-    return scores.softmax(dim=-1)
+    return logits.probabilities(scores)
 
 
 # Called with (the layer's position among the layers the runtime cuts, attention module, the last queries
@@ -58,7 +59,7 @@ QueryHook = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, 
 def query_hooks(model: nn.Module, callback: QueryHook, window: int = 1) -> Iterator[None]:
     """Call `callback` after every attention layer whose cache grows (`attention_modules`) with its last `window`
     queries, as the model computed them, and its cache."""
-    modules = attention_modules(model)
+    modules = model_layout(model).cut_modules
     positions = {module: position for position, module in enumerate(modules)}
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:

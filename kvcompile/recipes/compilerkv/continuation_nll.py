@@ -24,8 +24,9 @@ from torch import nn
 from transformers import Cache
 
 from kvcompile.recipes.compilerkv.settings import LOSSES
-from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention, soft_capped
-from kvruntime.cache_ops import attention_modules, cache_argument
+from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.cache_ops import cache_argument
+from kvruntime.models.layout import model_layout
 
 # What a decoder layer's recorded call loses before it is replayed: its input, the cache and transformers' mask
 # (kvruntime's attention function builds each layer's own).
@@ -75,8 +76,8 @@ def prefilled_prompt(model: nn.Module, cache: Cache, continuation: torch.Tensor,
     prefilled cache, which this spends: the continuation is appended to it), recording each decoder layer's call."""
     keys = [layer.keys for layer in cache.layers]  # appending replaces these tensors, it does not write into them
     values = [layer.values for layer in cache.layers]
-    growing = tuple(module.layer_idx for module in attention_modules(model))
-    decoder_layers = list(model.base_model.layers)
+    growing = model_layout(model).cut_layers
+    decoder_layers = model_layout(model).decoder_layers
     calls: dict[int, tuple[torch.Tensor, dict]] = {}
 
     def record(index: int):
@@ -129,7 +130,7 @@ class ContinuationScorer:
         self.model = model
         self.prompt = prompt
         self.batch_size = batch_size
-        self.layers = list(model.base_model.layers)
+        self.layers = model_layout(model).decoder_layers
         self.targets = prompt.continuation[0, 1:]
         # A sliding-window layer attends to its whole window in every rollout.
         self.windows = {
@@ -173,9 +174,8 @@ class ContinuationScorer:
         return self.model.base_model.norm(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's head on final hidden states, soft-capped where the model's config caps its logits."""
-        logits = self.model.get_output_embeddings()(hidden).float()
-        return soft_capped(logits, getattr(self.model.config, "final_logit_softcapping", None))
+        """The model's logits from final hidden states, as its forward makes them (`ModelLayout.output_logits`)."""
+        return model_layout(self.model).output_logits(self.model.get_output_embeddings(), hidden)
 
     def _losses(self, hidden: torch.Tensor) -> list[float]:
         """Mean loss over the continuation per batch row, the first token's included (its NLL from the prefill; its

@@ -20,8 +20,8 @@ from kvcompile.recipes.compresskv.settings import LayerErrorsSettings
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.artifacts.artifact import tensors_checksum
 from kvruntime.attention import captured_logits
-from kvruntime.cache_ops import attention_modules
 from kvruntime.methods import SemanticRetrievalHeads
+from kvruntime.models.layout import model_layout
 from kvruntime.selection import top_indices
 from kvruntime.window import query_hooks
 
@@ -46,7 +46,7 @@ def layer_errors_of_prompt(
     """Summed relative output error per layer over the decoding steps of one prompt: [layers]."""
     length = prompt_ids.shape[1]
     kept: dict[int, torch.Tensor] = {}
-    errors = torch.zeros(len(attention_modules(model)), dtype=torch.float64)  # on the CPU, with the sums
+    errors = torch.zeros(len(model_layout(model).cut_modules), dtype=torch.float64)  # on the CPU, with the sums
 
     def measure(
         layer: int,

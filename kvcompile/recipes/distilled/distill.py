@@ -30,7 +30,7 @@ from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
-from kvruntime.cache_ops import attention_modules, cache_argument
+from kvruntime.cache_ops import cache_argument
 from kvruntime.methods.distilled import (
     PREFIXED,
     feature_count,
@@ -42,6 +42,7 @@ from kvruntime.methods.distilled import (
 )
 from kvruntime.methods.distilled.method import dynamic_layer_counts
 from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.models.layout import model_layout
 from kvruntime.repetition import repeated_ngram_fraction, repeats
 from kvruntime.requests.request import kept_per_head
 from kvruntime.second_pass import task_attention_maxima
@@ -67,7 +68,7 @@ def prefill_features_and_targets(
         hidden_states = kwargs.get("hidden_states", args[0] if args else None)
         inputs[module.layer_idx] = token_features(hidden_states)[0].cpu().double()
 
-    handles = [m.register_forward_hook(keep_input, with_kwargs=True) for m in attention_modules(model)]
+    handles = [m.register_forward_hook(keep_input, with_kwargs=True) for m in model_layout(model).cut_modules]
     cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():

@@ -22,9 +22,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
-from kvruntime.cache_ops import attention_modules, cache_argument, restored_after
+from kvruntime.cache_ops import cache_argument, restored_after
 from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.methods.distilled.spec import SPEC
+from kvruntime.models.layout import model_layout
 
 LEARNING_RATE = 0.05  # Adam's step, relative to the root mean square of the model's input embeddings
 SINKS = int(SPEC.options["sinks"].default)
@@ -121,7 +122,7 @@ def train_lookahead_queries(
     """The queries [n, hidden] trained on `contexts` in turn (float32, on the CPU), and the KL to the oracle at the
     first step, over the last tenth and, with contexts `held_out` (never trained on), their mean KL after training
     (`kl_held_out`: how well the queries generalise)."""
-    layers = [module.layer_idx for module in attention_modules(model)]
+    layers = list(model_layout(model).cut_layers)
     generator = torch.Generator().manual_seed(seed)
     table = model.get_input_embeddings()
     start = torch.randint(0, table.num_embeddings, (queries,), generator=generator).to(table.weight.device)

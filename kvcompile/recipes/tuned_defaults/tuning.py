@@ -26,6 +26,7 @@ from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
 from kvcompile.evaluation.suite_run import HELD_OUT_BOOK, reference_answer, run_prompt
 from kvruntime import Artifact, model_fingerprint
+from kvruntime.models.model_spec import loaded_position_limit
 
 UNMEASURED = -1.0  # accuracy/kl of a ratio not tried (the method had stopped before it)
 
@@ -42,7 +43,7 @@ def tune(
 ) -> Artifact:
     """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
     corpus = load_corpus(HELD_OUT_BOOK)
-    prompts = settings.prompts(corpus, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    prompts = settings.prompts(corpus, tokenizer, loaded_position_limit(model.config))
     full, methods = contestants[0], contestants[1:]
     references = {}
     bar = tqdm(total=len(prompts) * (1 + len(methods) * len(settings.ratios)), desc="kvcompile tune", unit="run")

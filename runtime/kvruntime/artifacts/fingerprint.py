@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ArtifactError, short_repr
-from ..models.model_spec import GROWING, loaded_layer_kinds
+from ..models.model_spec import GROWING, language_config, loaded_layer_kinds
 
 if TYPE_CHECKING:  # torch only where a model is fingerprinted: a manifest's fingerprint is checked without it
     import torch
@@ -96,10 +96,10 @@ def _hashed_sample(weight: torch.Tensor) -> bytes:
 
 def _fingerprint(model: nn.Module, weights_hash: str) -> ModelFingerprint:
     """The shape facts of `model`'s config with the hash of its weights."""
-    config = model.config
+    config = language_config(model.config)
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
     return ModelFingerprint(
         architecture=architectures[0],
         # The layers an artifact describes: those whose cache grows (a sliding-window layer is left to the model).

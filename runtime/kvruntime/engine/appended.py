@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..attention import captured_logits
+from ..models.layout import resize_window
 from ..second_pass import context_attention_mean
 from .state import PrefillState
 
@@ -18,12 +19,12 @@ def widen_window(layer: object, count: int) -> None:
     """A sliding cache layer about to take a prompt and `count` appended positions: it keeps `count` more entries
     this once, so that once they are dropped (`narrow_window`) it holds the prompt's own window. The attention's
     band is the model's (its mask), not the layer's: only what the layer stores changes."""
-    layer.sliding_window += count
+    resize_window(layer, count)
 
 
 def narrow_window(layer: object, count: int) -> None:
     """After `widen_window` and the attention: the appended positions' `count` entries dropped, the window back."""
-    layer.sliding_window -= count
+    resize_window(layer, -count)
     layer.keys, layer.values = layer.keys[:, :, :-count], layer.values[:, :, :-count]
     layer.cumulative_length -= count
 

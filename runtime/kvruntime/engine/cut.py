@@ -3,6 +3,8 @@ layer at a time (`cut_layer`, under budgets known in advance, after each chunk o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import Cache
@@ -12,6 +14,7 @@ from ..cache_ops import check_growing_layer, keep_entries
 from ..errors import KVRuntimeError, UnsupportedModelError
 from ..merging import ReferenceQueries
 from ..methods import LayerInputs, Method, PrefillResult
+from ..models.layout import model_layout
 from ..second_pass import lookahead_attention, task_attention_maxima
 from ..selection import top_indices, top_mask
 from .state import Cut, HeldEntries, PrefillState
@@ -137,7 +140,7 @@ def method_prefill(
         num_kv_heads=cache.layers[0].keys.shape[1],
         input_ids=state.input_ids,
         hidden_states=output.last_hidden_state,
-        output_embeddings=model.get_output_embeddings(),
+        output_logits=functools.partial(model_layout(model).output_logits, model.get_output_embeddings()),
         second_pass_attention=second_pass,
         lookahead_attention=lookahead,
     )

@@ -14,7 +14,7 @@ from transformers import Cache, DynamicCache
 from ..batch_rows import row_starts, stack_rows, stacked_visibility
 from ..cache_ops import cache_argument, cache_bytes, replace_output, uncompressed_bytes
 from ..errors import KVRuntimeError
-from ..models.model_spec import SLIDING_BATCH
+from ..models.layout import ModelLayout
 from ..report import BatchReport
 from .keep_masks import KeepMasks
 from .state import Compressed
@@ -25,7 +25,7 @@ class RowsSession(Protocol):
 
     model: nn.Module
     kv_bits: int | None
-    bounded_layers: list[int]
+    layout: ModelLayout
     keep_masks: KeepMasks
     batch_reports: list[BatchReport]
 
@@ -50,8 +50,7 @@ def prefill_rows(
     batch, length = tokens.shape[:2]
     if session.kv_bits is not None:
         raise KVRuntimeError("kv_bits quantizes one prompt at a time: give the prompts one by one")
-    if session.bounded_layers:  # a row's sliding layers would be padded out of the order their band relies on
-        raise KVRuntimeError(SLIDING_BATCH)
+    session.layout.check_unpadded()  # a row's sliding layers would be padded out of the order their band relies on
     starts = row_starts(kwargs.get("attention_mask"), batch, length)
     alone = {key: value for key, value in kwargs.items() if key not in _BATCH_ONLY}
     hidden, row_caches, row_reports, row_positions = None, [], [], []

@@ -29,9 +29,8 @@ from ..artifacts.context_file import (
 )
 from ..artifacts.fingerprint import model_fingerprint
 from ..attention import per_layer_attention
-from ..cache_ops import attention_modules, sliding_layers
 from ..errors import ArtifactError, KVRuntimeError
-from ..models.model_spec import SLIDING_BATCH
+from ..models.layout import is_window_layer, model_layout, window_length
 from ..report import CompressionReport
 from .answering import CompressedContext
 from .keep_masks import KeepMasks
@@ -120,8 +119,8 @@ class LoadedContext:
     def _rows(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> CompressedContext:
         """The context for a row per question; padding would shift a sliding layer's band (as in memory)."""
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if padded and sliding_layers(self.session.model):
-            raise KVRuntimeError(SLIDING_BATCH)
+        if padded:
+            model_layout(self.session.model).check_unpadded()
         rows = ids.shape[0]
         if rows not in self._by_rows:
             self._by_rows[rows] = self.context(rows)
@@ -135,7 +134,7 @@ class LoadedContext:
         for index, layer in enumerate(cache.layers):
             keys, values = (self.tensors[f"{kind}.{index}"].expand(rows, -1, -1, -1) for kind in ("keys", "values"))
             layer.update(keys, values)
-            if getattr(layer, "is_sliding", False):
+            if is_window_layer(layer):
                 layer.cumulative_length = length  # the tokens it has seen, not the window it holds
         masks = {
             int(name.split(".")[1]): mask.expand(rows, -1, -1)
@@ -161,7 +160,7 @@ class ContextSession:
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[ContextSession]:
-        for module in attention_modules(self.model):
+        for module in model_layout(self.model).cut_modules:
             self._handles.append(module.register_forward_pre_hook(self.keep_masks.injected, with_kwargs=True))
         try:
             with per_layer_attention(self.model):
@@ -211,9 +210,9 @@ def check_context_tensors(header: ContextHeader, tensors: dict[str, torch.Tensor
     for index, layer in enumerate(layers):
         positions = tensors[f"positions.{index}"].long()
         slots = positions.shape[-1]
-        if getattr(layer, "is_sliding", False) and slots >= layer.sliding_window:
+        if is_window_layer(layer) and slots >= window_length(layer):
             raise ArtifactError(
-                f"{header.path}: sliding layer {index} holds {slots} entries, past its {layer.sliding_window}-token "
+                f"{header.path}: sliding layer {index} holds {slots} entries, past its {window_length(layer)}-token "
                 "window"
             )
         inside = bool(((positions >= 0) & (positions < length)).all())

@@ -17,7 +17,6 @@ from transformers import DynamicCache
 
 from ..attention import captured_logits, capturing_queries
 from ..cache_ops import (
-    attention_modules,
     bounded_bytes,
     cache_argument,
     cache_bytes,
@@ -27,12 +26,12 @@ from ..cache_ops import (
     own_window_storage,
     own_window_storage_of,
     uncompressed_bytes,
-    window_attention_modules,
 )
 from ..errors import KVRuntimeError
 from ..merging import ReferenceQueries, needs_reference_queries
 from ..methods import LayerInputs
-from ..models.model_spec import SLIDING_KV_BITS, check_positions
+from ..models.layout import model_layout
+from ..models.model_spec import check_positions
 from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
 from ..recording import RECORDED_QUERIES, PrefillRecording, check_replayable
 from ..report import BatchReport, CompressionReport
@@ -58,12 +57,10 @@ class CompressionSession:
         """`request`: the one of `resolved`'s requests this block serves (the serving checks ran on it there)."""
         # The layers every method scores and cuts (a method's layer i is the i-th), and the sliding-window ones,
         # which the model bounds itself and which are left to it.
-        self._attention = attention_modules(model)
-        self._windows = window_attention_modules(model)
-        self.bounded_layers = [module.layer_idx for module in self._windows]
+        self.layout = model_layout(model)
+        self._attention = self.layout.cut_modules
         self.kv_bits = resolved.kv_bits  # the kept entries are quantized to this many bits once cut
-        if self.kv_bits is not None and self.bounded_layers:
-            raise KVRuntimeError(SLIDING_KV_BITS)
+        self.layout.check_kv_bits(self.kv_bits)
         if self.kv_bits is not None:
             quantized_layer(self.kv_bits)  # refuses a transformers without that layer before any prefill
         self.model = model
@@ -170,7 +167,7 @@ class CompressionSession:
         for module in self._attention:
             self._handles.append(module.register_forward_hook(self._after_attention, with_kwargs=True))
             self._handles.append(module.register_forward_pre_hook(self._inject_keep_mask, with_kwargs=True))
-        for module in self._windows:
+        for module in self.layout.sliding_modules:
             self._handles.append(module.register_forward_pre_hook(self._before_window_attention, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._after_window_attention, with_kwargs=True))
         try:
@@ -213,8 +210,7 @@ class CompressionSession:
         if batch != 1 or (isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
             output, compressed = prefill_rows(self, forward, kwargs, tokens_key, cache)
         else:
-            limit = getattr(self.model.config, "max_position_embeddings", None)
-            check_positions(length, limit, f"a prompt of {length} tokens")
+            check_positions(length, self.layout.positions, f"a prompt of {length} tokens")
             state = self._new_prefill(tokens)
             with self._feeding(state):
                 if self.streams(length) and cache is not None:
@@ -338,8 +334,8 @@ class CompressionSession:
             compress_seconds=state.scoring_seconds + ended - started,
             cut=state.path(),
             notes=notes,
-            layers=[module.layer_idx for module in self._attention],
-            bounded_layers=self.bounded_layers,
+            layers=list(self.layout.cut_layers),
+            bounded_layers=list(self.layout.sliding_layers),
             bounded_bytes=bounded_bytes(cache),
         )
         self.reports.append(report)

@@ -36,10 +36,10 @@ from ..artifacts.artifact import Artifact, check_artifact_matches_model, load_ar
 from ..artifacts.bundle import resolve_artifact_path
 from ..artifacts.fingerprint import model_fingerprint
 from ..attention import captured_logits, captured_queries, capturing_queries, per_layer_attention
-from ..cache_ops import attention_modules, sliding_layers
 from ..errors import KVRuntimeError
 from ..methods import Method
 from ..methods.distilled import with_leverage
+from ..models.layout import model_layout
 from ..registry import method_spec
 from ..requests.resolved import ResolvedRequest, resolve_request
 from ..selection import protect_window
@@ -95,18 +95,14 @@ class CompiledScorerPress(ScorerPress):
         return cls(compression_ratio=request.ratio, method=resolved.method, artifact=artifact, force=force)
 
     def post_init_from_model(self, model: PreTrainedModel) -> None:
-        if sliding_layers(model):
-            raise KVRuntimeError(
-                f"{type(self).__name__}: kvpress compresses every layer, sliding-window ones included, and this model "
-                "has some; kvruntime.compress cuts its full-attention layers and leaves the sliding ones to the model"
-            )
+        model_layout(model).check_every_layer_cut(type(self).__name__)
         check_artifact_matches_model(self.artifact, model_fingerprint(model), force=self.force)
 
     @contextlib.contextmanager
     def __call__(self, model: PreTrainedModel) -> Iterator[None]:
         """kvpress's hooks, with the model's queries captured where its attention runs (kvruntime's attention
         function) for the scores to read."""
-        with per_layer_attention(model), capturing_queries(attention_modules(model), self.method.window):
+        with per_layer_attention(model), capturing_queries(model_layout(model).cut_modules, self.method.window):
             with super().__call__(model):
                 yield
 

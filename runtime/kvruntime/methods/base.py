@@ -39,7 +39,7 @@ class PrefillResult:
     num_kv_heads: int
     input_ids: torch.Tensor | None  # [B, N]
     hidden_states: torch.Tensor  # [B, N, hidden]
-    output_embeddings: torch.nn.Module
+    output_logits: Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> logits, as the model's forward
     # Feeds the prompt again after itself (after the token ids `prefix`) in the filled cache: per layer, each
     # token's largest `target` score from the copy [B, Hq, N] (`kvruntime.second_pass`: attention, or kvzip_plus).
     # Costs a second prefill: only methods that score this way call it.
@@ -53,7 +53,7 @@ class PrefillResult:
         if self.input_ids is None:
             raise ValueError("the prefill was given embeddings, not token ids: token log-probabilities are unknown")
         last = min(last, self.input_ids.shape[1] - 1)
-        logits = self.output_embeddings(self.hidden_states[:, -last - 1 : -1]).float()
+        logits = self.output_logits(self.hidden_states[:, -last - 1 : -1])
         return logits.log_softmax(dim=-1).gather(-1, self.input_ids[:, -last:, None]).squeeze(-1)
 
 

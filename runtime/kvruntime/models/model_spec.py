@@ -23,12 +23,13 @@ from .gguf_header import read_gguf_header
 GROWING, BOUNDED = "full_attention", "sliding_attention"
 # kvruntime's attention function (sdpa with masks of its own, where the queries are taken) runs a model class whose
 # attention goes through transformers' attention interface (the first flag) as sdpa (the second), or whose calls of
-# that interface pass only keywords the function implements (sdpa's and the logit soft cap: Gemma 2's).
+# that interface pass only keywords the function implements (sdpa's, the logit soft cap of Gemma 2 and the attention
+# sinks of gpt-oss).
 ATTENTION_FLAGS = ("_supports_attention_backend", "_supports_sdpa")
-ATTENTION_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "position_ids", "is_causal")
+ATTENTION_KEYWORDS = ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "position_ids", "is_causal")
 ATTENTION_REFUSAL = (
     "does not run its attention through transformers' attention interface as sdpa or with only what kvruntime's "
-    "attention function implements (logit soft-capping): it needs eager attention for more (attention sinks) or has "
+    "attention function implements (logit soft-capping, attention sinks): it needs eager attention for more or has "
     "its own"
 )
 # A model folder has at least one of these when its tokenizer was saved with it.
@@ -190,9 +191,19 @@ def layer_kinds(config: Mapping) -> list[str]:
 def loaded_layer_kinds(config: object) -> list[str]:
     """`layer_kinds` of a loaded model's config (its text config's): its attributes, which transformers' attribute
     maps resolve (GPT-2's `n_layer` is `num_hidden_layers`)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = language_config(config)
     keys = ("layer_types", "num_hidden_layers", "sliding_window", "use_sliding_window", "attention_chunk_size")
     return layer_kinds({key: getattr(text, key, None) for key in keys})
+
+
+def language_config(config: object) -> object:
+    """A loaded model's text config: a multimodal config's text part, the config itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def loaded_position_limit(config: object) -> int | None:
+    """The most positions a loaded model attends over, from its (text) config; None where it states none."""
+    return _positive(getattr(language_config(config), "max_position_embeddings", None))
 
 
 def check_layer_kinds(kinds: list[str], model_type: str) -> list[str]:
