@@ -104,7 +104,7 @@ def write_bundle(
     and the card with its plot. Returns the manifest."""
     from kvruntime import read_artifact
     from kvruntime.artifacts.artifact import check_tensors
-    from kvruntime.artifacts.files import replace_folder
+    from kvruntime.files import replace_folder
 
     artifacts = [read_artifact(path) for path in files]
     for artifact in artifacts:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import matplotlib
 
-from kvruntime.artifacts.files import write_atomically
+from kvruntime.files import write_atomically
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)

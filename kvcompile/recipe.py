@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvcompile.calibration.shards import PARTIAL_KIND
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import ARTIFACT_SUFFIX, artifact_file_name
 from kvruntime.errors import short_repr
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # the compile stage's heavy modules load when a recipe runs, 
     from kvcompile.calibration.job import CompileJob
     from kvruntime.artifacts.fingerprint import ModelFingerprint
 
-PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
 RUN_RECORD_MARK = "run_of"  # the key that tells a run record (`run_record_path`) from another JSON file
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE_KINDS = ("cpu", "cuda", "mps")
@@ -133,7 +133,7 @@ def store_folder(model: str) -> Path:
     cannot be read before it loads gets a folder by its name and place. The shipped folders are never written."""
     import hashlib
 
-    from kvruntime.artifacts.files import cache_root
+    from kvruntime.files import cache_root
 
     identity = model_identity(model)
     if identity is not None:
@@ -261,7 +261,7 @@ def claim_output(
 ) -> Path:
     """Check, before any work, that `path` can be written (a file, or with `folder` a folder), and hold its lock
     for the rest of the command, so that two runs never write the same output at once."""
-    from kvruntime.artifacts.files import check_output_file, check_output_folder, path_lock
+    from kvruntime.files import check_output_file, check_output_folder, path_lock
 
     check_not_shipped(path, option)
     (check_output_folder if folder else check_output_file)(path, option)
@@ -489,7 +489,7 @@ def write_result(
     from kvcompile.calibration.checkpoint import discard_checkpoint
     from kvcompile.calibration.distributed import wait_for_all
     from kvruntime import save_artifact
-    from kvruntime.artifacts.files import write_atomically
+    from kvruntime.files import write_atomically
 
     if shard.writes_results:
         save_artifact(artifact, out)

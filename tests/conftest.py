@@ -15,8 +15,8 @@ from hypothesis import settings
 
 import kvruntime
 import kvruntime.models.model_loading
-from kvruntime.cache_ops import hooked_cache
 from kvruntime.methods.distilled import feature_count
+from kvruntime.plumbing.cache_ops import hooked_cache
 
 # The tests' own cache of the dequantised default model and of locks (the tests and the processes they start), not
 # the user's: a test never shares or damages what `make demo` uses. A cache named by the caller (CI's) is kept.

@@ -22,8 +22,8 @@ from kvcompile.evaluation import runner
 from kvcompile.evaluation.contestants import RuntimeMethod
 from kvcompile.evaluation.runner import Scoring, answer_batch, until_stop
 from kvruntime import Request
-from kvruntime.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.errors import UnsupportedModelError
+from kvruntime.plumbing.batch_rows import left_pad, row_starts, stack_rows, stacked_visibility, with_appended
 from kvruntime.requests.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,10 +36,10 @@ from kvcompile.recipes.compilerkv.offline_cql import fit_greedy_table, one_hot
 from kvcompile.recipes.compilerkv.settings import DESIGNS, CQLSettings
 from kvcompile.recipes.compilerkv.tables import compile_tables, relearn_tables
 from kvruntime.artifacts.artifact import load_artifact, read_artifact, save_artifact
-from kvruntime.attention import per_layer_attention
-from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.compilerkv.tables import CompilerKVTables
+from kvruntime.plumbing.attention import per_layer_attention
+from kvruntime.plumbing.cache_ops import cache_argument
 
 
 def _synthetic_bandit(seed: int = 0, per_pair: int = 4):

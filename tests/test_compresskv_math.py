@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvcompile.recipes.compresskv.head_comparison import compare_heads
 from kvcompile.recipes.compresskv.head_scores import copy_retrieval_score, rouge1_recall, semantic_retrieval_score
 from kvcompile.recipes.compresskv.layer_errors import normalised_layer_error
-from kvruntime.allocation import error_aware_budgets
+from kvruntime.math.allocation import error_aware_budgets
 
 
 def test_uniform_errors_give_uniform_budgets():

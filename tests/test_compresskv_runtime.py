@@ -5,10 +5,10 @@ import torch
 from conftest import tiny_model
 
 import kvruntime
-from kvruntime.allocation import error_aware_budgets
 from kvruntime.artifacts.artifact import Artifact, save_artifact
 from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import ArtifactError, KVRuntimeError
+from kvruntime.math.allocation import error_aware_budgets
 
 LAYER_ERROR = torch.tensor([0.1, 0.4, 0.2, 0.3])
 

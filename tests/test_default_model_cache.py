@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models import default_model as dm
+from kvruntime.models import gguf_tokenizer as gt
 from kvruntime.models import model_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def byte_level_alphabet() -> list[str]:
     return [chr(code) for _, code in sorted(zip(order, codes))]
 
 
-def tiny_spec(eos_id: int = 2) -> dm.GGUFTokenizer:
+def tiny_spec(eos_id: int = 2) -> gt.GGUFTokenizer:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     merges = ("H e", "He l", "Hel l", "Hell o", "Ġ w", "Ġw o")
     tokens = specials + byte_level_alphabet() + ["He", "Hel", "Hell", "Hello", "Ġw", "Ġwo"]
@@ -43,7 +44,7 @@ def tiny_spec(eos_id: int = 2) -> dm.GGUFTokenizer:
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    return dm.GGUFTokenizer(
+    return gt.GGUFTokenizer(
         model="gpt2",
         pre="smollm",
         tokens=tuple(tokens),
@@ -59,14 +60,14 @@ def tiny_spec(eos_id: int = 2) -> dm.GGUFTokenizer:
     )
 
 
-def write_tiny_model(folder: Path, spec: dm.GGUFTokenizer) -> dict:
+def write_tiny_model(folder: Path, spec: gt.GGUFTokenizer) -> dict:
     """A stand-in for dequantise_gguf: a tiny Llama and the tokenizer built from `spec`."""
     model = tiny_model("llama")
     model.resize_token_embeddings(len(spec.tokens))
     model.save_pretrained(folder)
-    dm.build_tokenizer(spec).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(dm.tokenizer_config(spec, 512)))
-    return {"tokenizer": dm.tokenizer_reference(spec)}
+    gt.build_tokenizer(spec).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(gt.tokenizer_config(spec, 512)))
+    return {"tokenizer": gt.tokenizer_reference(spec)}
 
 
 def test_the_tokenizer_built_from_gguf_metadata_round_trips_and_has_the_ggufs_special_tokens(tmp_path):
@@ -81,30 +82,30 @@ def test_the_tokenizer_built_from_gguf_metadata_round_trips_and_has_the_ggufs_sp
         "<|im_end|>",
     )
     assert tokenizer.tokenize("2026") == ["2", "0", "2", "6"]
-    assert tokenizer.decode(tokenizer(dm.ROUND_TRIP_PROBE).input_ids) == dm.ROUND_TRIP_PROBE
-    assert dm.tokenizer_problems(tokenizer, dm.tokenizer_reference(spec)) == []
+    assert tokenizer.decode(tokenizer(gt.ROUND_TRIP_PROBE).input_ids) == gt.ROUND_TRIP_PROBE
+    assert gt.tokenizer_problems(tokenizer, gt.tokenizer_reference(spec)) == []
     # It survives a save and reload by transformers itself (what 5.2's converted tokenizer did not).
     tokenizer.save_pretrained(tmp_path / "again")
     again = AutoTokenizer.from_pretrained(str(tmp_path / "again"))
-    assert dm.tokenizer_problems(again, dm.tokenizer_reference(spec)) == []
+    assert gt.tokenizer_problems(again, gt.tokenizer_reference(spec)) == []
 
 
 def test_the_check_names_what_is_wrong(tmp_path):
     spec = tiny_spec()
-    reference = dm.tokenizer_reference(spec)
+    reference = gt.tokenizer_reference(spec)
     write_tiny_model(tmp_path, tiny_spec(eos_id=1))  # eos <|im_start|>: what transformers 5.2 converted
-    problems = dm.tokenizer_problems(AutoTokenizer.from_pretrained(str(tmp_path)), reference)
+    problems = gt.tokenizer_problems(AutoTokenizer.from_pretrained(str(tmp_path)), reference)
     assert any("eos is '<|im_start|>' (id 1), the GGUF says '<|im_end|>' (id 2)" in p for p in problems)
     # A tokenizer that inserts unknown tokens between words (5.2's reload) fails the round trip.
     config = json.loads((tmp_path / "tokenizer.json").read_text())
     config["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
     (tmp_path / "tokenizer.json").write_text(json.dumps(config))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dm.tokenizer_config(spec, 512)))
-    problems = dm.tokenizer_problems(AutoTokenizer.from_pretrained(str(tmp_path)), reference)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(gt.tokenizer_config(spec, 512)))
+    problems = gt.tokenizer_problems(AutoTokenizer.from_pretrained(str(tmp_path)), reference)
     assert any("does not survive encode and decode" in p for p in problems)
     assert (
         reference["chat_template_sha256"]
-        != dm.tokenizer_reference(dm.GGUFTokenizer(**{**spec.__dict__, "chat_template": None}))["chat_template_sha256"]
+        != gt.tokenizer_reference(gt.GGUFTokenizer(**{**spec.__dict__, "chat_template": None}))["chat_template_sha256"]
     )
 
 
@@ -170,7 +171,7 @@ def test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_lin
 
     def build(_gguf: Path, staging: Path) -> dict:
         write_tiny_model(staging, specs.pop(0))
-        return {"tokenizer": dm.tokenizer_reference(tiny_spec())}  # the GGUF's reference: eos <|im_end|>
+        return {"tokenizer": gt.tokenizer_reference(tiny_spec())}  # the GGUF's reference: eos <|im_end|>
 
     monkeypatch.setattr(dm, "dequantise_gguf", build)
     load = lambda folder: (None, AutoTokenizer.from_pretrained(str(folder)))  # noqa: E731
@@ -206,17 +207,17 @@ def test_the_cache_folder_changes_with_the_converter_versions(tmp_path):
 @pytest.mark.integration
 def test_the_default_tokenizer_survives_save_and_reload_with_the_ggufs_tokens(default_model, tmp_path):
     _, tokenizer = default_model
-    spec = dm.read_gguf_tokenizer(dm.default_gguf_path())
+    spec = gt.read_gguf_tokenizer(dm.default_gguf_path())
     tokenizer.save_pretrained(tmp_path)
     for loaded in (tokenizer, AutoTokenizer.from_pretrained(str(tmp_path))):
         assert loaded("Hello world").input_ids == [spec.tokens.index("Hello"), spec.tokens.index("Ġworld")]
         assert (loaded.eos_token, loaded.eos_token_id) == ("<|im_end|>", spec.eos_id)
-        assert loaded.decode(loaded(dm.ROUND_TRIP_PROBE).input_ids) == dm.ROUND_TRIP_PROBE
+        assert loaded.decode(loaded(gt.ROUND_TRIP_PROBE).input_ids) == gt.ROUND_TRIP_PROBE
         chat = loaded.apply_chat_template(
             [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
         )
         assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-        assert dm.tokenizer_problems(loaded, dm.tokenizer_reference(spec)) == []
+        assert gt.tokenizer_problems(loaded, gt.tokenizer_reference(spec)) == []
 
 
 @pytest.mark.integration
@@ -254,5 +255,5 @@ def test_two_first_runs_at_once_on_an_empty_cache_answer_and_leave_one_good_cach
     # that follows a failed check: test_a_poisoned_cache_is_rebuilt_and_one_that_stays_wrong_stops_with_one_line).
     config = json.loads((folders[0] / "tokenizer_config.json").read_text())
     (folders[0] / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
-    problems = dm.tokenizer_problems(AutoTokenizer.from_pretrained(str(folders[0])), marker["tokenizer"])
+    problems = gt.tokenizer_problems(AutoTokenizer.from_pretrained(str(folders[0])), marker["tokenizer"])
     assert any(problem.startswith("eos is '<|im_start|>'") for problem in problems), problems

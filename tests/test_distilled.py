@@ -21,8 +21,8 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.distributed import Shard
 from kvcompile.calibration.job import CompileJob
 from kvcompile.calibration.partial_statistics import merge_partials
+from kvcompile.calibration.shards import PARTIAL_KIND
 from kvcompile.cli import app
-from kvcompile.recipe import PARTIAL_KIND
 from kvcompile.recipes.distilled import distill
 from kvcompile.recipes.distilled.distill import (
     compile_distilled_scorer,
@@ -32,8 +32,9 @@ from kvcompile.recipes.distilled.distill import (
 )
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint, save_artifact
-from kvruntime.allocation import apportion, error_aware_budgets, refloored_shares
-from kvruntime.attention import AttentionLogits
+from kvruntime.math.allocation import apportion, error_aware_budgets, refloored_shares
+from kvruntime.math.attention_logits import AttentionLogits
+from kvruntime.math.repetition import later_occurrences, repeated_ngram_fraction, repeats
 from kvruntime.methods import Distilled, get_method
 from kvruntime.methods.base import LayerInputs
 from kvruntime.methods.distilled import (
@@ -48,7 +49,6 @@ from kvruntime.methods.distilled import (
 )
 from kvruntime.methods.distilled.features import LIKENESS_BLOCK
 from kvruntime.methods.distilled.spec import SPEC
-from kvruntime.repetition import later_occurrences, repeated_ngram_fraction, repeats
 from kvruntime.requests.request import Request, kept_per_head
 
 runner = CliRunner()
@@ -343,8 +343,8 @@ def test_the_shipped_defaults_are_the_values_their_measurements_chose():
     """Each option of distilled's registration, its window and the repetition measure at the value a measurement
     chose (docs/methods/distilled.md names the run behind each): changing one is a decision that comes with its own
     run, and with this line. The reference replays in test_selection_references.py pin what they do."""
+    from kvruntime.math.repetition import NGRAM, REPEATING_FRACTION, repeats
     from kvruntime.methods.distilled.spec import SPEC
-    from kvruntime.repetition import NGRAM, REPEATING_FRACTION, repeats
 
     defaults = {name: option.default for name, option in SPEC.options.items()}
     assert defaults == {

@@ -7,8 +7,8 @@ from conftest import TINY
 from transformers import AttentionInterface, DynamicCache
 
 import kvruntime
-from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import KVRuntimeError, UnsupportedModelError
+from kvruntime.plumbing.cache_ops import cache_argument
 
 GREEDY = dict(do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
 

@@ -41,9 +41,9 @@ from kvcompile.tasks.grid import parse_tasks, suite_cells
 from kvruntime import Request
 from kvruntime.artifacts.artifact import Artifact, save_artifact
 from kvruntime.artifacts.fingerprint import model_fingerprint
-from kvruntime.attention import per_layer_attention
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.attention import per_layer_attention
 
 
 # -- scores ------------------------------------------------------------------------------------------------
@@ -498,7 +498,7 @@ def test_a_masking_press_is_answered_through_keep_masks_and_held_bytes_count_its
     from transformers import DynamicCache
 
     from kvcompile.evaluation.prefill import held_bytes, keep_mask_hooks, press_keep_masks
-    from kvruntime.cache_ops import cache_bytes, keep_entries
+    from kvruntime.plumbing.cache_ops import cache_bytes, keep_entries
 
     model = tiny_model("llama")
     context_ids, question_ids = tokens[:, :70], tokens[:, 70:]

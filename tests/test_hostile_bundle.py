@@ -25,8 +25,8 @@ from kvruntime.artifacts import artifact_header
 from kvruntime.artifacts import bundle as runtime_bundle
 from kvruntime.artifacts.artifact import check_artifact_matches_model, read_artifact, save_artifact
 from kvruntime.artifacts.bundle import read_bundle
-from kvruntime.artifacts.files import path_lock
 from kvruntime.artifacts.fingerprint import ModelFingerprint
+from kvruntime.files import path_lock
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent

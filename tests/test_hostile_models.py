@@ -27,8 +27,8 @@ from kvcompile.cli import app
 from kvcompile.recipe import artifact_folder, compiled_artifact, default_artifact, folder_identity, store_folder
 from kvcompile.recipes.compresskv.recipe import HeadsRecipe
 from kvruntime import read_artifact
-from kvruntime.artifacts.files import cache_root
 from kvruntime.errors import KVRuntimeError
+from kvruntime.files import cache_root
 from kvruntime.models import default_model as dm
 from kvruntime.models import model_cache, model_loading
 

@@ -13,9 +13,9 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvruntime
-from kvruntime.cache_ops import cache_argument
 from kvruntime.errors import KVRuntimeError
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.cache_ops import cache_argument
 
 HYBRIDS = ["gemma3_text", "olmo3", "gemma2", "gpt_oss"]
 GREEDY = dict(do_sample=False, max_new_tokens=8, pad_token_id=0)

@@ -6,18 +6,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvruntime.allocation import apportion
-from kvruntime.attention import AttentionLogits
-from kvruntime.composite_tokens import (
+from kvruntime.errors import ArtifactError, KVRuntimeError
+from kvruntime.math.allocation import apportion
+from kvruntime.math.attention_logits import AttentionLogits
+from kvruntime.math.composite_tokens import (
     composite_curve,
     head_allocation,
     kv_head_scores,
     layer_allocation,
     rank_quantile_values,
 )
-from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.methods.kvcompose.stats import KVComposeStats
-from kvruntime.second_pass import context_attention_max
+from kvruntime.plumbing.second_pass import context_attention_max
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 256])

@@ -11,14 +11,14 @@ from kvcompile.calibration.corpus import Corpus, calibration_prompts
 from kvcompile.calibration.job import CompileJob
 from kvcompile.recipes.kvcompose.attention_stats import compile_attention_stats
 from kvcompile.recipes.kvcompose.settings import StatsSettings
-from kvruntime.allocation import apportion
 from kvruntime.artifacts.artifact import save_artifact
-from kvruntime.composite_tokens import composite_curve, kv_head_scores, layer_allocation
 from kvruntime.errors import ArtifactError, KVRuntimeError
+from kvruntime.math.allocation import apportion
+from kvruntime.math.composite_tokens import composite_curve, kv_head_scores, layer_allocation
+from kvruntime.math.selection import protect_window
 from kvruntime.methods.kvcompose.stats import KVComposeStats
+from kvruntime.plumbing.second_pass import task_attention_maxima
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import task_attention_maxima
-from kvruntime.selection import protect_window
 
 CORPUS = Corpus("synthetic", tuple("".join(chr(97 + (i * 5 + j * j * 11) % 26) for j in range(6000)) for i in range(3)))
 SETTINGS = StatsSettings(ratios=(0.25, 0.5, 0.75), prompts=3, prompt_tokens=160)

@@ -17,9 +17,9 @@ from kvcompile.evaluation import prefill, runner
 from kvcompile.evaluation.contestants import CHECKPOINTS, PRESSES, Press
 from kvcompile.evaluation.prefill import press_keep_masks
 from kvcompile.recipes.distilled.kvzap_checkpoint import write_kvzap_checkpoint
-from kvruntime.cache_ops import cache_bytes
 from kvruntime.methods.distilled import feature_count, predicted_scores, token_features
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.cache_ops import cache_bytes
 
 kvpress = import_kvpress()
 

@@ -10,9 +10,9 @@ from transformers import DynamicCache
 import kvruntime
 from kvcompile.recipes.distilled.distill import oracle_prefix, prompt_features_and_targets
 from kvruntime import save_artifact
-from kvruntime.composite_tokens import kv_head_scores
+from kvruntime.math.composite_tokens import kv_head_scores
+from kvruntime.plumbing.second_pass import kv_head_max, task_attention_maxima
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import kv_head_max, task_attention_maxima
 
 
 def _eager_inputs_and_attentions(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list, tuple]:

@@ -19,6 +19,7 @@ from kvcompile.cli import app
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.recipes import RECIPES
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request, get_method, read_artifact
+from kvruntime.methods.build import READERS
 from kvruntime.registry import METHOD_NAMES, METHODS
 
 ROOT = Path(__file__).parent.parent
@@ -35,10 +36,8 @@ def test_every_artifact_kind_is_compiled_by_a_command_that_exists_and_read_by_a_
         if kind.command:
             program, command = kind.command.split()
             assert program == "kvcompile" and command in cli_commands(), kind
-        if kind.reader:
-            module, name = kind.reader.split(":")
-            reader = getattr(importlib.import_module(f"kvruntime.{module}"), name)
-            assert callable(reader.from_artifact), kind
+    assert set(READERS) <= set(ARTIFACT_KINDS)
+    assert all(callable(reader.from_artifact) for reader in READERS.values())
 
 
 def test_every_recipe_writes_a_known_kind_whose_command_is_its_own_and_every_applied_kind_has_a_recipe():
@@ -203,3 +202,85 @@ def test_the_tests_caches_are_their_own():
     tests_cache = Path(os.environ["KVCOMPILE_CACHE"])
     assert Path(datasets.config.HF_DATASETS_CACHE).is_relative_to(tests_cache)
     assert Path(os.environ["MPLCONFIGDIR"]).is_relative_to(tests_cache)
+
+
+def _module_name(path: Path, base: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def _imported_modules(path: Path, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """Every module of the project `path` imports, at its top or inside a function, absolute or relative."""
+    package = name.split(".") if is_package else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+            module = ".".join(part for part in (base, node.module or "") if part)
+            targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts:
+                found.add(".".join(parts))
+    return found
+
+
+def _import_cycles(top: str, base: Path) -> list[list[str]]:
+    """The cycles among `top`'s subpackages and loose modules (each one node): a node that reaches itself."""
+    files = {_module_name(path, base): path for path in (base / top).rglob("*.py")}
+    known = {name for name, _ in files}
+    edges: dict[str, set[str]] = {}
+    for (name, is_package), path in files.items():
+        node = ".".join(name.split(".")[:2])
+        for target in _imported_modules(path, name, is_package, known):
+            other = ".".join(target.split(".")[:2])
+            if other not in (node, top):  # the package's own API (its __init__) is where everything meets
+                edges.setdefault(node, set()).add(other)
+    cycles = []
+    for start in sorted(edges):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for other in sorted(edges.get(node, ())):
+                if other == start:
+                    cycles.append(path)
+                elif other not in seen:
+                    seen.add(other)
+                    stack.append((other, [*path, other]))
+    return cycles
+
+
+@pytest.mark.parametrize("top, base", [("kvruntime", ROOT / "runtime"), ("kvcompile", ROOT)])
+def test_no_import_cycle_between_packages_even_through_imports_inside_functions(top, base):
+    assert _import_cycles(top, base) == []
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_inside_a_function(tmp_path):
+    package = tmp_path / "pkg"
+    for name, source in {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/one.py": "def f():\n    from ..b import two\n",
+        "b/__init__.py": "",
+        "b/two.py": "from pkg.a.one import f\n",
+        "c.py": "from .a import one\n",
+    }.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(source)
+    assert sorted(_import_cycles("pkg", tmp_path)) == [["pkg.a", "pkg.b"], ["pkg.b", "pkg.a"]]
+
+
+RUNTIME = ROOT / "runtime" / "kvruntime"
+
+
+def test_no_runtime_module_is_over_350_lines_and_the_top_holds_at_most_10_loose_modules():
+    lengths = {path.relative_to(RUNTIME): len(path.read_text().splitlines()) for path in RUNTIME.rglob("*.py")}
+    assert {path: lines for path, lines in lengths.items() if lines > 350} == {}
+    assert len([path for path in RUNTIME.glob("*.py") if path.name != "__init__.py"]) <= 10

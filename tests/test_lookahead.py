@@ -29,8 +29,8 @@ from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.methods.distilled.oracle import LOOKAHEAD_ON
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.models.layout import model_layout
-from kvruntime.recording import recorded_prefill
-from kvruntime.second_pass import lookahead_attention
+from kvruntime.plumbing.recording import recorded_prefill
+from kvruntime.plumbing.second_pass import lookahead_attention
 
 WINDOW = 8
 STUDENT_WEIGHT = 0.01

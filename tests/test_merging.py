@@ -7,10 +7,11 @@ import torch
 from conftest import tiny_model
 
 import kvruntime
-from kvruntime.attention import AttentionLogits, capturing_queries, per_layer_attention
 from kvruntime.errors import KVRuntimeError
-from kvruntime.merging import merged_values, refitted_values
+from kvruntime.math.attention_logits import AttentionLogits
+from kvruntime.math.merging import merged_values, refitted_values
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.attention import capturing_queries, per_layer_attention
 
 
 def merged_one_by_one(keys: torch.Tensor, values: torch.Tensor, kept: list[int]) -> torch.Tensor:

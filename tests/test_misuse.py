@@ -20,9 +20,9 @@ import kvruntime
 from kvcompile import cli, recipe
 from kvcompile.calibration.job import CompileJob
 from kvruntime.artifacts.artifact import Artifact, save_artifact
-from kvruntime.artifacts.files import path_lock
 from kvruntime.artifacts.fingerprint import model_fingerprint
 from kvruntime.errors import KVRuntimeError
+from kvruntime.files import path_lock
 
 runner = CliRunner()
 

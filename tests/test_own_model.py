@@ -23,13 +23,13 @@ from typer.testing import CliRunner
 
 import kvcompile.shipped
 from kvcompile.calibration.forward_costs import ForwardCosts
-from kvcompile.calibration.forward_probe import measure_forward_costs
 from kvcompile.cli import app
 from kvcompile.cli.compile_plan import ESTIMATE_MARGIN, fitted_scale, kinds_needed, methods_of
 from kvcompile.recipe import artifact_folder, artifact_folders, default_artifact, model_identity, store_folder
 from kvcompile.recipes.compilerkv.settings import DESIGNS, TablesSettings
 from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings
+from kvcompile.recipes.forward_probe import measure_forward_costs
 from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvcompile.settings import (
     command_line_arguments,
@@ -293,7 +293,7 @@ def test_the_probe_times_every_forward_on_a_real_model():
 
 def test_compile_says_what_each_command_would_take_before_it_starts(shipped, tmp_path, monkeypatch):
     model = saved(tiny_model("llama", seed=2), tmp_path / "m")
-    monkeypatch.setattr("kvcompile.calibration.forward_probe.measure_forward_costs", lambda loaded: COSTS)
+    monkeypatch.setattr("kvcompile.recipes.forward_probe.measure_forward_costs", lambda loaded: COSTS)
     result = runner.invoke(app, ["compile", "--model", model, "--methods", "compresskv", "--dry-run"])
     shape = model_fingerprint(tiny_model("llama", seed=2))
     heads = HeadsSettings(chat=False).estimated_seconds(COSTS, shape)  # no chat template: raw probes
@@ -355,9 +355,7 @@ def test_compile_fits_the_settings_into_minutes_and_a_rerun_resumes_them(shipped
         return sum(settings.scaled(scale).estimated_seconds(COSTS, shape) for settings in kinds)
 
     probes, ran = [], []
-    monkeypatch.setattr(
-        "kvcompile.calibration.forward_probe.measure_forward_costs", lambda m: probes.append(1) or COSTS
-    )
+    monkeypatch.setattr("kvcompile.recipes.forward_probe.measure_forward_costs", lambda m: probes.append(1) or COSTS)
     monkeypatch.setattr(
         subprocess, "run", lambda command, **_: ran.append(command[3:]) or subprocess.CompletedProcess(command, 0)
     )

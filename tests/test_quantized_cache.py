@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import kvruntime
 from kvruntime.errors import KVRuntimeError
-from kvruntime.quantized_cache import check_kv_bits, held_bytes, layer_bytes, quantize_cache
+from kvruntime.plumbing.quantized_cache import check_kv_bits, held_bytes, layer_bytes, quantize_cache
 
 
 def by_hand(slots: list[int], heads: int, head_dim: int, bits: int) -> int:
@@ -89,7 +89,7 @@ def test_int4_packs_an_odd_number_of_rows_into_whole_bytes():
 def test_a_missing_quantizer_is_refused_in_one_line(monkeypatch):
     from transformers import cache_utils
 
-    from kvruntime import quantized_cache
+    from kvruntime.plumbing import quantized_cache
 
     real = quantized_cache.importlib.util.find_spec
     monkeypatch.setattr(

@@ -13,7 +13,7 @@ from conftest import compiled_artifacts, tiny_model
 from test_compilerkv_runtime import BUDGETS, save_tables
 
 import kvruntime
-from kvruntime.recording import recorded_prefill
+from kvruntime.plumbing.recording import recorded_prefill
 from kvruntime.requests.request import required_artifact_kinds
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,9 +23,9 @@ import kvruntime
 from kvcompile.cli import app
 from kvcompile.recipe import artifact_folder
 from kvruntime.artifacts.artifact import tensors_checksum
-from kvruntime.batch_rows import left_pad
 from kvruntime.errors import ArtifactError, KVRuntimeError
 from kvruntime.models import default_model as dm
+from kvruntime.plumbing.batch_rows import left_pad
 
 runner = CliRunner()
 GREEDY = dict(do_sample=False, max_new_tokens=6, pad_token_id=0)

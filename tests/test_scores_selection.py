@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from kvruntime.errors import KVRuntimeError
+from kvruntime.math.scores import kvcompress_scores, pool_tokens, snapkv_scores
+from kvruntime.math.selection import global_head_counts, protect_window, top_indices, top_mask
 from kvruntime.requests.request import kept_per_head
-from kvruntime.scores import kvcompress_scores, pool_tokens, snapkv_scores
-from kvruntime.selection import global_head_counts, protect_window, top_indices, top_mask
 
 
 def test_kept_per_head_ratio_budget_and_bounds():

@@ -30,7 +30,7 @@ from transformers import (
 
 import kvruntime
 from kvruntime.models.layout import model_layout
-from kvruntime.recording import recorded_prefill
+from kvruntime.plumbing.recording import recorded_prefill
 
 CONFIG = dict(
     vocab_size=96,

@@ -10,9 +10,9 @@ from kvcompile import recipe
 from kvcompile.recipe import artifact_folder
 from kvruntime import KVRuntimeError, Request, get_method, read_artifact
 from kvruntime.artifacts.fingerprint import model_fingerprint
+from kvruntime.methods.resolved import resolve_request
 from kvruntime.registry import ALIASES, ERROR_AWARE_NAMES, METHODS, MethodSpec
 from kvruntime.requests.request import required_artifact_kinds
-from kvruntime.requests.resolved import resolve_request
 from kvruntime.requests.serving import method_facts
 
 ARTIFACTS = artifact_folder("default")
@@ -89,8 +89,8 @@ def count_resolution(monkeypatch, calls: list, methods: tuple[str, ...]) -> None
 
     import kvruntime.artifacts.artifact
     import kvruntime.artifacts.artifact_header
+    import kvruntime.methods.resolved
     import kvruntime.requests.request
-    import kvruntime.requests.resolved
     from kvruntime.methods.base import Method
 
     count_calls(
@@ -100,7 +100,7 @@ def count_resolution(monkeypatch, calls: list, methods: tuple[str, ...]) -> None
         monkeypatch, calls, kvruntime.artifacts.artifact_header, "_header", lambda source: ("header", source.name)
     )
     count_calls(monkeypatch, calls, kvruntime.artifacts.artifact, "_read_safetensors", lambda data: "tensors")
-    count_calls(monkeypatch, calls, kvruntime.requests.resolved, "check_serves", lambda *args: "serving")
+    count_calls(monkeypatch, calls, kvruntime.methods.resolved, "check_serves", lambda *args: "serving")
     count_calls(monkeypatch, calls, Method, "check_request", lambda *args: "method check")
     for name in methods:
         module = importlib.import_module(f"kvruntime.methods.{name}.method")

@@ -1,5 +1,5 @@
 """One prefill shared by every contestant of a prompt (`kvcompile eval --shared-prefill`, the default): a method's
-hooks run on a recorded plain prefill (`kvruntime.recording`) cut what its own prefill cuts, entry for entry, on tiny
+hooks run on a recorded plain prefill (`kvruntime.plumbing.recording`) cut what its own prefill cuts, entry for entry, on tiny
 Llama, Qwen2 and Qwen3 models, for every method and path the runtime serves but streaming (refused: its later chunks
 see what the earlier ones kept); the evaluation's answers from a shared prefill are those of its own prefills."""
 
@@ -18,7 +18,7 @@ from kvcompile.evaluation.contestants import FullCache, RuntimeMethod
 from kvcompile.evaluation.prefill import shared_prefill
 from kvcompile.evaluation.runner import Scoring
 from kvruntime import KVRuntimeError, Request
-from kvruntime.recording import recorded_prefill
+from kvruntime.plumbing.recording import recorded_prefill
 
 LENGTH = 180
 

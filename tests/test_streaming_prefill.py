@@ -17,10 +17,10 @@ import kvruntime
 from kvcompile.cli import app
 from kvruntime import KVRuntimeError, Method
 from kvruntime.engine import chunk_bounds
+from kvruntime.math.selection import protect_window
 from kvruntime.methods import LayerInputs, Selection, SnapKV
 from kvruntime.methods.distilled import running_state_sum, token_features
 from kvruntime.requests.request import KeepPlan, kept_per_head
-from kvruntime.selection import protect_window
 
 BUDGET, WINDOW = 24, 4
 ROOT = Path(__file__).resolve().parent.parent

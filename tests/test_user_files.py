@@ -27,7 +27,7 @@ from kvcompile.evaluation.store import discard_run_records
 from kvcompile.recipes.compilerkv.recipe import TablesRecipe
 from kvcompile.recipes.compilerkv.settings import experience_path
 from kvruntime import KVRuntimeError, read_artifact
-from kvruntime.artifacts.files import cache_root, path_lock
+from kvruntime.files import cache_root, path_lock
 
 runner = CliRunner()
 LLAMA = tiny_model("llama")

@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
 
-from kvruntime.attention import AttentionLogits, captured_logits, capturing_queries, per_layer_attention
-from kvruntime.cache_ops import output_cache
+from kvruntime.math.attention_logits import AttentionLogits
 from kvruntime.models.layout import model_layout
-from kvruntime.window import query_hooks, window_attention
+from kvruntime.plumbing.attention import captured_logits, capturing_queries, per_layer_attention
+from kvruntime.plumbing.cache_ops import output_cache
+from kvruntime.plumbing.window import query_hooks, window_attention
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)

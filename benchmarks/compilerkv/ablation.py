@@ -40,9 +40,9 @@ from kvcompile.recipes.compilerkv.bandit_experience import GATE_ACTIONS, HEAD_AC
 from kvcompile.recipes.compilerkv.continuation_nll import kl_from_reference
 from kvcompile.recipes.compilerkv.experience_collection import greedy_continuation
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
-from kvruntime.cache_ops import cache_argument
 from kvruntime.methods import CompilerKV
 from kvruntime.methods.compilerkv import CompilerKVTables
+from kvruntime.plumbing.cache_ops import cache_argument
 
 TABLES = default_artifact("default", "compilerkv_tables")
 FIXED_THRESHOLD = 0.9  # the middle of the threshold grid [0.8, 1.0]

@@ -25,10 +25,10 @@ from benchmarks.coverage import coverage, coverage_sessions, ratio_coverage_argu
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS
-from kvruntime.composite_tokens import kv_head_scores, prompt_allocation
+from kvruntime.math.composite_tokens import kv_head_scores, prompt_allocation
+from kvruntime.math.selection import protect_window
 from kvruntime.methods import Distilled, KVCompose, Selection
 from kvruntime.methods.distilled import DistilledScorer
-from kvruntime.selection import protect_window
 
 SCORER = default_artifact("default", "distilled_scorer")
 TEACHER_SCORES, TEACHER_SHARES = "teacher's scores, student's allocation", "student's scores, teacher's shares"

@@ -25,10 +25,10 @@ from benchmarks.reporting import machine, write_results
 from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
-from kvruntime.attention import captured_logits
 from kvruntime.methods import KVCompose
 from kvruntime.methods.distilled import DistilledScorer, predicted_scores
-from kvruntime.window import query_hooks, window_attention
+from kvruntime.plumbing.attention import captured_logits
+from kvruntime.plumbing.window import query_hooks, window_attention
 
 KEPT = (0.1, 0.25, 0.5)
 

@@ -22,10 +22,10 @@ from benchmarks.reporting import command_line, machine, markdown_table, write_re
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
-from kvruntime.cache_ops import cache_argument
+from kvruntime.math.selection import protect_sinks, protect_window
 from kvruntime.methods.distilled import DistilledScorer, predicted_scores, with_leverage
 from kvruntime.methods.distilled.spec import SPEC
-from kvruntime.selection import protect_sinks, protect_window
+from kvruntime.plumbing.cache_ops import cache_argument
 
 SCORER = default_artifact("default", "distilled_scorer")
 OUT = Path("benchmarks/distilled/leverage_fit.md")  # and its table of weights, `.csv` beside it

@@ -29,7 +29,7 @@ from kvcompile.recipes.distilled.lookahead import appended_log_scores, kl_from_o
 from kvruntime.methods.distilled import DistilledScorer
 from kvruntime.methods.distilled.method import lookahead_log_scores, with_lookahead_scores
 from kvruntime.models.layout import model_layout
-from kvruntime.second_pass import lookahead_attention
+from kvruntime.plumbing.second_pass import lookahead_attention
 
 
 def student_scores(features: list[torch.Tensor], scorer: DistilledScorer) -> torch.Tensor:

@@ -30,11 +30,11 @@ from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.recipes.distilled.lookahead import prefilled
 from kvcompile.tasks.retrieval import retrieval_prompt
+from kvruntime.math.selection import protect_sinks, protect_window
 from kvruntime.methods.distilled import ORACLES, DistilledScorer
 from kvruntime.methods.distilled.leverage import key_leverage
 from kvruntime.models.layout import model_layout
 from kvruntime.requests.request import kept_per_head
-from kvruntime.selection import protect_sinks, protect_window
 
 RATIOS = (0.5, 0.75)
 WINDOW, SINKS = 16, 1

@@ -34,12 +34,12 @@ from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.suite import suite_prompts
-from kvruntime.composite_tokens import composite_curve
+from kvruntime.math.composite_tokens import composite_curve
+from kvruntime.math.selection import global_head_counts, pooled_top_counts
 from kvruntime.methods import Distilled
 from kvruntime.methods.base import Selection
 from kvruntime.methods.distilled import DistilledScorer, with_leverage
 from kvruntime.models.layout import model_layout
-from kvruntime.selection import global_head_counts, pooled_top_counts
 
 SCORER = default_artifact("default", "distilled_scorer")
 TASKS = ("passkey", "needle", "multikey")

@@ -42,12 +42,12 @@ from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
 from kvcompile.tasks.real_text import held_out_text
-from kvruntime.attention import captured_logits
-from kvruntime.composite_tokens import kv_head_scores
+from kvruntime.math.composite_tokens import kv_head_scores
 from kvruntime.methods.distilled import DistilledScorer, oracle_targets
 from kvruntime.methods.distilled.leverage import key_leverage
+from kvruntime.plumbing.attention import captured_logits
+from kvruntime.plumbing.window import query_hooks, window_attention
 from kvruntime.requests.request import kept_per_head
-from kvruntime.window import query_hooks, window_attention
 
 RATIOS = (0.5, 0.75, 0.9)
 WINDOW, SINKS = 16, 1  # the default's

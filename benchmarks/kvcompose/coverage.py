@@ -23,7 +23,7 @@ from benchmarks.coverage import coverage, coverage_sessions, ratio_coverage_argu
 from benchmarks.reporting import command_line, machine, write_results
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS
-from kvruntime.composite_tokens import kv_head_scores
+from kvruntime.math.composite_tokens import kv_head_scores
 from kvruntime.methods import KVCompose
 from kvruntime.methods.kvcompose import KVComposeStats
 

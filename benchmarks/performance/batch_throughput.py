@@ -27,8 +27,8 @@ from transformers import DynamicCache
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
 from kvcompile.evaluation.measure import PeakMemory
-from kvruntime.batch_rows import left_pad
-from kvruntime.cache_ops import cache_argument, cache_bytes
+from kvruntime.plumbing.batch_rows import left_pad
+from kvruntime.plumbing.cache_ops import cache_argument, cache_bytes
 
 BOOK = Path("calibration_data/books/austen_persuasion.txt.gz")
 MIB = 1 << 20

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import kvruntime
 from benchmarks.reporting import command_line, machine, markdown_table, write_results
-from kvcompile.calibration.forward_probe import measure_forward_costs
 from kvcompile.recipe import artifact_folder
 from kvcompile.recipes.compilerkv.settings import TablesSettings
 from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
 from kvcompile.recipes.distilled.settings import DistillSettings
+from kvcompile.recipes.forward_probe import measure_forward_costs
 from kvcompile.recipes.kvcompose.settings import StatsSettings
 from kvcompile.settings import command_line_arguments
 

@@ -29,7 +29,7 @@ from benchmarks.reporting import command_line, machine, markdown_table, write_re
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
-from kvruntime.cache_ops import cache_bytes, hooked_cache
+from kvruntime.plumbing.cache_ops import cache_bytes, hooked_cache
 
 ARTIFACTS = artifact_folder("default")
 MIB = 1 << 20

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from kvcompile.calibration.checkpoint import load_checkpoint, save_checkpoint
 from kvcompile.calibration.distributed import agree_on_settings, differing_settings, gather_dicts
 from kvcompile.calibration.job import CompileJob
-from kvcompile.recipe import PARTIAL_KIND
+from kvcompile.calibration.shards import PARTIAL_KIND
 from kvruntime import Artifact, KVRuntimeError
 from kvruntime.artifacts.fingerprint import ModelFingerprint
 

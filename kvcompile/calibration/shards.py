@@ -9,6 +9,8 @@ import os
 
 from kvruntime import KVRuntimeError
 
+PARTIAL_KIND = "partial_statistics"  # what a share of a split run writes (`kvcompile merge` adds them up)
+
 
 @dataclasses.dataclass(frozen=True)
 class Shard:

@@ -34,7 +34,8 @@ def merge(options: MergeOptions, ctx: typer.Context, resources: contextlib.ExitS
     write."""
     import time
 
-    from kvcompile.recipe import PARTIAL_KIND, claim_artifact
+    from kvcompile.calibration.shards import PARTIAL_KIND
+    from kvcompile.recipe import claim_artifact
     from kvruntime.artifacts.artifact_header import header_params, read_header
 
     partials, out = options.partials, options.out

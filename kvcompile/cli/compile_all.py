@@ -131,7 +131,7 @@ def planned_scale(options: CompileOptions, kinds: list[str], chat: bool | None) 
     same settings (the commands' --resume refuses others)."""
     from kvcompile.recipe import store_folder
     from kvruntime import KVRuntimeError
-    from kvruntime.artifacts.files import write_atomically
+    from kvruntime.files import write_atomically
 
     plan = store_folder(options.model) / PLAN_FILE
     if options.minutes is not None and (saved := saved_scale(plan, options.minutes)) is not None:
@@ -169,7 +169,7 @@ def saved_scale(plan: Path, minutes: float) -> float | None:
 def _forward_costs(options: CompileOptions) -> tuple[ForwardCosts, ModelFingerprint]:
     """The model's forwards timed once here (`measure_forward_costs`; the model loaded as the commands load it)."""
     from kvcompile import recipe
-    from kvcompile.calibration.forward_probe import measure_forward_costs
+    from kvcompile.recipes.forward_probe import measure_forward_costs
     from kvruntime import model_fingerprint
 
     typer.echo("timing the model's forwards for an estimate ...", err=True)
@@ -181,7 +181,7 @@ def estimate_lines(options: CompileOptions, seconds: dict[str, float], chat: boo
     """What each compile command would take (at which settings, when scaled), and what the model cache holds on
     disk."""
     from kvcompile.settings import command_line_arguments
-    from kvruntime.artifacts.files import folder_bytes
+    from kvruntime.files import folder_bytes
     from kvruntime.models.model_loading import weights_folder
 
     lines = []

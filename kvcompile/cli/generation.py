@@ -17,7 +17,7 @@ from kvruntime.errors import printable
 from kvruntime.registry import SAVED_CONTEXT_METHOD, methods_help
 
 if TYPE_CHECKING:
-    from kvruntime.requests.resolved import ResolvedRequest
+    from kvruntime.methods.resolved import ResolvedRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
     """Refuse what `generate` cannot run, before torch: returns the model's positions (None: not stated)."""
     from kvcompile.prompt_format import check_prompt_format
     from kvruntime.models.model_spec import check_model_spec, check_positions, check_request_fits, model_facts
-    from kvruntime.quantized_cache import check_kv_bits
+    from kvruntime.plumbing.quantized_cache import check_kv_bits
 
     if given.batch_size < 1:
         raise KVRuntimeError(f"--batch-size {given.batch_size}: give at least 1 prompt per batch")
@@ -199,16 +199,16 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
 
 @headers_read_once()  # the tuned default's header, read to choose the method, is the one its checks read
 def compression_asked(given: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
-    """A generate request resolved once, without torch (`kvruntime.requests.resolved`): the method (named, else a tuned
+    """A generate request resolved once, without torch (`kvruntime.methods.resolved`): the method (named, else a tuned
     default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
     ones), what the method can serve; then the method built from its artifacts, before the model loads."""
     from kvcompile.cli.compile_plan import compile_hint
     from kvruntime.artifacts.artifact_header import header_params
     from kvruntime.artifacts.bundle import artifact_files
+    from kvruntime.methods.resolved import resolve_request, tuned_defaults_among
     from kvruntime.models.model_spec import check_positions
     from kvruntime.registry import DEFAULT_METHOD
     from kvruntime.requests.request import check_method_options, required_artifact_kinds
-    from kvruntime.requests.resolved import resolve_request, tuned_defaults_among
 
     model, method = given.model, given.method  # the method: as named, else as a tuned default names it
     if options and method is None:
@@ -349,8 +349,8 @@ def generate_compressed(
 
     import kvruntime
     from kvcompile.prompt_format import uses_chat
-    from kvruntime.batch_rows import left_pad
     from kvruntime.models.model_spec import loaded_position_limit
+    from kvruntime.plumbing.batch_rows import left_pad
 
     max_new_tokens, batch_size = given.max_new_tokens, given.batch_size
     question = [] if given.question is None and given.save_context is not None else given.question

@@ -68,8 +68,8 @@ def answer_from_context(
     what the context holds."""
     import kvruntime
     from kvcompile.prompt_format import chat_frame
-    from kvruntime.batch_rows import left_pad
     from kvruntime.models.model_spec import check_positions
+    from kvruntime.plumbing.batch_rows import left_pad
 
     loaded, tokenizer = recipe.load_model(given.model, dtype=given.dtype)
     tokenizer.model_max_length = sys.maxsize  # the positions are checked below, in one line

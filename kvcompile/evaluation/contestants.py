@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvruntime import ARTIFACT_KINDS, KVRuntimeError, Request
 from kvruntime.artifacts.bundle import locate
-from kvruntime.quantized_cache import check_kv_bits
+from kvruntime.plumbing.quantized_cache import check_kv_bits
 from kvruntime.registry import COMPARED_NAMES, method_spec
 from kvruntime.requests.request import check_method_options, parse_option_pairs, required_artifact_kinds, typed_value
 
 if TYPE_CHECKING:
-    from kvruntime.requests.resolved import ResolvedRequest
+    from kvruntime.methods.resolved import ResolvedRequest
 
 FULL = "full"
 # kvpress presses compared, by the name after `kvpress-`: (class name, constructor settings besides the ratio).
@@ -127,7 +127,7 @@ class RuntimeMethod(Contestant):
         return required_artifact_kinds(self.method, self.options)
 
     def resolved(self, files: list[Path], requests: list[Request]) -> RuntimeMethod:
-        from kvruntime.requests.resolved import resolve_request
+        from kvruntime.methods.resolved import resolve_request
         from kvruntime.requests.serving import method_facts
 
         memory = method_facts(self.method, self.options).memory or "padded"

@@ -16,11 +16,11 @@ from transformers import DynamicCache
 
 from kvcompile.evaluation.measure import PeakMemory
 from kvruntime import generate_after_context, logits_after_context
-from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
-from kvruntime.cache_ops import cache_argument, cache_bytes, restored_after
 from kvruntime.models.layout import model_layout
-from kvruntime.quantized_cache import quantize_cache
-from kvruntime.recording import PrefillRecording, recorded_prefill
+from kvruntime.plumbing.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.plumbing.cache_ops import cache_argument, cache_bytes, restored_after
+from kvruntime.plumbing.quantized_cache import quantize_cache
+from kvruntime.plumbing.recording import PrefillRecording, recorded_prefill
 
 
 @dataclasses.dataclass

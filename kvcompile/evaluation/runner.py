@@ -20,7 +20,7 @@ from kvcompile.evaluation.metrics import AGREEMENT_TOKENS
 from kvcompile.evaluation.prefill import SharedPrefill
 from kvcompile.prompt_format import opened
 from kvcompile.tasks.retrieval import TaskPrompt
-from kvruntime.batch_rows import left_pad
+from kvruntime.plumbing.batch_rows import left_pad
 
 
 @dataclasses.dataclass

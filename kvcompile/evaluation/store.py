@@ -9,8 +9,9 @@ import contextlib
 import json
 from pathlib import Path
 
+from kvcompile.json_text import NotJSON, parse_json
 from kvruntime import KVRuntimeError
-from kvruntime.artifacts.files import write_atomically
+from kvruntime.files import write_atomically
 
 RUN_FILES = ("run.json", "runs.jsonl")
 
@@ -45,24 +46,6 @@ BUNDLING = ("cannot bundle the eval results in {path}", "give the --out folder o
 def _unreadable(path: Path, problem: str, reading: tuple[str, str] = RESUMING) -> KVRuntimeError:
     failed, hint = reading
     return KVRuntimeError(f"{failed.format(path=path)}: {problem}; {hint}")
-
-
-class NotJSON(ValueError):
-    """Text that `parse_json` cannot read, its message the problem in words."""
-
-
-def parse_json(text: str, one_line: bool = False) -> object:
-    """`text` parsed, or NotJSON saying why not (where: the column alone in `one_line` text). A deeply nested value raises RecursionError and a number past
-    Python's digit limit a plain ValueError in `json.loads`: both are a damaged (or hostile) file, not a bug."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        at = f"column {exc.colno}" if one_line else f"line {exc.lineno} column {exc.colno}"
-        raise NotJSON(f"is not JSON ({exc.msg} at {at})") from None
-    except RecursionError:
-        raise NotJSON("is nested too deep to read") from None
-    except ValueError:
-        raise NotJSON("holds a number too long to read") from None
 
 
 def _parse_json(path: Path, text: str, where: str = "", reading: tuple[str, str] = RESUMING) -> object:

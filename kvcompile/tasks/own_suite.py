@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcompile.evaluation.store import NotJSON, parse_json
+from kvcompile.json_text import NotJSON, parse_json
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import RepeatedKeyError, unique_keys
 from kvruntime.artifacts.bundle import is_plain_name

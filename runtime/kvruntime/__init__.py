@@ -7,7 +7,7 @@
 This package's names are its API for applications: compressing (`compress`, the report), loading the model,
 methods and requests, artifacts, errors. Everything else (the methods' math, the registry, the torch-free checks the
 command line makes, what the compile stage shares with the runtime) is imported by its module path
-(`kvruntime.registry`, `kvruntime.composite_tokens`, ...). Names are imported on first use
+(`kvruntime.registry`, `kvruntime.math.composite_tokens`, ...). Names are imported on first use
 (PEP 562), so that `from kvruntime import KVRuntimeError` does not import torch and transformers.
 """
 
@@ -30,7 +30,7 @@ _EXPORTS = {
     # Methods and requests.
     "METHOD_NAMES": "registry",
     "Request": "requests.request",
-    **dict.fromkeys(("ResolvedRequest", "resolve_request"), "requests.resolved"),
+    **dict.fromkeys(("ResolvedRequest", "resolve_request"), "methods.resolved"),
     **dict.fromkeys(("Method", "get_method"), "methods"),
     # Artifacts.
     **dict.fromkeys(("Artifact", "load_artifact", "read_artifact", "save_artifact"), "artifacts.artifact"),

@@ -27,7 +27,7 @@ DEFAULT_METHOD = "kvcompress"  # what `compress` applies when given no method an
 # type, level with or ahead of its two-pass teacher but on repeated text (docs/usage.md).
 SAVED_CONTEXT_METHOD = "distilled"
 LAYER_BUDGETS_KIND = "layer_budgets"  # the artifact they come from
-MERGES = ("off", "values", "refit")  # every method's `merge` option (`kvruntime.merging`)
+MERGES = ("off", "values", "refit")  # every method's `merge` option (`kvruntime.math.merging`)
 
 
 def _always(options: Mapping[str, object]) -> bool:

@@ -24,9 +24,9 @@ from torch import nn
 from transformers import Cache
 
 from kvcompile.recipes.compilerkv.settings import LOSSES
-from kvruntime.attention import KEEP_MASK_KEYWORD, per_layer_attention
-from kvruntime.cache_ops import cache_argument
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.attention import KEEP_MASK_KEYWORD, per_layer_attention
+from kvruntime.plumbing.cache_ops import cache_argument
 
 # What a decoder layer's recorded call loses before it is replayed: its input, the cache and transformers' mask
 # (kvruntime's attention function builds each layer's own).

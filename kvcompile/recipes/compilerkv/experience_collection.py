@@ -28,12 +28,12 @@ from kvcompile.recipes.compilerkv.continuation_nll import (
 )
 from kvcompile.recipes.compilerkv.settings import WINDOW, ExperienceDesign
 from kvruntime import KVRuntimeError
-from kvruntime.attention import captured_logits
-from kvruntime.cache_ops import cache_argument
+from kvruntime.math.selection import top_indices
 from kvruntime.methods.compilerkv import LayerSignals, PromptSignals, layer_scores, layer_signals, prompt_signals
 from kvruntime.methods.compilerkv.risk_gate import candidate_count, kept_counts, quantile_edges, risk_bin
-from kvruntime.selection import top_indices
-from kvruntime.window import query_hooks
+from kvruntime.plumbing.attention import captured_logits
+from kvruntime.plumbing.cache_ops import cache_argument
+from kvruntime.plumbing.window import query_hooks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvruntime.attention import captured_logits
-from kvruntime.window import query_hooks, window_attention
+from kvruntime.plumbing.attention import captured_logits
+from kvruntime.plumbing.window import query_hooks, window_attention
 
 
 def attention_output(module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,11 @@ from kvcompile.recipes.compresskv.attention_capture import attention_output
 from kvcompile.recipes.compresskv.settings import LayerErrorsSettings
 from kvruntime import Artifact, model_fingerprint
 from kvruntime.artifacts.artifact import tensors_checksum
-from kvruntime.attention import captured_logits
+from kvruntime.math.selection import top_indices
 from kvruntime.methods import SemanticRetrievalHeads
 from kvruntime.models.layout import model_layout
-from kvruntime.selection import top_indices
-from kvruntime.window import query_hooks
+from kvruntime.plumbing.attention import captured_logits
+from kvruntime.plumbing.window import query_hooks
 
 PROBE_BUDGET = 32  # tokens kept per layer while measuring, window included (CompressKV's setting)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvcompile.plotting import plt, save_figure
 from kvruntime import Artifact
-from kvruntime.allocation import error_aware_budgets
+from kvruntime.math.allocation import error_aware_budgets
 
 
 def plot_head_scores(artifact: Artifact, path: Path) -> str:

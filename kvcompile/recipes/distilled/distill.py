@@ -30,7 +30,8 @@ from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
 from kvcompile.recipes.distilled.settings import HELD_OUT_EVERY, DistillSettings
 from kvruntime import Artifact, KVRuntimeError, model_fingerprint
-from kvruntime.cache_ops import cache_argument
+from kvruntime.math.repetition import repeated_ngram_fraction, repeats
+from kvruntime.math.selection import protect_sinks, protect_window
 from kvruntime.methods.distilled import (
     PREFIXED,
     feature_count,
@@ -43,10 +44,9 @@ from kvruntime.methods.distilled import (
 from kvruntime.methods.distilled.method import dynamic_layer_counts
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.models.layout import model_layout
-from kvruntime.repetition import repeated_ngram_fraction, repeats
+from kvruntime.plumbing.cache_ops import cache_argument
+from kvruntime.plumbing.second_pass import task_attention_maxima
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import task_attention_maxima
-from kvruntime.selection import protect_sinks, protect_window
 
 REPEAT_INSTRUCTION = "\n\nRepeat the text above, word for word:\n\n"
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strengths tried, relative to the mean diagonal of X^T X

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvruntime import Artifact, KVRuntimeError
-from kvruntime.artifacts.files import replace_folder
+from kvruntime.files import replace_folder
 from kvruntime.methods.distilled import feature_count, student_features
 
 

@@ -6,7 +6,7 @@ The model is frozen and each calibration context is prefilled once, without grad
 it. Per step, one context: the queries go through the model after its cache (eager attention, whose weights are
 differentiable), and per (layer the runtime cuts, KV head) their mean attention over the context, as a distribution
 over its tokens (the first and the runtime's window left out: every score keeps them), is brought to the oracle's
-scores normalised the same way, in KL. The runtime feeds them the same way (`kvruntime.second_pass.lookahead_attention`)
+scores normalised the same way, in KL. The runtime feeds them the same way (`kvruntime.plumbing.second_pass.lookahead_attention`)
 and averages their log-scores with the student's.
 """
 
@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvcompile.calibration.corpus import Corpus, calibration_prompts
-from kvruntime.cache_ops import cache_argument, restored_after
 from kvruntime.methods.distilled.method import lookahead_log_scores
 from kvruntime.methods.distilled.spec import SPEC
 from kvruntime.models.layout import model_layout
+from kvruntime.plumbing.cache_ops import cache_argument, restored_after
 
 LEARNING_RATE = 0.05  # Adam's step, relative to the root mean square of the model's input embeddings
 SINKS = int(SPEC.options["sinks"].default)

@@ -22,16 +22,16 @@ from kvcompile.calibration.partial_statistics import StatisticsRun, accumulate, 
 from kvcompile.calibration.provenance import provenance
 from kvcompile.recipes.kvcompose.settings import WINDOW, StatsSettings, TaskSet
 from kvruntime import Artifact, model_fingerprint
-from kvruntime.cache_ops import cache_argument
-from kvruntime.composite_tokens import (
+from kvruntime.math.composite_tokens import (
     composite_curve,
     kv_head_scores,
     prompt_allocation,
     rank_quantile_values,
     sorted_head_scores,
 )
+from kvruntime.plumbing.cache_ops import cache_argument
+from kvruntime.plumbing.second_pass import task_attention_maxima
 from kvruntime.requests.request import kept_per_head
-from kvruntime.second_pass import task_attention_maxima
 
 # Rank quantiles of the stored curves: dense at the top, where the scores fall fastest.
 RANK_QUANTILES = torch.cat([torch.zeros(1), torch.logspace(-3, 0, 96)])

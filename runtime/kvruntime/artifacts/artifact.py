@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 from collections.abc import Callable
@@ -23,9 +22,9 @@ from safetensors.torch import save as safetensors_save
 from torch import nn
 
 from ..errors import ArtifactError, first_line, short_repr
+from ..files import write_atomically
 from .artifact_header import FORMAT_NAME, FORMAT_VERSION, check_artifact_file
 from .artifact_kinds import ARTIFACT_KINDS, KNOWN_KINDS
-from .files import write_atomically
 from .fingerprint import ModelFingerprint, check_compiled_for, model_fingerprint
 
 T = TypeVar("T")
@@ -220,17 +219,6 @@ class ArtifactReader:
         problem = schema_problem(self.kind, tensors, {})
         if problem is not None:
             raise ArtifactError(f"{self.kind.replace('_', ' ')} disagree: {problem}")
-
-
-def applied_form(artifact: Artifact) -> object:
-    """What the runtime applies: the artifact read by its kind's reader class (`artifact_kinds`), or the artifact
-    itself for a kind whose tensors a method reads directly."""
-    reader = ARTIFACT_KINDS[artifact.kind].reader
-    if not reader:
-        return artifact
-    module, name = reader.split(":")
-    runtime = __name__.split(".")[0]  # readers are named under kvruntime
-    return getattr(importlib.import_module(f"{runtime}.{module}"), name).from_artifact(artifact)
 
 
 def _shape_fits(actual: tuple[int, ...], expected: tuple, sizes: dict[str, int]) -> bool:

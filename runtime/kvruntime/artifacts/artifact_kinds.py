@@ -20,7 +20,6 @@ class ArtifactKind:
     name: str
     command: str  # the command that compiles it ("" for kinds no command writes on its own)
     tensors: dict[str, tuple] = dataclasses.field(default_factory=dict)
-    reader: str = ""  # "module:Class" under kvruntime whose `from_artifact` turns it into what the runtime applies
     # Resampled over relative depth, so that it may serve a model with another layer count (with force, like another
     # checkpoint); every other shape difference is always refused.
     depth_portable: bool = False
@@ -49,7 +48,6 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
                 "entropy_edges": ("numeric", ("entropy_bins-1",)),
                 "perplexity_edges": ("numeric", ("perplexity_bins-1",)),
             },
-            reader="methods.compilerkv.tables:CompilerKVTables",
             depth_portable=True,
         ),
         ArtifactKind(
@@ -70,19 +68,16 @@ ARTIFACT_KINDS: dict[str, ArtifactKind] = {
                 "layer_fractions": ("numeric", ("ratios", "layers")),
                 "head_fractions": ("numeric", ("ratios", "layers", "kv_heads")),
             },
-            reader="methods.kvcompose.stats:KVComposeStats",
         ),
         ArtifactKind(
             "tuned_defaults",
             "kvcompile tune",
             {"full_accuracy": ("numeric", (1,))},
-            reader="artifacts.tuned_defaults:TunedDefaults",
         ),
         ArtifactKind(
             "distilled_scorer",
             "kvcompile distill",
             {"weights": ("numeric", ("layers", "features", "kv_heads"))},
-            reader="methods.distilled.scorer:DistilledScorer",
         ),
         # Sums of a share of a compile run (`--shard`), for `kvcompile merge`; never applied to a model.
         ArtifactKind("partial_statistics", ""),

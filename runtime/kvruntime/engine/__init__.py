@@ -28,10 +28,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from torch import nn
 
 from ..artifacts.artifact import Artifact, load_artifact
-from ..attention import per_layer_attention
 from ..errors import KVRuntimeError
 from ..methods import Method
-from ..requests.resolved import ResolvedRequest, resolve_request
+from ..methods.resolved import ResolvedRequest, resolve_request
+from ..plumbing.attention import per_layer_attention
 from .answering import CompressedContext, generate_after_context, logits_after_context
 from .session import CompressionSession
 from .state import chunk_bounds

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..batch_rows import with_appended
-from ..cache_ops import cache_argument, restored_after
 from ..errors import KVRuntimeError
+from ..plumbing.batch_rows import with_appended
+from ..plumbing.cache_ops import cache_argument, restored_after
 from ..report import BatchReport, CompressionReport
 from .keep_masks import KeepMasks
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import captured_logits
 from ..models.layout import resize_window
-from ..second_pass import context_attention_mean
+from ..plumbing.attention import captured_logits
+from ..plumbing.second_pass import context_attention_mean
 from .state import PrefillState
 
 

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..allocation import apportion
-from ..cache_ops import check_growing_layer, keep_entries
 from ..errors import KVRuntimeError, UnsupportedModelError
-from ..merging import ReferenceQueries
+from ..math.allocation import apportion
+from ..math.merging import ReferenceQueries
+from ..math.selection import top_indices, top_mask
 from ..methods import LayerInputs, Method, PrefillResult
 from ..models.layout import model_layout
-from ..second_pass import lookahead_attention, task_attention_maxima
-from ..selection import top_indices, top_mask
+from ..plumbing.cache_ops import check_growing_layer, keep_entries
+from ..plumbing.second_pass import lookahead_attention, task_attention_maxima
 from .state import Cut, HeldEntries, PrefillState
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from transformers import Cache
 
-from ..attention import KEEP_MASK_KEYWORD
-from ..cache_ops import hooked_cache
+from ..plumbing.attention import KEEP_MASK_KEYWORD
+from ..plumbing.cache_ops import hooked_cache
 
 
 class KeepMasks:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
-from ..batch_rows import row_starts, stack_rows, stacked_visibility
-from ..cache_ops import cache_argument, cache_bytes, replace_output, uncompressed_bytes
 from ..errors import KVRuntimeError
 from ..models.layout import ModelLayout
+from ..plumbing.batch_rows import row_starts, stack_rows, stacked_visibility
+from ..plumbing.cache_ops import cache_argument, cache_bytes, replace_output, uncompressed_bytes
 from ..report import BatchReport
 from .keep_masks import KeepMasks
 from .state import Compressed

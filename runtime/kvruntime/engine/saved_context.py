@@ -28,9 +28,9 @@ from ..artifacts.context_file import (
     read_context_header,
 )
 from ..artifacts.fingerprint import model_fingerprint
-from ..attention import per_layer_attention
 from ..errors import ArtifactError, KVRuntimeError
 from ..models.layout import is_window_layer, model_layout, window_length
+from ..plumbing.attention import per_layer_attention
 from ..report import CompressionReport
 from .answering import CompressedContext
 from .keep_masks import KeepMasks

@@ -15,8 +15,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..attention import captured_logits, capturing_queries
-from ..cache_ops import (
+from ..errors import KVRuntimeError
+from ..math.merging import ReferenceQueries, needs_reference_queries
+from ..methods import LayerInputs
+from ..methods.resolved import ResolvedRequest
+from ..models.layout import model_layout
+from ..models.model_spec import check_positions
+from ..plumbing.attention import captured_logits, capturing_queries
+from ..plumbing.cache_ops import (
     bounded_bytes,
     cache_argument,
     cache_bytes,
@@ -27,17 +33,11 @@ from ..cache_ops import (
     own_window_storage_of,
     uncompressed_bytes,
 )
-from ..errors import KVRuntimeError
-from ..merging import ReferenceQueries, needs_reference_queries
-from ..methods import LayerInputs
-from ..models.layout import model_layout
-from ..models.model_spec import check_positions
-from ..quantized_cache import KV_BITS, quantize_cache, quantized_layer
-from ..recording import RECORDED_QUERIES, PrefillRecording, check_replayable
+from ..plumbing.quantized_cache import KV_BITS, quantize_cache, quantized_layer
+from ..plumbing.recording import RECORDED_QUERIES, PrefillRecording, check_replayable
+from ..plumbing.window import hooked_input, hooked_window_queries
 from ..report import BatchReport, CompressionReport
 from ..requests.request import Request
-from ..requests.resolved import ResolvedRequest
-from ..window import hooked_input, hooked_window_queries
 from .answering import CompressedContext
 from .appended import appended_inputs, narrow_window, prompt_part, widen_window, without_appended
 from .cut import cut_cache, cut_layer, method_prefill

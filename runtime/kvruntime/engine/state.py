@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from ..merging import ReferenceQueries
+from ..math.merging import ReferenceQueries
 from ..report import CompressionReport
 from ..requests.request import KeepPlan
 

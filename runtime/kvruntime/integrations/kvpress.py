@@ -35,14 +35,14 @@ from transformers import PreTrainedModel
 from ..artifacts.artifact import Artifact, check_artifact_matches_model, load_artifact
 from ..artifacts.bundle import resolve_artifact_path
 from ..artifacts.fingerprint import model_fingerprint
-from ..attention import captured_logits, captured_queries, capturing_queries, per_layer_attention
 from ..errors import KVRuntimeError
+from ..math.selection import protect_window
 from ..methods import Method
 from ..methods.distilled import with_leverage
+from ..methods.resolved import ResolvedRequest, resolve_request
 from ..models.layout import model_layout
+from ..plumbing.attention import captured_logits, captured_queries, capturing_queries, per_layer_attention
 from ..registry import method_spec
-from ..requests.resolved import ResolvedRequest, resolve_request
-from ..selection import protect_window
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ class CompiledScorerPress(ScorerPress):
 
     @classmethod
     def from_request(cls, resolved: ResolvedRequest, force: bool = False) -> CompiledScorerPress:
-        """The press of a request resolved already (`kvruntime.requests.resolved.resolve_request`) for this press's method at
+        """The press of a request resolved already (`kvruntime.methods.resolved.resolve_request`) for this press's method at
         one ratio: its method as built there, its artifact as read there."""
         if resolved.method_name != cls.method_name:
             raise KVRuntimeError(

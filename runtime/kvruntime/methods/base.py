@@ -21,12 +21,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import AttentionLogits
 from ..errors import KVRuntimeError
+from ..math.attention_logits import AttentionLogits
+from ..math.selection import protect_window
+from ..plumbing.window import window_attention
 from ..requests.request import KeepPlan, Request
 from ..requests.serving import check_chunk_size
-from ..selection import protect_window
-from ..window import window_attention
 
 
 @dataclasses.dataclass
@@ -41,11 +41,11 @@ class PrefillResult:
     hidden_states: torch.Tensor  # [B, N, hidden]
     output_logits: Callable[[torch.Tensor], torch.Tensor]  # final hidden states -> logits, as the model's forward
     # Feeds the prompt again after itself (after the token ids `prefix`) in the filled cache: per layer, each
-    # token's largest `target` score from the copy [B, Hq, N] (`kvruntime.second_pass`: attention, or kvzip_plus).
+    # token's largest `target` score from the copy [B, Hq, N] (`kvruntime.plumbing.second_pass`: attention, or kvzip_plus).
     # Costs a second prefill: only methods that score this way call it.
     second_pass_attention: Callable[..., list[torch.Tensor]]
     # Feeds input embeddings [n, hidden] (learned lookahead queries) after the prompt in the filled cache: per layer,
-    # each token's mean attention from them [B, Hq, N] (`kvruntime.second_pass.lookahead_attention`). Costs n tokens.
+    # each token's mean attention from them [B, Hq, N] (`kvruntime.plumbing.second_pass.lookahead_attention`). Costs n tokens.
     lookahead_attention: Callable[[torch.Tensor], list[torch.Tensor]]
 
     def token_logprobs(self, last: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ class Method(abc.ABC):
 
     name: ClassVar[str]
     window: int = 32
-    merge: str = "off"  # what becomes of the evicted entries (`kvruntime.merging`)
+    merge: str = "off"  # what becomes of the evicted entries (`kvruntime.math.merging`)
 
     def check_request(self, request: Request) -> None:
         """Refuse a request this method cannot serve, before any model work (default: any ratio or budget)."""

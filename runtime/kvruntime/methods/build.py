@@ -6,13 +6,26 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 
-from ..artifacts.artifact import Artifact, applied_form
+from ..artifacts.artifact import Artifact
+from ..artifacts.tuned_defaults import TunedDefaults
 from ..errors import KVRuntimeError
 from ..registry import LAYER_BUDGETS_KIND, method_spec, registration_of
 from ..requests.request import check_method_options, required_artifact_kinds
 from ..requests.serving import check_has_artifact
 from .base import Method
+from .compilerkv.tables import CompilerKVTables
+from .distilled.scorer import DistilledScorer
+from .kvcompose.stats import KVComposeStats
 from .layer_budgets import WithLayerBudgets
+
+# The class whose `from_artifact` turns an artifact of a kind into what the runtime applies (a kind not here is
+# applied as the artifact itself: a method reads its tensors directly).
+READERS = {
+    "compilerkv_tables": CompilerKVTables,
+    "kvcompose_stats": KVComposeStats,
+    "tuned_defaults": TunedDefaults,
+    "distilled_scorer": DistilledScorer,
+}
 
 
 def get_method(name: str | Method, artifacts: Sequence[Artifact] = (), options: Mapping[str, object] = {}) -> Method:
@@ -44,3 +57,9 @@ def build_method(name: str, artifacts: Sequence[Artifact], options: Mapping[str,
         layer_error = applied[LAYER_BUDGETS_KIND].tensors["layer_error"]
         method = method.with_layer_budgets(layer_error) or WithLayerBudgets(inner=method, layer_error=layer_error)
     return method
+
+
+def applied_form(artifact: Artifact) -> object:
+    """What the runtime applies of an artifact: read by its kind's reader (`READERS`), else the artifact itself."""
+    reader = READERS.get(artifact.kind)
+    return artifact if reader is None else reader.from_artifact(artifact)

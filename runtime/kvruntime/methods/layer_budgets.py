@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from ..allocation import error_aware_budgets
+from ..math.allocation import error_aware_budgets
 from ..registry import ERROR_AWARE, canonical_name
 from ..requests.request import KeepPlan
 from .base import ScoringMethod

@@ -5,7 +5,7 @@ loads in about a second. A GGUF file given as the model goes the same way.
 
 Why the cache is guarded: transformers converts a GGUF tokenizer differently from version to version (5.2 made a
 `CodeLlamaTokenizer` with the wrong eos that broke after save and reload; 5.23 a correct one), and one machine's
-venvs share the cache. So the tokenizer is built here from the GGUF's own vocabulary, merges and special tokens
+venvs share the cache. So the tokenizer is built (`gguf_tokenizer`) from the GGUF's own vocabulary, merges and special tokens
 (no transformers converter involved), the folder name covers every library that shapes the converted files, and
 each load checks the tokenizer against the GGUF's reference recorded beside it; a cache that fails is rebuilt, and a
 rebuild that still fails stops with one line. Builds run in a per-process staging folder under a file lock, so
@@ -21,11 +21,19 @@ import importlib.util
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
-from ..artifacts.files import cache_root, folder_bytes, path_lock, write_atomically
 from ..errors import KVRuntimeError, first_line, printable
+from ..files import cache_root, folder_bytes, path_lock, write_atomically
+from .gguf_tokenizer import (
+    build_tokenizer,
+    converted_tokenizer,
+    read_gguf_tokenizer,
+    tokenizer_config,
+    tokenizer_problems,
+    tokenizer_reference,
+)
 from .model_cache import cache_folder, cache_key, content_sha256, ensure_cache, file_sha256
 
 
@@ -64,9 +72,6 @@ INSTALL_HINT = SHIPPED_MODELS[DEFAULT_MODEL].install
 # Libraries whose versions change the converted files (gguf dequantises, transformers maps the weights, tokenizers
 # serialises the tokenizer): each combination gets a folder of its own.
 CONVERTER_PACKAGES = ("transformers", "tokenizers", "gguf")
-# Text the tokenizer must encode and decode back unchanged: spaces, a blank line, indentation, a tab, digits,
-# punctuation and non-ASCII text exercise the byte-level pre-tokenizer and decoder.
-ROUND_TRIP_PROBE = "Hello world! The pass key is 25613.\n\n    Indented,\ttabbed; naïve café — 日本語 «ok»."
 # Packages transformers needs to load a GGUF but does not install itself (it refuses without accelerate >= 1.1).
 # kvruntime never imports them: runtime/pyproject.toml declares them (tests/test_runtime_distribution.py checks).
 GGUF_LOADER_NEEDS = ("accelerate",)
@@ -132,157 +137,6 @@ def converter_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in CONVERTER_PACKAGES}
 
 
-# --- the tokenizer, from the GGUF's own metadata ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFTokenizer:
-    """What a GGUF says about its tokenizer (llama.cpp's `tokenizer.ggml.*` keys)."""
-
-    model: str  # "gpt2": byte-level BPE
-    pre: str  # llama.cpp's pre-tokenizer name
-    tokens: tuple[str, ...]
-    token_types: tuple[int, ...]  # 1 normal, 3 control (special), ...
-    merges: tuple[str, ...]
-    bos_id: int
-    eos_id: int
-    unk_id: int
-    pad_id: int
-    add_bos: bool
-    add_space_prefix: bool
-    chat_template: str | None
-
-    @property
-    def special_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, kind in enumerate(self.token_types) if kind == CONTROL_TOKEN)
-
-
-CONTROL_TOKEN = 3
-
-
-def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-
-    def value(key: str, default: object = None) -> object:
-        field = fields.get(key)
-        return default if field is None else field.contents()
-
-    return GGUFTokenizer(
-        model=value("tokenizer.ggml.model"),
-        pre=value("tokenizer.ggml.pre", "default"),
-        tokens=tuple(value("tokenizer.ggml.tokens")),
-        token_types=tuple(value("tokenizer.ggml.token_type")),
-        merges=tuple(value("tokenizer.ggml.merges", ())),  # none in a SentencePiece vocabulary
-        bos_id=int(value("tokenizer.ggml.bos_token_id")),
-        eos_id=int(value("tokenizer.ggml.eos_token_id")),
-        unk_id=int(value("tokenizer.ggml.unknown_token_id", 0)),
-        pad_id=int(value("tokenizer.ggml.padding_token_id", value("tokenizer.ggml.eos_token_id"))),
-        add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
-        add_space_prefix=bool(value("tokenizer.ggml.add_space_prefix", False)),
-        chat_template=value("tokenizer.chat_template"),
-    )
-
-
-def build_tokenizer(spec: GGUFTokenizer) -> object:
-    """A `tokenizers.Tokenizer` equal to the one llama.cpp runs for this GGUF (byte-level BPE only)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    if spec.model != "gpt2":
-        raise KVRuntimeError(
-            f"the default GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) is supported"
-        )
-    vocab = {token: index for index, token in enumerate(spec.tokens)}
-    merges = [tuple(merge.split(" ", 1)) for merge in spec.merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=spec.add_space_prefix, use_regex=True)
-    # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex, as the original tokenizer.
-    digits = [pre_tokenizers.Digits(individual_digits=True)] if spec.pre == "smollm" else []
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
-    tokenizer.decoder = decoders.ByteLevel()
-    if spec.add_bos:
-        bos = spec.tokens[spec.bos_id]
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_id)]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens([AddedToken(spec.tokens[i], special=True, normalized=False) for i in spec.special_ids])
-    return tokenizer
-
-
-def tokenizer_config(spec: GGUFTokenizer, max_length: int) -> dict[str, object]:
-    """tokenizer_config.json for the built tokenizer: the generic fast class, so no transformers version re-derives
-    the pipeline from a model-specific class (what broke 5.2's reload)."""
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": spec.tokens[spec.bos_id],
-        "eos_token": spec.tokens[spec.eos_id],
-        "unk_token": spec.tokens[spec.unk_id],
-        "pad_token": spec.tokens[spec.pad_id],
-        "additional_special_tokens": [],
-        "add_bos_token": spec.add_bos,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "chat_template": spec.chat_template,
-    }
-
-
-def vocabulary_sha256(tokens: Iterable[str]) -> str:
-    """sha256 of a vocabulary, SentencePiece's space mark read as the space it stands for (a GGUF stores Gemma's
-    runs of spaces as spaces, transformers' converter as marks)."""
-    return hashlib.sha256("\n".join(token.replace("\u2581", " ") for token in tokens).encode()).hexdigest()
-
-
-def tokenizer_reference(spec: GGUFTokenizer) -> dict[str, object]:
-    """What a correct tokenizer must show, from the GGUF alone (recorded in the cache marker: reading the GGUF's
-    metadata takes about 2 s, checking against this record a few milliseconds)."""
-    return {
-        "vocab_sha256": vocabulary_sha256(spec.tokens),
-        "special_tokens": {
-            role: [index, spec.tokens[index]]
-            for role, index in (("bos", spec.bos_id), ("eos", spec.eos_id), ("pad", spec.pad_id), ("unk", spec.unk_id))
-        },
-        "special_ids": list(spec.special_ids),
-        "chat_template_sha256": hashlib.sha256((spec.chat_template or "").encode()).hexdigest(),
-        "add_bos": spec.add_bos,
-    }
-
-
-def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[str]:
-    """What is wrong with `tokenizer` against the GGUF's reference (empty when nothing is)."""
-    problems = []
-    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    if vocabulary_sha256(map(str, vocab)) != reference["vocab_sha256"]:
-        problems.append("its vocabulary differs from the GGUF's")
-    for role, (index, token) in reference["special_tokens"].items():
-        have = (getattr(tokenizer, f"{role}_token_id"), getattr(tokenizer, f"{role}_token"))
-        if have != (index, token):
-            problems.append(f"{role} is {have[1]!r} (id {have[0]}), the GGUF says {token!r} (id {index})")
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if hashlib.sha256(template.encode()).hexdigest() != reference["chat_template_sha256"]:
-        problems.append("its chat template differs from the GGUF's")
-    ids = tokenizer(ROUND_TRIP_PROBE).input_ids
-    specials = set(reference["special_ids"])
-    if reference["add_bos"]:
-        ids = ids[1:]
-    if specials & set(ids):
-        problems.append(f"plain text encodes to special tokens ({tokenizer.convert_ids_to_tokens(ids)[:6]}...)")
-    decoded = tokenizer.decode(ids)
-    if decoded != ROUND_TRIP_PROBE:
-        problems.append(f"text does not survive encode and decode ({ROUND_TRIP_PROBE[:20]!r} -> {decoded[:20]!r})")
-    if template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-        )
-        eos = reference["special_tokens"]["eos"][0]
-        if eos not in tokenizer(rendered, add_special_tokens=False).input_ids:
-            problems.append("the chat template's turns do not encode to the eos token")
-    return problems
-
-
 def check_gguf_loader() -> None:
     """Refuse in one line where transformers would refuse to load the GGUF with a traceback."""
     from transformers.utils import is_accelerate_available
@@ -333,17 +187,6 @@ def dequantise_gguf(gguf: Path, staging: Path) -> dict:
         converted.model_max_length = model.config.max_position_embeddings
         converted.save_pretrained(staging)
     return {"gguf": str(gguf), "versions": converter_versions(), "tokenizer": tokenizer_reference(spec)}
-
-
-def converted_tokenizer(gguf: Path, spec: GGUFTokenizer) -> object:
-    """transformers' tokenizer of a GGUF whose vocabulary is not byte-level BPE, adding `<bos>` where the GGUF says
-    to (some transformers versions' converters leave it out)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    if spec.add_bos and tokenizer("x").input_ids[:1] != [spec.bos_id]:
-        tokenizer.add_bos_token = True
-    return tokenizer
 
 
 def load_shipped_model(name: str, load_folder: Callable[[Path], tuple]) -> tuple:

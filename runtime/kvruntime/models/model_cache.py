@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from ..artifacts.files import cache_root, path_lock, replace_folder, write_atomically
+from ..files import cache_root, path_lock, replace_folder, write_atomically
 
 # Raised whenever what is written into the cache changes, so that older folders are never read (3: keyed by content).
 CACHE_FORMAT = 3

@@ -67,21 +67,21 @@ class KeepPlan:
 
     @functools.cached_property
     def repeated(self) -> float | None:
-        """The share of the prompt's 8-grams seen earlier in it (`repetition.py`), None without its ids: counted when
+        """The share of the prompt's 8-grams seen earlier in it (`math/repetition.py`), None without its ids: counted when
         a method asks (0.2 s for 128k tokens on a CPU), once per prompt, from the same count as `later_occurrences`."""
         if self.later_occurrences is None:
             return None
-        from ..repetition import repeated_share  # torch: this module stays importable without it
+        from ..math.repetition import repeated_share  # torch: this module stays importable without it
 
         return repeated_share(self.later_occurrences)
 
     @functools.cached_property
     def later_occurrences(self) -> Any:
-        """Per token [N], how often the 8-gram ending at it occurs again later in the prompt (`repetition.py`), None
+        """Per token [N], how often the 8-gram ending at it occurs again later in the prompt (`math/repetition.py`), None
         without its ids: counted when a method asks, once per prompt."""
         if self.input_ids is None:
             return None
-        from ..repetition import later_occurrences
+        from ..math.repetition import later_occurrences
 
         return later_occurrences(self.input_ids)
 

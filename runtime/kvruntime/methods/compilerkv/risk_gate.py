@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ...selection import pooled_top_counts
+from ...math.selection import pooled_top_counts
 
 
 def structural_risk(alpha: torch.Tensor) -> float:

@@ -9,9 +9,9 @@ import dataclasses
 
 import torch
 
-from ...attention import AttentionLogits
-from ...selection import protect_window
-from ...window import window_attention
+from ...math.attention_logits import AttentionLogits
+from ...math.selection import protect_window
+from ...plumbing.window import window_attention
 from .risk_gate import semantic_risk, structural_risk
 from .stabilized_utility import (
     global_attention_mass,

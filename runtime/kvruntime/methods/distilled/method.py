@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from ...allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
-from ...composite_tokens import prompt_allocation
 from ...errors import KVRuntimeError
+from ...math.allocation import apportion, error_aware_budgets, refloored_shares, shares_at_ratio
+from ...math.composite_tokens import prompt_allocation
+from ...math.repetition import repeats
+from ...math.selection import protect_sinks, protect_window
 from ...registry import ERROR_AWARE, option_fields
-from ...repetition import repeats
 from ...requests.request import KeepPlan
-from ...selection import protect_sinks, protect_window
 from ..base import LayerInputs, Method, PrefillResult, Selection
 from .features import feature_count, predicted_token_scores, running_state_sum
 from .leverage import with_leverage

@@ -7,7 +7,7 @@ each context token per (layer, KV head):
 - `reconstruction` (KVCompose's task-agnostic pass) and `repeat` (the same behind "repeat the text"): the largest
   attention from the copy, mean over the KV head's query heads plus the mean over the layer's KV heads;
 - `kvzip_plus` (KVzap's target, behind "repeat the text"): the largest output-weighted attention (KVzip+, see
-  `kvruntime.second_pass`), max over the KV head's query heads.
+  `kvruntime.plumbing.second_pass`), max over the KV head's query heads.
 Torch-free at import: `kvcompile distill` checks its --oracle against `ORACLES` before torch loads.
 """
 
@@ -29,14 +29,14 @@ PREFIXED = ("repeat", "kvzip_plus")  # the oracles whose copy follows an instruc
 
 
 def second_pass_target(oracle: str) -> str:
-    """What the oracle's second pass measures (`kvruntime.second_pass.TARGETS`)."""
+    """What the oracle's second pass measures (`kvruntime.plumbing.second_pass.TARGETS`)."""
     return "kvzip_plus" if oracle == "kvzip_plus" else "attention"
 
 
 def oracle_scores(task_max: torch.Tensor, num_kv_heads: int, oracle: str) -> torch.Tensor:
     """One layer's second-pass maxima [B, Hq, N] as the oracle's scores per KV head [B, Hkv, N]."""
-    from ...composite_tokens import kv_head_scores
-    from ...second_pass import kv_head_max
+    from ...math.composite_tokens import kv_head_scores
+    from ...plumbing.second_pass import kv_head_max
 
     return kv_head_max(task_max, num_kv_heads) if oracle == "kvzip_plus" else kv_head_scores(task_max, num_kv_heads)
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ...allocation import apportion
-from ...composite_tokens import kv_head_scores, prompt_allocation
 from ...errors import KVRuntimeError
+from ...math.allocation import apportion
+from ...math.composite_tokens import kv_head_scores, prompt_allocation
 from ...registry import option_fields
 from ...requests.request import KeepPlan, Request
 from ..base import LayerInputs, PrefillResult, ScoringMethod, Selection

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ...allocation import shares_at_ratio
 from ...artifacts.artifact import ArtifactReader
 from ...errors import ArtifactError
+from ...math.allocation import shares_at_ratio
 from ...requests.serving import compiled_ratios
 from .operating_points import check_compiled_ratio
 

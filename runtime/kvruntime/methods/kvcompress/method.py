@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from ...math.scores import kvcompress_scores
+from ...math.selection import global_head_counts
 from ...registry import option_fields
 from ...requests.request import KeepPlan
-from ...scores import kvcompress_scores
-from ...selection import global_head_counts
 from ..base import ScoringMethod
 from .spec import SPEC
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from ...math.scores import snapkv_scores
 from ...registry import option_fields
-from ...scores import snapkv_scores
 from ..base import ScoringMethod
 from .spec import SPEC
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from ...math.scores import pool_tokens
 from ...registry import option_fields
-from ...scores import pool_tokens
 from ..base import ScoringMethod
 from .spec import SPEC
 

@@ -12,9 +12,9 @@ from torch import nn
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from .errors import UnsupportedModelError
-from .merging import ReferenceQueries, kept_values
-from .models.layout import is_window_layer
+from ..errors import UnsupportedModelError
+from ..math.merging import ReferenceQueries, kept_values
+from ..models.layout import is_window_layer
 from .quantized_cache import layer_bytes
 
 

@@ -21,10 +21,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from ..errors import KVRuntimeError
+from ..models.layout import is_window_layer, model_layout
 from .attention import AttentionLogits, capturing_queries, per_layer_attention
 from .cache_ops import cache_argument, hooked_cache
-from .errors import KVRuntimeError
-from .models.layout import is_window_layer, model_layout
 
 RECORDED_QUERIES = 64  # the longest window of the shipped methods (compilerkv's)
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import KVRuntimeError, first_line
+from .errors import KVRuntimeError, first_line
 
 
 def umask_mode(mode: int) -> int:

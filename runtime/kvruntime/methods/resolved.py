@@ -18,14 +18,14 @@ from ..artifacts.artifact_header import header_kind, header_params, headers_read
 from ..artifacts.bundle import artifact_files
 from ..artifacts.tuned_defaults import TunedDefaults
 from ..errors import KVRuntimeError
-from ..quantized_cache import check_kv_bits
+from ..plumbing.quantized_cache import check_kv_bits
 from ..registry import DEFAULT_METHOD
-from .request import CheckedOptions, Request, check_method_options
-from .serving import check_serves
+from ..requests.request import CheckedOptions, Request, check_method_options
+from ..requests.serving import check_serves
 
 if TYPE_CHECKING:
     from ..artifacts.artifact import Artifact
-    from ..methods import Method
+    from . import Method
 
 TUNED_DEFAULTS = "tuned_defaults"
 
@@ -58,7 +58,7 @@ class ResolvedRequest:
         """The method, built once from the artifacts (the instance given, as it is)."""
         if self.instance is not None:
             return self.instance
-        from ..methods.build import build_method
+        from .build import build_method
 
         return build_method(self.method_name, self.artifacts, self.options)
 
@@ -114,7 +114,7 @@ def resolve_request(
     requests = tuple(Request(r, budget, memory) for r in ratios)
     check_kv_bits(kv_bits)
     if not isinstance(method, str):  # an instance: its options are its fields, checked as a name's would be
-        from ..methods.build import get_method
+        from .build import get_method
 
         resolved = ResolvedRequest(
             "", {}, requests, files, read, prefill_chunk_size, kv_bits, instance=get_method(method)
@@ -138,8 +138,8 @@ def resolve_request(
 
 def _check_built(resolved: ResolvedRequest) -> None:
     """The serving checks on the built method: what it refuses of the requests, a memory mode, a chunked prefill."""
-    from ..methods.base import check_prefill_chunk_size
-    from .serving import check_memory
+    from ..requests.serving import check_memory
+    from .base import check_prefill_chunk_size
 
     method = resolved.method
     for request in resolved.requests:

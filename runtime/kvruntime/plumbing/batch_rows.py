@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 
 def row_starts(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int]:

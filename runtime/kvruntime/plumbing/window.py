@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from ..models.layout import model_layout
 from .attention import AttentionLogits, captured_queries, capturing_queries, per_layer_attention
 from .cache_ops import hooked_cache
-from .models.layout import model_layout
 
 
 def hooked_input(args: tuple, kwargs: dict) -> torch.Tensor:

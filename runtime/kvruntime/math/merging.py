@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .attention import AttentionLogits, right_aligned_causal_mask
+from .attention_logits import AttentionLogits, right_aligned_causal_mask
 
 _ROWS = 1024  # evicted keys compared with the kept ones at a time: the similarities stay [rows x kept] per head
 # The ridge of `refit`, relative to the mean squared attention row of the kept entries: small enough that the queries

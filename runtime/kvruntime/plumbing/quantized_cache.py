@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from .errors import KVRuntimeError
+from ..errors import KVRuntimeError
 
 if TYPE_CHECKING:  # torch-free to import: the command line checks kv_bits before torch loads
     from transformers import Cache

@@ -32,6 +32,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..math.attention_logits import AttentionLogits, right_aligned_causal_mask
+
 ATTENTION_NAME = "kvruntime_attention"  # no "sdpa" in it: transformers would check the model supports sdpa
 # The attention keyword of a boolean keep mask [B, Hkv, N_ctx]: False hides a cached entry from every query.
 KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
@@ -39,32 +41,6 @@ KEEP_MASK_KEYWORD = "kvruntime_keep_mask"
 
 # Attribute of an attention module while its queries are captured (`capturing_queries`).
 _CAPTURE = "_kvruntime_query_capture"
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionLogits:
-    """How the model turns query-key products into attention logits: scaled, then soft-capped (tanh) where the
-    model caps them; and into probabilities: a softmax, with each query head's learned sink logit where the model
-    has them (its weight dropped: the sink attends to nothing)."""
-
-    scaling: float
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None  # [Hq]
-
-    def __call__(self, products: torch.Tensor) -> torch.Tensor:
-        return soft_capped(products * self.scaling, self.softcap)
-
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """Softmax of float32 logits grouped by KV head, [B, Hkv, G, q, N] (query head h = KV head h // G)."""
-        if self.sinks is None:
-            return logits.softmax(dim=-1)
-        sink = self.sinks.float().reshape(1, *logits.shape[1:3], 1, 1).expand(*logits.shape[:-1], 1)
-        return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-
-
-def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """`cap * tanh(logits / cap)`, as Gemma caps its attention and final logits; the logits as they are for None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 @dataclasses.dataclass
@@ -75,17 +51,6 @@ class QueryCapture:
     window: int
     queries: torch.Tensor | None = None
     logits: AttentionLogits | None = None
-
-
-def right_aligned_causal_mask(
-    q_len: int, kv_len: int, device: torch.device, sliding_window: int | None = None
-) -> torch.Tensor:
-    """[q_len, kv_len] boolean mask: query i sees every key up to kv_len - q_len + i, and with a `sliding_window`
-    only the `sliding_window` latest of them (transformers' band: query position minus key position below it)."""
-    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
-    if sliding_window is not None:
-        mask &= torch.ones_like(mask).triu(diagonal=kv_len - q_len - sliding_window + 1)
-    return mask
 
 
 def per_layer_sdpa(

@@ -2,7 +2,7 @@
 layer-adaptive allocation, which kvcompose, distilled and the compile stage share. Pure functions, batch size 1 for
 the allocations.
 
-Shapes: task maxima are [B, Hq, N] (`kvruntime.second_pass`: one per query head and context token), head scores [B, Hkv, N], and a
+Shapes: task maxima are [B, Hq, N] (`kvruntime.plumbing.second_pass`: one per query head and context token), head scores [B, Hkv, N], and a
 layer's composite curve [N] (composite token r = the r-th best entry of every KV head, scores averaged).
 """
 

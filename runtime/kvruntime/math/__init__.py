@@ -1,0 +1,1 @@
+"""The runtime's math: pure functions on tensors (scores, selection, allocation, merges), no model."""

@@ -1,0 +1,1 @@
+"""Model plumbing: kvruntime's attention function, the cache's layers, hooks, recordings and second passes."""
