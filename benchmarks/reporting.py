@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import shlex
 import sys
@@ -18,6 +19,16 @@ def command_line(in_venv: bool = False) -> str:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     target = ["-m", spec.name] if spec is not None and spec.name else [sys.argv[0]]
     return " ".join([python, *target, shlex.join(sys.argv[1:])]).rstrip()
+
+
+def run_header(in_venv: bool = False) -> list[str]:
+    """The lines every report opens with after its title: the command that reruns it (`command_line`), the machine
+    it ran on and when (Markdown line breaks between them)."""
+    return [
+        f"Command: `{command_line(in_venv)}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC.  ",
+    ]
 
 
 def read_records(path: str | Path) -> list[dict]:

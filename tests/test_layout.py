@@ -284,3 +284,15 @@ def test_no_runtime_module_is_over_350_lines_and_the_top_holds_at_most_10_loose_
     lengths = {path.relative_to(RUNTIME): len(path.read_text().splitlines()) for path in RUNTIME.rglob("*.py")}
     assert {path: lines for path, lines in lengths.items() if lines > 350} == {}
     assert len([path for path in RUNTIME.glob("*.py") if path.name != "__init__.py"]) <= 10
+
+
+def test_every_benchmark_report_opens_with_the_one_header_helper():
+    """Command, machine and date come from `benchmarks.reporting.run_header`, never written by hand."""
+    by_hand = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in (ROOT / "benchmarks").rglob("*.py")
+        if path.name != "reporting.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "Machine: " in line or "Command: `" in line
+    ]
+    assert by_hand == []

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # What only the model package (and the attention function, which receives the model's window) may name: the
 # config's layer kinds and text part, a cache layer's kind and window.
 MODEL_FACTS = re.compile(r"\b(is_sliding|layer_types|sliding_window|text_config)\b")
-OWNERS = (ROOT / "runtime" / "kvruntime" / "models", ROOT / "runtime" / "kvruntime" / "attention.py")
+OWNERS = (ROOT / "runtime" / "kvruntime" / "models", ROOT / "runtime" / "kvruntime" / "plumbing" / "attention.py")
 
 
 def test_only_the_model_package_reads_layer_kinds_windows_and_the_text_config():

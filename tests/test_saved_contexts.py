@@ -4,7 +4,6 @@ every hostile file refused in one line before any of it is used."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_char_tokenizer, tiny_model
+from conftest import gemma_marks, save_char_tokenizer, tiny_model
 from safetensors.torch import save as safetensors_save
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
@@ -24,7 +23,6 @@ from kvcompile.cli import app
 from kvcompile.recipe import artifact_folder
 from kvruntime.artifacts.artifact import tensors_checksum
 from kvruntime.errors import ArtifactError, KVRuntimeError
-from kvruntime.models import default_model as dm
 from kvruntime.plumbing.batch_rows import left_pad
 
 runner = CliRunner()
@@ -254,12 +252,8 @@ def test_save_context_saves_one_document(tmp_path):
     assert default.exit_code == 2 and "method 'distilled' needs distilled_scorer" in default.output
 
 
-GEMMA_MISSING = importlib.util.find_spec(dm.SHIPPED_MODELS["gemma-3-270m"].package) is None
-
-
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["default", pytest.param("gemma-3-270m", marks=pytest.mark.skipif(
-    GEMMA_MISSING, reason="gemma-3-270m's packages are not installed (README: the second shipped model)"))])  # fmt: skip
+@pytest.mark.parametrize("name", ["default", pytest.param("gemma-3-270m", marks=gemma_marks())])
 def test_a_shipped_models_saved_context_answers_in_a_new_process_as_in_memory(name, tmp_path):
     """The plain default model and the hybrid Gemma (sliding layers; its `<bos>`): two questions from a file in
     a new process, as question mode answers them; a batch of two from the file as the context in memory answers

@@ -8,12 +8,13 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import save_char_tokenizer
+from conftest import needs_gemma, save_char_tokenizer
 from test_refusals_before_torch import gguf_bytes
 
 import kvruntime
@@ -132,9 +133,7 @@ def test_a_whole_prompt_opens_with_the_bos_its_tokenizer_adds_and_only_then(tmp_
         assert int((ids == 96).sum()) == (1 if first else 0)
 
 
-@pytest.mark.integration
-@pytest.mark.skipif(importlib.util.find_spec(dm.SHIPPED_MODELS["gemma-3-270m"].package) is None,
-                    reason="gemma-3-270m's packages are not installed (README: the second shipped model)")  # fmt: skip
+@needs_gemma
 def test_gemma_3_270m_loads_with_its_bos_and_its_hybrid_cache():
     model, tokenizer = kvruntime.load_model("gemma-3-270m")
     assert model.config.max_position_embeddings == position_limit("gemma-3-270m")
@@ -146,9 +145,7 @@ def test_gemma_3_270m_loads_with_its_bos_and_its_hybrid_cache():
     assert kvruntime.model_fingerprint(model).num_layers == 3
 
 
-@pytest.mark.integration
-@pytest.mark.skipif(importlib.util.find_spec(dm.SHIPPED_MODELS["gemma-3-270m"].package) is None,
-                    reason="gemma-3-270m's packages are not installed (README: the second shipped model)")  # fmt: skip
+@needs_gemma
 def test_gemma_given_by_name_by_its_gguf_renamed_or_by_a_saved_folder_finds_its_shipped_artifacts(tmp_path):
     """Issue #75: by the fingerprint of its weights, read before it loads. Its converted cache is a folder
     `save_pretrained` wrote: the saved folder."""
@@ -159,3 +156,23 @@ def test_gemma_given_by_name_by_its_gguf_renamed_or_by_a_saved_folder_finds_its_
     for given in ("gemma-3-270m", str(gguf), str(renamed), str(model_loading.weights_folder("gemma-3-270m"))):
         assert artifact_folders(given)[1:] == (shipped,), given
     assert shipped not in artifact_folders("default")
+
+
+@needs_gemma
+def test_gemma_answers_a_pass_key_through_generate_in_a_new_process_with_its_tokenizer_built_from_the_gguf():
+    """`kvcompile generate --model gemma-3-270m`, as a user runs it (the bench venv's transformers included, whose
+    converter renamed a byte token of Gemma's): the pass key from a context cut to half, its tokenizer the one
+    kvruntime builds from the GGUF, which passes the cache's check (no rebuild at every load)."""
+    import subprocess
+
+    command = [
+        sys.executable, "-m", "kvcompile.cli", "generate", "--model", "gemma-3-270m", "--method", "snapkv",
+        "--ratio", "0.5", "--prompt-format", "raw", "--max-new-tokens", "8",
+        "--prompt-file", "calibration_data/prompts/passkey_2k_context.txt", "--question", "The pass key is",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "25613" in result.stdout
+    assert "failed its check" not in result.stderr
+    config = json.loads((model_loading.weights_folder("gemma-3-270m") / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # built here, not by a converter's Gemma class

@@ -14,7 +14,6 @@ is the one of the documents in memory). The temporary folder, datasets cache inc
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import json
 import os
@@ -27,7 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.reporting import command_line, machine, write_results
+from benchmarks.reporting import run_header, write_results
 
 MODULE = "benchmarks.calibration.corpus_memory"
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
@@ -149,9 +148,8 @@ def render(rows: list[dict]) -> str:
     lines = [
         "# Peak memory of the corpus steps of a compile command, as the corpus grows",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}, datasets {datasets.__version__}, {int(memory.split()[1]) // 1024} MiB RAM  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Steps: `load_corpus`, "
+        *run_header(),
+        f"datasets {datasets.__version__}, {int(memory.split()[1]) // 1024} MiB RAM. Steps: `load_corpus`, "
         "`corpus.sha256`, `len(corpus.documents)`, `calibration_prompts(corpus, tokenizer, 24, 2048, 0)` with the "
         "default model's tokenizer, in a fresh process; peak resident memory (VmHWM) above the resident memory before "
         "them (heap freed before them and reused is not counted again: small figures are low by up to ~15 MiB, "

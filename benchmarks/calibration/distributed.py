@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvruntime.artifacts.artifact import read_artifact
 
 
@@ -74,8 +74,7 @@ def main() -> None:
         [
             "# Distributed calibration: one process against torchrun ranks",
             "",
-            f'Command: `python -m benchmarks.calibration.distributed --ranks {options.ranks} --command "{options.command}"`  ',
-            f"Machine: {machine()}  ",
+            *run_header(),
             f"Compile command: `kvcompile {options.command}` (model loading included in each run).  ",
             f"Artifacts bit-identical: {'yes' if identical else 'NO'}",
             "",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import statistics
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipe import default_artifact
@@ -242,9 +241,8 @@ def render(rows: list[dict], args: argparse.Namespace, budgets: list[int], label
     lines = [
         "# CompilerKV ablation on held-out prompts, at equal cache held (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Tables: `{args.tables}`. Retrieval: "
+        *run_header(),
+        f"Tables: `{args.tables}`. Retrieval: "
         f"{retrieval_prompts} prompts of ~{args.length} tokens (question-aware, greedy, {args.new_tokens} new tokens, "
         f"exact match). NLL: increase in mean token NLL of a 128-token continuation over the full cache; KL: mean KL "
         f"divergence from the full cache's next-token distributions along it; {args.passages} Moby-Dick passages of "

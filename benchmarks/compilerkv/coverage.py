@@ -9,7 +9,6 @@ Coverage = kept answer tokens / answer tokens, averaged over layers and KV heads
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.compilerkv.ablation import LEARNED, SNAPKV, TABLES, compressed
 from benchmarks.coverage import answer_positions, coverage
-from benchmarks.reporting import command_line, machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
 from kvruntime.methods.compilerkv import CompilerKVTables
@@ -71,10 +70,8 @@ def render(rows: list[dict], args: argparse.Namespace, budgets: list[int]) -> st
     lines = [
         "# Answer-token coverage on held-out retrieval prompts (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Share of the answer's tokens kept, "
-        "mean over layers, KV heads and prompts.",
+        *run_header(),
+        "Share of the answer's tokens kept, mean over layers, KV heads and prompts.",
         "",
         "| budget | method | " + " | ".join(TASKS) + " |",
         "|---|---|" + "---|" * len(TASKS),

@@ -21,7 +21,6 @@ tables holding budget x layers entries. Intervals: 10,000 bootstrap resamples ov
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.compilerkv.reward_noise import NEUTRAL_THRESHOLD, PROBED_THRESHOLDS, RAISED_WEIGHT, measure
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipes.compilerkv.continuation_nll import ContinuationScorer
@@ -172,9 +171,8 @@ def render(rows, per_prompt, oracle, crossfit, args) -> str:
     lines = [
         "# CompilerKV: the best table the probes can find, and what half the prompts can learn (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {len(prompts)} held-out Moby-Dick prompts "
+        *run_header(),
+        f"{len(prompts)} held-out Moby-Dick prompts "
         f"of {args.context} tokens + {args.continuation_tokens} ({args.continuation} continuation), budget "
         f"{args.budget} per layer, `{args.utility}` utility; tables chosen on the loss `{args.loss}` (nats per "
         f"continuation token). Neutral tables: W_head = 1, every threshold {NEUTRAL_THRESHOLD:.2f}. Every state "

@@ -19,7 +19,6 @@ prompts per state that a two-sided 5% test with 80% power needs to see an effect
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import statistics
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipes.compilerkv.bandit_experience import gate_fallback
@@ -192,9 +191,8 @@ def main() -> None:
     lines = [
         "# CompilerKV: the noise of a paired reward, and the experience an effect needs (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {args.prompts} `{args.corpus}` "
+        *run_header(),
+        f"{args.prompts} `{args.corpus}` "
         f"prompts of {args.context} tokens + {args.continuation} continuation; ratio-honest rule; every state probed "
         f"on every prompt from neutral tables (W_head = 1, thresholds {NEUTRAL_THRESHOLD:.2f}): head probes raise one "
         f"query head's weight to {RAISED_WEIGHT}, gate probes set one layer's threshold to "

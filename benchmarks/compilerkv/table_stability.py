@@ -18,13 +18,12 @@ action)'s reward over prompts.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import command_line, machine
+from benchmarks.reporting import run_header
 from kvcompile.recipe import artifact_folder
 from kvcompile.recipes.compilerkv.bandit_experience import (
     GATE_ACTIONS,
@@ -86,9 +85,8 @@ def main() -> None:
     lines = [
         "# Stability of the learned CompilerKV tables (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Experience: `{args.experience}` "
+        *run_header(),
+        f"Experience: `{args.experience}` "
         f"({len(experience.head)} head and {len(experience.gate)} gate records on {len(experience.full_nll)} prompts).",
         "",
         "| table | states with records in both halves | same action | within one grid step | chance (same) | kappa | "

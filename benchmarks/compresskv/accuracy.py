@@ -9,7 +9,6 @@ Question-aware setting: the whole prompt (context + question) is prefilled, then
 from __future__ import annotations
 
 import argparse
-import datetime
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.retrieval import TASKS, retrieval_prompt
@@ -90,9 +89,8 @@ def render(rows: list[dict], args: argparse.Namespace, settings: list[tuple[str,
     lines = [
         "# CompressKV on held-out retrieval prompts (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Question-aware (prompt = context + "
+        *run_header(),
+        f"Question-aware (prompt = context + "
         f"question, compressed after prefill), greedy, {args.new_tokens} new tokens, exact match of the expected value.",
         "",
         "| method | ratio | " + " | ".join(columns) + " | bytes freed |",

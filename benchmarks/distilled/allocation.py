@@ -12,14 +12,13 @@ over the prompts: the pool's cliff and what the floor does to it.
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.plotting import plt, save_figure
@@ -92,10 +91,8 @@ def main() -> None:
         [
             "# Distilled: how the layers share the cache",
             "",
-            f"Command: `python -m benchmarks.distilled.allocation --samples {args.samples} --lengths {args.lengths} "
-            f"--floors {args.floors} --ratios {args.ratios} --seed {args.seed}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Question-agnostic prompts of "
+            *run_header(),
+            f"Question-agnostic prompts of "
             f"the eval suite drawn with seed {args.seed} (the eval's is 0): {len(prompts)} prompts, of which the full "
             f"cache answers {len(answerable)} ({', '.join(tasks)}); only those count. `floor f`: every layer keeps "
             "at least f times the average tokens per layer, the rest by the global pool of predicted scores; "

@@ -13,7 +13,6 @@ alone is compressed. Coverage = kept answer tokens / answer tokens, averaged ove
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 import kvruntime
 from benchmarks.coverage import coverage, coverage_sessions, ratio_coverage_arguments
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS
 from kvruntime.math.composite_tokens import kv_head_scores, prompt_allocation
@@ -102,10 +101,8 @@ def render(rows: list[dict], ratios: list[float]) -> str:
     lines = [
         "# Distilled against its teacher: answer-token coverage (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Coverage: mean over the "
-        f"{len({r['depth'] for r in rows})} prompts (depths) of each task, question-agnostic.",
+        *run_header(),
+        f"Coverage: mean over the {len({r['depth'] for r in rows})} prompts (depths) of each task, question-agnostic.",
         "",
         *markdown_table(table),
     ]

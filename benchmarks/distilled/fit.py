@@ -13,7 +13,6 @@ attention maxima): what a single pass gives without distillation.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvcompile.calibration.corpus import Corpus, calibration_prompts, load_corpus, repeating_documents
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
@@ -112,10 +111,8 @@ def main() -> None:
         [
             "# Distilled scorer: ranking quality on held-out text",
             "",
-            f"Command: `python -m benchmarks.distilled.fit --prompts {args.prompts} --repeating-prompts "
-            f"{args.repeating_prompts} --tokens {args.tokens}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {args.prompts} Moby-Dick "
+            *run_header(),
+            f"{args.prompts} Moby-Dick "
             f"passages and {args.repeating_prompts} passages of Moby-Dick's sentences repeated, {args.tokens} tokens "
             f"each (calibration: Austen, `austen-repeats`); scorer oracle: {scorer.oracle}. Mean over layers (per-layer rows in the "
             "CSV), each layer averaged over KV heads and prompts.",

@@ -17,7 +17,6 @@ the teacher's own top-k per head holds, on held-out prompts per text type:
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.distilled.lookahead_probe import scorer_scores, student_scores
 from benchmarks.distilled.student_features import RATIOS, SINKS, WINDOW, held_out_texts, paired_rows
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import REPEATING_CORPUS, calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prefill_features_and_targets
@@ -117,9 +116,8 @@ def main() -> None:
         [
             f"# The teacher gap split: within-head selection and across-head allocation, {args.model} (issue #74)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {time.time() - started:.0f} s. "
+            *run_header(),
+            f"Ran for {time.time() - started:.0f} s. "
             f"{args.prompts} held-out prompts of {args.tokens} tokens per type; compiled split from {args.calibration} "
             "`austen-repeats` prompts. `captured`: the teacher's mass held over its own top-k per head's (1 for "
             "the teacher with the same count in every head).",

@@ -10,7 +10,6 @@ fit (the student's weights stay as shipped); the rule probe's `fitted leverage` 
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
@@ -89,9 +88,8 @@ def main() -> None:
     lines = [
         "# The leverage weight fitted against the teacher, per layer",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {len(prompts)} `austen-repeats` prompts of "
+        *run_header(),
+        f"{len(prompts)} `austen-repeats` prompts of "
         f"{args.tokens} tokens (seed {args.seed}), oracle `{scorer.oracle}`. The default adds the term at weight 2 in "
         f"every layer; fitted: mean {weights.mean():.3f}, range {weights.min():.3f} to {weights.max():.3f}.",
         "",

@@ -12,7 +12,6 @@ type, for the shipped student, the lookahead queries alone and the mean of both 
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.distilled.student_features import RATIOS, WINDOW, captured_mass, held_out_texts, paired_rows
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import REPEATING_CORPUS, calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
@@ -121,9 +120,8 @@ def main() -> None:
         [
             f"# Lookahead queries against the student, {args.model} (issue #74)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {time.time() - started:.0f} s. "
+            *run_header(),
+            f"Ran for {time.time() - started:.0f} s. "
             f"{args.queries} queries trained {args.steps} steps on {args.train_prompts} `austen-repeats` prompts of "
             f"{args.tokens} tokens{', on the sum of its and the student' + chr(39) + 's log-scores' if args.residual else ''}; KL to the teacher {losses[0]:.3f} at the first step, "
             f"{sum(losses[-len(losses) // 10 :]) / max(1, len(losses) // 10):.3f} over the last tenth.",

@@ -11,12 +11,11 @@ held-out KL is a screen for the eval, not a verdict: the eval's answer KL on hel
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.recipes.distilled.distill import oracle_prefill
 from kvcompile.recipes.distilled.lookahead import lookahead_contexts, train_lookahead_queries
@@ -74,9 +73,8 @@ def main() -> None:
         [
             f"# Lookahead queries: KL to the oracle on contexts never trained on, {args.model} (issue #74)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {time.time() - started:.0f} s. "
+            *run_header(),
+            f"Ran for {time.time() - started:.0f} s. "
             f"Corpus `{args.corpus}`, oracle `{args.oracle}`, contexts of {args.tokens} tokens (seed "
             f"{args.seed + 1}, as `kvcompile distill`): each setting trained on the first `training_contexts`, "
             f"all measured on the same {args.held_out} after the {most} (`kl_held_out`; `kl_last_tenth`: on the "

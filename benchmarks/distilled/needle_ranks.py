@@ -15,7 +15,6 @@ distribution (1: flat), which say whether the teacher itself singles the key out
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.distilled.lookahead_probe import scorer_scores, student_scores
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.recipe import default_artifact
 from kvcompile.recipes.distilled.distill import prompt_features_and_targets
@@ -125,9 +124,8 @@ def main() -> None:
         [
             f"# The answer in prose ({args.task}): its tokens kept per score, {args.model} (issue #74)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {time.time() - started:.0f} s. "
+            *run_header(),
+            f"Ran for {time.time() - started:.0f} s. "
             f"{args.prompts} `{args.task}` contexts of {args.tokens} tokens (seeds 60-{59 + args.prompts}); "
             f"{len(layers)} layers cut, {scorer.weights.shape[-1]} KV heads each. The teacher's mass on the key's "
             f"tokens over a uniform share: {sum(lifts) / len(lifts):.2f}x; the teacher's normalised entropy "

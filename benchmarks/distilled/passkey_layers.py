@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import HELD_OUT_CORPUS, load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.evaluation.settings import SuiteSettings
@@ -69,8 +69,7 @@ def main() -> None:
     lines = [
         "# Where the pass key in repeated filler is lost",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}",
+        *run_header(),
         "",
         f"{len(prompts)} pass-key prompts in repeated filler (seed {args.seed}, 1k, 2k and 4k tokens), question-agnostic,"
         f" the scorer {args.scorer}. Per layer: the share of the key's digit tokens kept, averaged over KV heads and prompts.",

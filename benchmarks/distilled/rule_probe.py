@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import datetime
 import statistics
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 import kvruntime
 from benchmarks.coverage import answer_positions, coverage
 from benchmarks.distilled import leverage_fit
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.runner import split_prompt
 from kvcompile.recipe import default_artifact
@@ -234,9 +233,7 @@ def render(rows: list[dict], ratios: list[float], methods: list[str]) -> str:
     lines = [
         "# Distilled's selection rule on the eval's 18 held-out prompts: answers and answer-token coverage",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. "
+        *run_header(),
         f"{len({r['prompt'] for r in rows})} prompts, 6 per task (answered: of 6; at seed 0, the eval's prompts, the full "
         "cache answers 6 / 2 / 4), "
         "greedy, 16 new tokens. Coverage: kept answer tokens over answer tokens, mean over layers, KV heads and "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import calibration_prompts, load_corpus
 from kvcompile.recipe import default_artifact, load_model
 from kvcompile.recipes.distilled.distill import SHARE_RATIOS, prompt_features_and_targets, teacher_layer_shares
@@ -76,8 +76,7 @@ def main() -> None:
     lines = [
         "# Layer shares by calibration text",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}",
+        *run_header(),
         "",
         "Each layer's share of the kept cache times the number of layers (1 = the average) in the teacher's allocation,",
         "averaged over all calibration prompts (the shipped shares, recompiled at the runtime's window), the novels'",

@@ -13,7 +13,6 @@ scores, on the same held-out text: rank correlation with the oracle and top-k ov
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.distilled.fit import KEPT, spearman, top_overlap
-from benchmarks.reporting import machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import (
     REPEATING_CORPUS,
     Corpus,
@@ -147,10 +146,8 @@ def main() -> None:
         [
             "# Distilled scorer: a small MLP against the linear student",
             "",
-            f"Command: `python -m benchmarks.distilled.student --prompts {args.prompts} --tokens-per-prompt "
-            f"{args.tokens_per_prompt} --hidden {args.hidden} --steps {args.steps}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Trained per layer on "
+            *run_header(),
+            f"Trained per layer on "
             f"{x.shape[1]} tokens ({args.tokens_per_prompt} from each of {args.prompts} `austen-repeats` prompts of "
             "2,048 tokens); scored on 8 Moby-Dick passages and 4 of Moby-Dick's sentences repeated (2,048 tokens), "
             "mean over layers, KV heads and prompts.",

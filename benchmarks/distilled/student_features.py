@@ -27,7 +27,6 @@ The shipped scorer (ridge on every token of 32 prompts) is scored beside them; `
 from __future__ import annotations
 
 import argparse
-import datetime
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from tqdm.auto import tqdm
 
 import kvruntime
 from benchmarks.distilled.student import fit_ridge
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.calibration.corpus import REPEATING_CORPUS, Corpus, calibration_prompts, load_corpus
 from kvcompile.evaluation.metrics import bootstrap_interval
 from kvcompile.recipe import default_artifact
@@ -235,9 +234,8 @@ def main() -> None:
         [
             "# Distilled: one-pass levers against the teacher, per text type (issue #63)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Fitted on {args.tokens_per_prompt} "
+            *run_header(),
+            f"Fitted on {args.tokens_per_prompt} "
             f"tokens of each of {args.train_prompts} `austen-repeats` prompts ({args.tokens} tokens); scored on "
             f"{args.prompts} held-out prompts of {args.tokens} tokens per text type. `captured`: the teacher's score "
             "mass the student's per-head top-k holds over the teacher's own top-k's, mean over layers, KV heads "

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
+from benchmarks.reporting import run_header
 from kvcompile.evaluation.contestants import FULL
 from kvcompile.evaluation.report import write_report
 
@@ -76,7 +76,7 @@ def main() -> None:
         [
             "# Combined kvcompile eval runs",
             "",
-            f"Command: `python -m benchmarks.eval.combine {' '.join(sys.argv[1:])}`",
+            *run_header(),
             "",
             # Each run's report, linked from where this one is written.
             "Runs: " + ", ".join(f"[{run}]({os.path.relpath(run / 'results.md', args.out)})" for run in args.runs),

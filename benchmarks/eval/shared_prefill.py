@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.evaluation.settings import SuiteSettings
 from kvcompile.evaluation.store import RunStore
@@ -100,8 +100,7 @@ def main() -> None:
         [
             "# kvcompile eval: one prefill per prompt shared by every contestant, against each contestant's own",
             "",
-            f"Command: `{command_line(in_venv=True)}`  ",
-            f"Machine: {machine()}  ",
+            *run_header(in_venv=True),
             f"Suite: {prompts} prompts ({', '.join(settings.tasks)}; lengths {args.lengths}; seed {args.seed}), "
             f"methods {args.methods}, ratios {', '.join(map(str, settings.ratios))}, 16 new tokens; "
             f"{settings.samples} per task and length. Both ways in one process, own first.",

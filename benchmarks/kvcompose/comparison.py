@@ -17,7 +17,6 @@ full cache's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvcompile.calibration.corpus import load_corpus
 from kvcompile.evaluation.contestants import FullCache, Press, RuntimeMethod
 from kvcompile.evaluation.runner import answer, split_prompt
@@ -115,9 +114,8 @@ def render(rows: list[dict], args: argparse.Namespace, ratios: list[float], meth
     lines = [
         "# KVCompose: compiled and dynamic modes against kvpress's KVComposePress (default model)",
         "",
-        f"Command: `{command_line(in_venv=True)}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Stats: `{args.stats}`. "
+        *run_header(in_venv=True),
+        f"Stats: `{args.stats}`. "
         f"{len({r['job'] for r in rows})} held-out retrieval prompts (tasks {', '.join(TASKS)}; grid {args.grid}; "
         f"context lengths {', '.join(map(str, lengths))} tokens), "
         f"{'question-aware' if args.question_aware else 'question-agnostic'}, greedy, {args.new_tokens} new "

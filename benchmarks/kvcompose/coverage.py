@@ -13,14 +13,13 @@ kept answer tokens / answer tokens, averaged over layers and KV heads. Allocatio
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import kvruntime
 from benchmarks.coverage import coverage, coverage_sessions, ratio_coverage_arguments
-from benchmarks.reporting import command_line, machine, write_results
+from benchmarks.reporting import run_header, write_results
 from kvcompile.recipe import default_artifact
 from kvcompile.tasks.retrieval import TASKS
 from kvruntime.math.composite_tokens import kv_head_scores
@@ -83,9 +82,8 @@ def render(rows: list[dict], ratios: list[float]) -> str:
     lines = [
         "# KVCompose: answer-token coverage, compiled against dynamic (default model)",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Coverage: mean over the "
+        *run_header(),
+        f"Coverage: mean over the "
         f"{len({r['depth'] for r in rows})} prompts (depths) of each task; allocation gap: mean over all prompts.",
         "",
         "| ratio | mode | " + " | ".join(f"coverage, {t}" for t in TASKS) + " | allocation gap |",

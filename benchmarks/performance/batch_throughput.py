@@ -14,7 +14,6 @@ row (each row compressed as it would be alone) and decodes at once.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.evaluation.measure import PeakMemory
 from kvruntime.plumbing.batch_rows import left_pad
 from kvruntime.plumbing.cache_ops import cache_argument, cache_bytes
@@ -121,9 +120,8 @@ def main() -> None:
         [
             "# Batches: prompts per second and peak memory, compressed and not (default model)",
             "",
-            f"Command: `{command_line()}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Prompts: windows of "
+            *run_header(),
+            f"Prompts: windows of "
             f"{BOOK.name} of {lengths} tokens (left-padded), {args.new_tokens} new tokens each (greedy); one run per "
             "cell, every configuration of a batch size in the same turn. Peak memory: resident memory of the "
             "generate call above the memory before it (activations and cache).",

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.recipe import artifact_folder
 from kvcompile.recipes.compilerkv.settings import TablesSettings
 from kvcompile.recipes.compresskv.settings import HeadsSettings, LayerErrorsSettings
@@ -64,7 +64,8 @@ def main() -> None:
     header = [
         "# `kvcompile compile`'s estimate against the shipped artifacts' recorded compile times",
         "",
-        f"Command: `{command_line()}`. Machine: {machine()}. The recorded times come from the run records beside "
+        *run_header(),
+        "The recorded times come from the run records beside "
         "the shipped artifacts (other 2-core VMs); `at_defaults_s` is the estimate at each command's defaults, what "
         "`kvcompile compile` runs.",
         "",

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.cli.compile_all import PLAN_FILE
 from kvruntime.registry import METHOD_NAMES
 
@@ -116,7 +116,8 @@ def main() -> None:
     header = [
         "# `kvcompile compile` on a model given only as a file: times per recipe, then every method",
         "",
-        f"Command: `{command_line()}`. Machine: {machine()}. Store: an empty `KVCOMPILE_CACHE` (the model converted "
+        *run_header(),
+        "Store: an empty `KVCOMPILE_CACHE` (the model converted "
         "into it first). `estimated_s`: what `kvcompile compile` estimated before it started (kept in the store's "
         f"`{PLAN_FILE}`); `compile_s`: each artifact's recorded wall time.",
         "",

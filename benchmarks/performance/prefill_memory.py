@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import resource
 import statistics
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.evaluation.contestants import artifact_paths, parse_methods, resolve_contestants
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
@@ -130,9 +129,8 @@ def main() -> None:
     lines = [
         "# Peak memory and time of the prefill, cut inside it or not (default model)",
         "",
-        f"Command: `{command_line(in_venv=True)}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; ratio {args.ratio}; pass-key "
+        *run_header(in_venv=True),
+        f"Ratio {args.ratio}; pass-key "
         f"prompts; median of {args.repeats} rounds, every method once per round, in turns; process peak RSS "
         f"{process_peak_mib():.0f} MiB (weights included).",
         "",

@@ -12,12 +12,11 @@ resident memory of the step (above the memory before it) over the full cache's o
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
 import kvruntime
-from benchmarks.reporting import command_line, machine
+from benchmarks.reporting import run_header
 from kvcompile.evaluation.contestants import artifact_paths, default_methods, parse_methods, resolve_contestants
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.passkey import passkey_prompt
@@ -71,9 +70,8 @@ def main() -> None:
     lines = [
         f"# Prefill time and peak memory of each method against the uncompressed sdpa prefill ({args.model} model)",
         "",
-        f"Command: `{command_line(in_venv=True)}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; ratio {args.ratio}; pass-key "
+        *run_header(in_venv=True),
+        f"Ratio {args.ratio}; pass-key "
         f"prompts; median of {args.repeats} rounds, every method once per round, in turns.",
         "",
         "| " + " | ".join(header) + " |",

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.reporting import machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LIMIT_SECONDS = 0.5
@@ -115,9 +115,7 @@ def main() -> None:
         [
             "# Refusal latency: how long bad input takes to be refused",
             "",
-            f"Command: `python -m benchmarks.performance.refusal_latency --repeats {options.repeats}`  ",
-            f"Machine: {machine()}  ",
-            f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            *run_header(),
             "",
             f"Bytecode: {BYTECODE_NOT_WRITTEN if os.environ.get('PYTHONDONTWRITEBYTECODE') else BYTECODE_CACHED}",
             "",

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import kvruntime
-from benchmarks.reporting import command_line, machine, markdown_table, write_results
+from benchmarks.reporting import markdown_table, run_header, write_results
 from kvcompile.recipe import artifact_folder
 from kvcompile.tasks.needles import haystack_text
 from kvcompile.tasks.passkey import passkey_prompt
@@ -83,7 +83,8 @@ def main() -> None:
     header = [
         "# A saved context against prefilling its document: time to the first answer token, and the file's size",
         "",
-        f"Command: `{command_line()}`. Machine: {machine()}. Ratio {RATIO}; the context saved from the one-pass "
+        *run_header(),
+        f"Ratio {RATIO}; the context saved from the one-pass "
         "default's compression; medians of the repeats, the model loaded once. `from_file_s`: read, checked (fingerprint, "
         "tokenizer, checksum, finite values, positions), the cache rebuilt and one token decoded.",
         "",

@@ -9,11 +9,10 @@ reference answer's log-probability, the cache kept). Exits 1 when any differs, n
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 from pathlib import Path
 
-from benchmarks.reporting import command_line, machine, read_records
+from benchmarks.reporting import read_records, run_header
 
 MEASURED = ("peak_mib", "prefill_seconds", "prefill_vs_full")  # times and memory: not what the code computes
 
@@ -47,9 +46,8 @@ def main() -> None:
     lines = [
         "# The same eval records before and after a restructuring",
         "",
-        f"Command: `{command_line()}`  ",
-        f"Machine: {machine()}  ",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. {len(before)} records before, "
+        *run_header(),
+        f"{len(before)} records before, "
         f"{len(after)} after ({', '.join(methods)}); fields compared: all but {', '.join(MEASURED)}.",
         "",
         f"**{verdict}**",

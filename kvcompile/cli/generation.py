@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcompile import recipe, settings
-from kvcompile.recipe import default_artifact
 from kvruntime import KVRuntimeError
 from kvruntime.artifacts.artifact_header import headers_read_once
 from kvruntime.errors import printable
@@ -197,72 +196,43 @@ def check_generation_inputs(prompts: Sequence[tuple[str, str]], given: GenerateO
     return positions
 
 
-@headers_read_once()  # the tuned default's header, read to choose the method, is the one its checks read
+@headers_read_once()  # the headers resolution read are the ones the build and the model check read
 def compression_asked(given: GenerateOptions, options: dict[str, object], positions: int | None) -> ResolvedRequest:
-    """A generate request resolved once, without torch (`kvruntime.methods.resolved`): the method (named, else a tuned
-    default's, else the runtime's default), its options, its artifacts (given, a bundle's, or the model's default
-    ones), what the method can serve; then the method built from its artifacts, before the model loads."""
+    """A generate request resolved once, without torch (`kvruntime.methods.resolved.resolve_request`, from the
+    model's artifact folders where no artifact is given), then the method built from its artifacts, before the
+    model loads."""
     from kvcompile.cli.compile_plan import compile_hint
-    from kvruntime.artifacts.artifact_header import header_params
     from kvruntime.artifacts.bundle import artifact_files
-    from kvruntime.methods.resolved import resolve_request, tuned_defaults_among
+    from kvruntime.methods.resolved import MissingArtifacts, resolve_request
     from kvruntime.models.model_spec import check_positions
-    from kvruntime.registry import DEFAULT_METHOD
-    from kvruntime.requests.request import check_method_options, required_artifact_kinds
 
-    model, method = given.model, given.method  # the method: as named, else as a tuned default names it
-    if options and method is None:
+    if options and given.method is None:
         raise KVRuntimeError("--option needs --method: options belong to a method")
-    named, note = method is not None, ""
-    paths = artifact_files(given.artifact or [])  # a bundle (folder or hub id) gives its artifacts
     if given.budget is not None:
         check_positions(given.budget, positions, f"--budget {given.budget} tokens per layer")
-    if method is None and not paths:
-        default = default_artifact(model, "tuned_defaults")
-        if default.exists() and header_params(default).get("recommended") is None:
-            # The model's own tuning found no method within its tolerance (shipped so, as the measurement it
-            # is): the runtime's default serves, said in a note; a tuned_defaults the user gives still refuses.
-            note = f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
-            method = DEFAULT_METHOD
-        elif default.exists():
-            paths = [default]
-        else:  # nothing tuned for this model: the runtime's default, said (a tuned model may prefer another)
-            note = f"no tuned_defaults for this model (`kvcompile tune`); using {DEFAULT_METHOD}"
-            method = DEFAULT_METHOD
-    if given.nearest_budget:  # compilerkv's option, given its own flag: checked with the others
-        if not named:
-            tuned = tuned_defaults_among(paths) if method is None else None
-            chosen_by, chosen = "without --method or a tuned default, the method is", DEFAULT_METHOD
-            if tuned is not None:
-                chosen_by, chosen = f"the tuned default ({tuned[0]}) chose", tuned[1].method
-            check_nearest_budget(chosen, chosen_by)
-        options = {**options, "nearest_budget": True}
-    if not paths and method is not None:  # the model's default artifacts of the kinds it needs
-        options = check_method_options(method, options)
-        kinds = required_artifact_kinds(method, options)
-        paths = [default_artifact(model, kind) for kind in kinds]
-        missing = [kind for kind, path in zip(kinds, paths) if not path.exists()]
-        if missing:
-            raise KVRuntimeError(
-                f"method {method!r} needs {' and '.join(missing)}, which this model has not got (looked for "
-                f"{model_artifacts_described(model)}): compile them with `{compile_hint(model, [method])}`, or pass "
-                "--artifact"
-            )
-    resolved = resolve_request(
-        method,
-        given.ratio,
-        given.budget,
-        given.memory,
-        paths,
-        options,
-        given.prefill_chunk_size,
-        given.kv_bits,
-        default_ratio=0.5,
-    )
-    resolved = dataclasses.replace(resolved, note=note)
+    paths = artifact_files(given.artifact or [])  # a bundle (folder or hub id) gives its artifacts
+    try:
+        resolved = resolve_request(
+            given.method,
+            given.ratio,
+            given.budget,
+            given.memory,
+            paths,
+            options,
+            given.prefill_chunk_size,
+            given.kv_bits,
+            default_ratio=0.5,
+            artifact_folders=() if paths else recipe.artifact_folders(given.model),  # the model's own, unless given
+            nearest_budget=given.nearest_budget,
+        )
+    except MissingArtifacts as exc:
+        raise KVRuntimeError(
+            f"{exc} (looked for {model_artifacts_described(given.model)}): compile them with "
+            f"`{compile_hint(given.model, [exc.method])}`, or pass --artifact"
+        ) from None
     _ = resolved.method  # built now: its artifacts' tensors checked (torch, not the model) before the model loads
     given_files = [artifact.path for artifact in resolved.artifacts if artifact.path is not None]
-    recipe.refuse_other_models_artifacts(model, given_files, force=given.force)  # before the weights load
+    recipe.refuse_other_models_artifacts(given.model, given_files, force=given.force)  # before the weights load
     return resolved
 
 
@@ -271,21 +241,6 @@ def model_artifacts_described(model: str) -> str:
     identity = recipe.model_identity(model)
     weights = f"{identity.architecture} weights {identity.weights_hash}" if identity is not None else printable(model)
     return f"{weights} in {' and '.join(str(folder) for folder in recipe.artifact_folders(model))}"
-
-
-def check_nearest_budget(method: str, chosen_by: str) -> None:
-    """Refuse --nearest-budget for a method the user did not name and that compiles no budgets, in the words of
-    what they asked (the method came from a tuned default or the runtime's default, `chosen_by`)."""
-    from kvruntime.registry import METHODS, registration_of
-
-    spec = registration_of(method)
-    if spec is not None and "nearest_budget" in spec.options:
-        return
-    compiling = " or ".join(name for name, other in METHODS.items() if "nearest_budget" in other.options)
-    raise KVRuntimeError(
-        f"--nearest-budget moves --budget to the nearest compiled budget, and {chosen_by} {method}, which compiles "
-        f"none: give --method {compiling} with it, or leave it out"
-    )
 
 
 Encoded = tuple[str, Any, list[Any]]  # a prompt's name, its ids, and in question mode each question's ids after it

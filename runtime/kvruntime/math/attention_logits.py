@@ -34,12 +34,10 @@ def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def right_aligned_causal_mask(
-    q_len: int, kv_len: int, device: torch.device, sliding_window: int | None = None
-) -> torch.Tensor:
-    """[q_len, kv_len] boolean mask: query i sees every key up to kv_len - q_len + i, and with a `sliding_window`
-    only the `sliding_window` latest of them (transformers' band: query position minus key position below it)."""
+def right_aligned_causal_mask(q_len: int, kv_len: int, device: torch.device, band: int | None = None) -> torch.Tensor:
+    """[q_len, kv_len] boolean mask: query i sees every key up to kv_len - q_len + i, and with a `band` only the
+    `band` latest of them (a sliding window, as transformers bands it: query position minus key position below it)."""
     mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(diagonal=kv_len - q_len)
-    if sliding_window is not None:
-        mask &= torch.ones_like(mask).triu(diagonal=kv_len - q_len - sliding_window + 1)
+    if band is not None:
+        mask &= torch.ones_like(mask).triu(diagonal=kv_len - q_len - band + 1)
     return mask

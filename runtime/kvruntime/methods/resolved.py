@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..artifacts.artifact_header import header_kind, header_params, headers_read_once
+from ..artifacts.artifact_header import artifact_file_name, header_kind, header_params, headers_read_once
 from ..artifacts.bundle import artifact_files
 from ..artifacts.tuned_defaults import TunedDefaults
 from ..errors import KVRuntimeError
 from ..plumbing.quantized_cache import check_kv_bits
-from ..registry import DEFAULT_METHOD
-from ..requests.request import CheckedOptions, Request, check_method_options
+from ..registry import DEFAULT_METHOD, METHODS, registration_of
+from ..requests.request import CheckedOptions, Request, check_method_options, required_artifact_kinds
 from ..requests.serving import check_serves
 
 if TYPE_CHECKING:
@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from . import Method
 
 TUNED_DEFAULTS = "tuned_defaults"
+
+
+class MissingArtifacts(KVRuntimeError):
+    """A method named without artifacts needs kinds that none of the model's artifact folders holds."""
+
+    def __init__(self, method: str, kinds: list[str]) -> None:
+        super().__init__(f"method {method!r} needs {' and '.join(kinds)}, which this model has not got")
+        self.method, self.kinds = method, kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +97,23 @@ def resolve_request(
     prefill_chunk_size: int | None = None,
     kv_bits: int | None = None,
     default_ratio: float | None = None,
+    artifact_folders: Sequence[Path] = (),
+    nearest_budget: bool = False,
 ) -> ResolvedRequest:
     """Resolve and check a compression request once. `method` None takes the method, options and ratio of a
     tuned_defaults artifact among `artifacts` (its options joined by the ones given, its ratio unless one is given)
     and the artifacts it names; without one, the runtime's default method. `ratio` may list several ratios: one
     request each; `default_ratio` serves when neither a ratio, a budget nor a tuned default gives one.
     `artifacts`: files or bundles (checked from their headers, without torch) or artifacts read already (checked on
-    the built method)."""
+    the built method). Without any, the model's own are taken from `artifact_folders` (the first holding each
+    kind): its tuned default where no method is named, else the kinds the method needs (`MissingArtifacts` where
+    one is not there). `nearest_budget`: compilerkv's option, refused for a method the caller did not name that
+    compiles no budgets."""
     read = tuple(source for source in artifacts if _read_already(source))
     files = tuple(artifact_files([source for source in artifacts if not _read_already(source)]))
+    named, note = method is not None, ""
+    if method is None and not artifacts and artifact_folders:
+        method, files, note = _model_default(artifact_folders)
     tuned_default = None
     if method is None:
         tuned = tuned_defaults_among([*read, *files])
@@ -108,6 +124,19 @@ def resolve_request(
             files += tuple(path for path in defaults.artifact_files if path.resolve() not in present)
         else:
             method = DEFAULT_METHOD
+    if nearest_budget:
+        if not named:
+            chosen_by = "without --method or a tuned default, the method is"
+            check_nearest_budget(method, f"the tuned default ({tuned_default}) chose" if tuned_default else chosen_by)
+        options = {**options, "nearest_budget": True}
+    if isinstance(method, str) and not artifacts and not files and artifact_folders:
+        options = check_method_options(method, options)
+        kinds = required_artifact_kinds(method, options)
+        found = [_first_holding(artifact_folders, kind) for kind in kinds]
+        missing = [kind for kind, path in zip(kinds, found) if path is None]
+        if missing:
+            raise MissingArtifacts(method, missing)
+        files = tuple(found)
     if ratio is None and budget is None:
         ratio = default_ratio
     ratios = ratio if isinstance(ratio, list | tuple) else [ratio]
@@ -122,7 +151,9 @@ def resolve_request(
         _check_built(resolved)
         return resolved
     options = check_method_options(method, options)
-    resolved = ResolvedRequest(method, options, requests, files, read, prefill_chunk_size, kv_bits, tuned_default)
+    resolved = ResolvedRequest(
+        method, options, requests, files, read, prefill_chunk_size, kv_bits, tuned_default, note=note
+    )
     try:
         if read:  # artifacts in memory have no headers to read: the method built from them checks
             _check_built(resolved)
@@ -146,6 +177,39 @@ def _check_built(resolved: ResolvedRequest) -> None:
         method.check_request(request)
         check_memory(method.name, method.required_memory(), request.memory)
     check_prefill_chunk_size(method, resolved.prefill_chunk_size)
+
+
+def _model_default(folders: Sequence[Path]) -> tuple[str | None, tuple[Path, ...], str]:
+    """What a model's own folders say when no method is named: its tuned default (the method left to it), else the
+    runtime's default, with a note saying why."""
+    default = _first_holding(folders, TUNED_DEFAULTS)
+    if default is None:  # nothing tuned for this model: the runtime's default, said (a tuned one may differ)
+        return DEFAULT_METHOD, (), f"no tuned_defaults for this model (`kvcompile tune`); using {DEFAULT_METHOD}"
+    if header_params(default).get("recommended") is None:
+        # The model's own tuning found no method within its tolerance (shipped so, as the measurement it is): the
+        # runtime's default serves, said in a note; a tuned_defaults the caller gives still refuses.
+        return DEFAULT_METHOD, (), f"{default.name} recommends no method for this model; using {DEFAULT_METHOD}"
+    return None, (default,), ""
+
+
+def _first_holding(folders: Sequence[Path], kind: str) -> Path | None:
+    """The artifact of `kind` in the first of `folders` that holds one (None: none does)."""
+    return next(
+        (folder / artifact_file_name(kind) for folder in folders if (folder / artifact_file_name(kind)).exists()), None
+    )
+
+
+def check_nearest_budget(method: str, chosen_by: str) -> None:
+    """Refuse nearest_budget for a method the caller did not name and that compiles no budgets, in the words of
+    what was asked (the method came from a tuned default or the runtime's default, `chosen_by`)."""
+    spec = registration_of(method)
+    if spec is not None and "nearest_budget" in spec.options:
+        return
+    compiling = " or ".join(name for name, other in METHODS.items() if "nearest_budget" in other.options)
+    raise KVRuntimeError(
+        f"--nearest-budget moves --budget to the nearest compiled budget, and {chosen_by} {method}, which compiles "
+        f"none: give --method {compiling} with it, or leave it out"
+    )
 
 
 def tuned_defaults_among(artifacts: Sequence[Path | Artifact]) -> tuple[str, TunedDefaults] | None:

@@ -9,8 +9,8 @@ venvs share the cache. So the tokenizer is built (`gguf_tokenizer`) from the GGU
 (no transformers converter involved), the folder name covers every library that shapes the converted files, and
 each load checks the tokenizer against the GGUF's reference recorded beside it; a cache that fails is rebuilt, and a
 rebuild that still fails stops with one line. Builds run in a per-process staging folder under a file lock, so
-concurrent first runs end with one good cache. A GGUF whose tokenizer is not byte-level BPE (Gemma's SentencePiece)
-gets transformers' converter instead, checked the same way (its `<bos>` included: Gemma without it degenerates)."""
+concurrent first runs end with one good cache. Gemma's SentencePiece vocabulary is built the same way (5.2's
+converter renamed one of its byte tokens; its `<bos>` included: Gemma without it degenerates)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from ..errors import KVRuntimeError, first_line, printable
 from ..files import cache_root, folder_bytes, path_lock, write_atomically
 from .gguf_tokenizer import (
     build_tokenizer,
-    converted_tokenizer,
     read_gguf_tokenizer,
     tokenizer_config,
     tokenizer_problems,
@@ -152,8 +151,8 @@ def check_gguf_loader() -> None:
 
 
 def dequantise_gguf(gguf: Path, staging: Path) -> dict:
-    """Write the GGUF's model into `staging`: dequantised float32 weights, and its tokenizer (built from the GGUF's
-    byte-level BPE vocabulary, else transformers' converter with the GGUF's `<bos>` rule)."""
+    """Write the GGUF's model into `staging`: dequantised float32 weights, and its tokenizer built from the GGUF's
+    vocabulary (`gguf_tokenizer.build_tokenizer`)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -169,7 +168,6 @@ def dequantise_gguf(gguf: Path, staging: Path) -> dict:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
         )
-        converted = None if spec.model == "gpt2" else converted_tokenizer(gguf, spec)
     finally:
         transformers.logging.set_verbosity(verbosity)
     # The weights are plain float32 after dequantisation; drop the GGUF quantiser so that they can be saved.
@@ -179,13 +177,9 @@ def dequantise_gguf(gguf: Path, staging: Path) -> dict:
     for config in (model.config, model.generation_config):  # the GGUF's special tokens, whatever the converter said
         config.bos_token_id, config.eos_token_id, config.pad_token_id = spec.bos_id, spec.eos_id, spec.pad_id
     model.save_pretrained(staging)
-    if converted is None:
-        build_tokenizer(spec).save(str(staging / "tokenizer.json"))
-        config = tokenizer_config(spec, model.config.max_position_embeddings)
-        (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    else:
-        converted.model_max_length = model.config.max_position_embeddings
-        converted.save_pretrained(staging)
+    build_tokenizer(spec).save(str(staging / "tokenizer.json"))
+    config = tokenizer_config(spec, model.config.max_position_embeddings)
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return {"gguf": str(gguf), "versions": converter_versions(), "tokenizer": tokenizer_reference(spec)}
 
 

@@ -1,12 +1,12 @@
 """A GGUF's tokenizer: read from its own metadata (llama.cpp's `tokenizer.ggml.*` keys), built as the tokenizer
-llama.cpp runs (byte-level BPE), or converted by transformers (SentencePiece, `<bos>` added where the GGUF says);
-and the reference every load of a converted model is checked against."""
+llama.cpp runs (byte-level BPE, or SentencePiece BPE with `<bos>` where the GGUF says), and the reference every load
+of a converted model is checked against."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..errors import KVRuntimeError
@@ -66,31 +66,77 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
     )
 
 
-def build_tokenizer(spec: GGUFTokenizer) -> object:
-    """A `tokenizers.Tokenizer` equal to the one llama.cpp runs for this GGUF (byte-level BPE only)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+BUILT_MODELS = ("gpt2", "llama")  # byte-level BPE (SmolLM2); SentencePiece BPE with byte fallback (Gemma)
+USER_DEFINED_TOKEN = 4  # a token matched whole in the text, not special (Gemma's runs of newlines)
 
-    if spec.model != "gpt2":
+
+def build_tokenizer(spec: GGUFTokenizer) -> object:
+    """A `tokenizers.Tokenizer` equal to the one llama.cpp runs for this GGUF: byte-level BPE from its merges, or
+    SentencePiece BPE (byte fallback) whose merges its vocabulary implies. Built here, with no transformers converter,
+    so every transformers version gets the same tokenizer (5.2's converter renamed a byte token of Gemma's)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    if spec.model not in BUILT_MODELS:
         raise KVRuntimeError(
-            f"the default GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) is supported"
+            f"the GGUF has a {spec.model!r} tokenizer; only byte-level BPE (gpt2) and SentencePiece BPE (llama) are "
+            "supported"
         )
-    vocab = {token: index for index, token in enumerate(spec.tokens)}
-    merges = [tuple(merge.split(" ", 1)) for merge in spec.merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=spec.add_space_prefix, use_regex=True)
-    # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex, as the original tokenizer.
-    digits = [pre_tokenizers.Digits(individual_digits=True)] if spec.pre == "smollm" else []
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
-    tokenizer.decoder = decoders.ByteLevel()
+    if spec.model == "gpt2":
+        vocab = {token: index for index, token in enumerate(spec.tokens)}
+        merges = [tuple(merge.split(" ", 1)) for merge in spec.merges]
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=spec.add_space_prefix, use_regex=True)
+        # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 regex, as the original does.
+        digits = [pre_tokenizers.Digits(individual_digits=True)] if spec.pre == "smollm" else []
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level])
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        tokens = sentencepiece_spelling(spec.tokens)
+        vocab = {token: index for index, token in enumerate(tokens)}
+        unk = tokens[spec.unk_id]
+        bpe = models.BPE(
+            vocab=vocab, merges=sentencepiece_merges(tokens), fuse_unk=True, unk_token=unk, byte_fallback=True
+        )
+        tokenizer = Tokenizer(bpe)
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
     if spec.add_bos:
         bos = spec.tokens[spec.bos_id]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, spec.bos_id)]
         )
-    else:
+    elif spec.model == "gpt2":
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.add_special_tokens([AddedToken(spec.tokens[i], special=True, normalized=False) for i in spec.special_ids])
+    if spec.model == "llama":  # matched whole, as llama.cpp matches them
+        user_defined = [i for i, kind in enumerate(spec.token_types) if kind == USER_DEFINED_TOKEN]
+        tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user_defined])
     return tokenizer
+
+
+def sentencepiece_spelling(tokens: Sequence[str]) -> list[str]:
+    """A SentencePiece vocabulary as the tokenizer looks it up: a token of spaces only (a GGUF stores Gemma's runs
+    of spaces as spaces) spelled with the space mark the normalizer turns spaces into."""
+    return ["\u2581" * len(token) if token and not token.strip(" ") else token for token in tokens]
+
+
+def sentencepiece_merges(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (a GGUF stores none): every split of a token into two
+    tokens of the vocabulary merges into it, earlier tokens first (the file's order is the merge order), then the
+    longer left piece, the longer right piece, and the pieces' own order in the vocabulary."""
+    rank = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for token in tokens:
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
+        pairs = sorted(
+            ((left, right) for left, right in splits if left in rank and right in rank),
+            key=lambda pair: (-len(pair[0]), -len(pair[1]), rank[pair[0]], rank[pair[1]]),
+        )
+        merges += pairs
+    return merges
 
 
 def tokenizer_config(spec: GGUFTokenizer, max_length: int) -> dict[str, object]:
@@ -162,14 +208,3 @@ def tokenizer_problems(tokenizer: object, reference: dict[str, object]) -> list[
         if eos not in tokenizer(rendered, add_special_tokens=False).input_ids:
             problems.append("the chat template's turns do not encode to the eos token")
     return problems
-
-
-def converted_tokenizer(gguf: Path, spec: GGUFTokenizer) -> object:
-    """transformers' tokenizer of a GGUF whose vocabulary is not byte-level BPE, adding `<bos>` where the GGUF says
-    to (some transformers versions' converters leave it out)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    if spec.add_bos and tokenizer("x").input_ids[:1] != [spec.bos_id]:
-        tokenizer.add_bos_token = True
-    return tokenizer

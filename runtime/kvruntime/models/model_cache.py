@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..files import cache_root, path_lock, replace_folder, write_atomically
 
-# Raised whenever what is written into the cache changes, so that older folders are never read (3: keyed by content).
-CACHE_FORMAT = 3
+# Raised whenever what is written into the cache changes, so that older folders are never read (3: keyed by content;
+# 4: a SentencePiece tokenizer built from the GGUF, not converted by transformers).
+CACHE_FORMAT = 4
 MARKER = "kvcompile_cache.json"  # written last: a folder without it is incomplete
 SETTLED_SECONDS = 3  # a file unchanged for this long has a recordable identity (`content_sha256`)
 
