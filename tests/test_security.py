@@ -238,3 +238,24 @@ def compile(source):
 compile("x")
 '''
     assert scan(snippet) == []
+
+
+@pytest.mark.parametrize(
+    "base",
+    ["org/na:me", "org/a\nb: c", "---", "org/x # y", "org/q\"uo'te", "org/[1, 2]", "org/{a: b}", "&anchor *alias",
+     "org/a\n---\nlibrary_name: evil"],
+)  # fmt: skip
+def test_the_cards_yaml_front_matter_round_trips_a_base_model_with_yaml_specials_and_adds_no_key(base):
+    """The front matter is written by a YAML emitter: a value with `:`, a newline, `---`, `#` or quotes parses back
+    to itself, under its key, beside the card's own keys and no other."""
+    import yaml
+
+    from kvcompile.bundle import CARD_TAGS, model_card
+
+    model = dict(
+        architecture="LlamaForCausalLM", num_layers=4, num_query_heads=4, num_kv_heads=2, weights_hash="0" * 16
+    )
+    card = model_card({"base_model": base, "model": model, "artifacts": []}, [])
+    assert card.startswith("---\n")
+    front = card.removeprefix("---\n").split("\n---\n", 1)[0]
+    assert yaml.safe_load(front) == {"base_model": base, "library_name": "kvcompile", "tags": list(CARD_TAGS)}

@@ -154,6 +154,12 @@ def test_generate_without_a_method_reads_each_artifact_of_the_tuned_default_once
     calls.clear()  # the same from Python: `resolve_request` given the tuned default alone
     resolve_request(artifacts=[asked.artifact_files[0]])
     assert sorted(calls, key=str) == sorted([*(("header", name) for name in files), "serving"], key=str)
+    calls.clear()  # the tuned default's artifacts given explicitly beside it: each still read once
+    given = resolve_request(artifacts=list(reversed(asked.artifact_files)))
+    assert sorted(path.name for path in given.artifact_files) == files
+    _ = given.method
+    expected = [*(("header", name) for name in files), *["tensors"] * 3, "serving", "build srh"]
+    assert sorted(calls, key=str) == sorted(expected, key=str)
 
 
 def test_a_model_whose_shipped_tuning_recommends_nothing_gets_the_runtime_default_with_a_note():
