@@ -65,7 +65,7 @@ test-gemma: setup
 FAST_TESTS ?= $(addprefix tests/test_,compilerkv_math compresskv_math kvcompose_math selection_references \
 	scores_selection window_attention layout artifact run_store refusals_before_torch engine shared_prefill \
 	evaluation serving streaming_prefill distilled lookahead merging bad_input security ratio_honesty scoring \
-	model_layout gguf_tokenizer docs bos)
+	model_layout gguf_tokenizer docs bos hybrid_caches)
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration" $(addsuffix .py,$(FAST_TESTS))
 

@@ -47,9 +47,21 @@ def chat_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
 
 def opening_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids the tokenizer puts before any text it encodes whole (Gemma's `<bos>`, without which it degenerates;
-    none for SmolLM2): what a prompt encoded from plain text must start with."""
+    none for SmolLM2): what a prompt encoded from plain text must start with. A tokenizer that asks for its `<bos>`
+    (`add_bos_token`) without adding it (some transformers versions' Gemma converters) gets it all the same."""
     whole, plain = tokenizer("x").input_ids, tokenizer("x", add_special_tokens=False).input_ids
-    return list(whole[: len(whole) - len(plain)]) if whole[len(whole) - len(plain) :] == plain else []
+    opening = list(whole[: len(whole) - len(plain)]) if whole[len(whole) - len(plain) :] == plain else []
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if not opening and getattr(tokenizer, "add_bos_token", False) and bos is not None:
+        return [bos]
+    return opening
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, whole: bool) -> list[int]:
+    """`text`'s ids without the tokenizer's special tokens, after its opening ids where it is a whole prompt (what
+    a model reads first), not where it goes after one (a question after its context)."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return opened(tokenizer, ids) if whole else list(ids)
 
 
 def opened(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:

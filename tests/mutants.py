@@ -42,22 +42,35 @@ MUTANTS = [
         "with_kwargs=True)",
     ),
     Mutant(
+        "sliding storage trimmed before attention, once it holds entries",
+        "runtime/kvruntime/engine/session.py",
+        "module.register_forward_hook(self._after_window_attention, with_kwargs=True)",
+        "module.register_forward_pre_hook(lambda m, a, k: self._after_window_attention(m, a, k, None) "
+        "if hooked_cache(k).layers[m.layer_idx].is_initialized else None, with_kwargs=True)",
+    ),
+    Mutant(
         "eval context without bos",
         "kvcompile/evaluation/runner.py",
-        "return torch.tensor([opened(tokenizer, ids) if whole else ids])",
-        "return torch.tensor([ids])",
+        "return torch.tensor([prompt_ids(tokenizer, text, whole)])",
+        "return torch.tensor([prompt_ids(tokenizer, text, False)])",
     ),
     Mutant(
         "generate --question without bos",
         "kvcompile/cli/generation.py",
-        "row = encode(turn_start + context, special=not chat)[0]",
-        "row = encode(turn_start + context, special=False)[0]",
+        "row = encode(turn_start + context, whole=True)",
+        "row = encode(turn_start + context)",
     ),
     Mutant(
         "srh probe answer positions not shifted by bos",
         "kvcompile/tasks/needles.py",
         'shift = len(ids) - len(encoded["input_ids"])',
         "shift = 0",
+    ),
+    Mutant(
+        "a tokenizer asking for bos without adding it gets none",
+        "kvcompile/prompt_format.py",
+        'if not opening and getattr(tokenizer, "add_bos_token", False) and bos is not None:',
+        "if False:",
     ),
     Mutant(
         "gguf tokenizer without bos",

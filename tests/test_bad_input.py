@@ -35,10 +35,11 @@ PROMPT = "A short prompt of a few dozen characters."
 
 
 class TensorTokenizer(CharTokenizer):
-    """CharTokenizer with the `return_tensors="pt"` call that `generate` makes."""
+    """CharTokenizer with the `return_tensors="pt"` calls a transformers tokenizer answers."""
 
     def __call__(self, text: str, return_tensors: str | None = None, add_special_tokens: bool = False):
-        return SimpleNamespace(input_ids=torch.tensor([super().__call__(text).input_ids]))
+        ids = super().__call__(text).input_ids
+        return SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
 
 
 def heads_artifact(folder: Path, model: torch.nn.Module = LLAMA, **tensors: torch.Tensor) -> Path:

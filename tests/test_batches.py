@@ -218,7 +218,8 @@ class DecodingTokenizer:
     pad_token_id, eos_token_id = 0, None
 
     def __call__(self, text: str, return_tensors: str | None = None, add_special_tokens: bool = False):
-        return SimpleNamespace(input_ids=torch.tensor([[3 + ord(c) % 90 for c in text]]))
+        ids = [3 + ord(c) % 90 for c in text]
+        return SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
 
     def decode(self, ids: torch.Tensor, skip_special_tokens: bool = False) -> str:
         return "".join(chr(int(i) + 29) for i in ids)

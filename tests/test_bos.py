@@ -23,20 +23,36 @@ def ids_of(text: str) -> list[int]:
     return [ord(character) - 31 if " " <= character <= "~" else 0 for character in text]
 
 
-@pytest.fixture(params=[[BOS], []], ids=["with bos", "without"])
-def opening(request: pytest.FixtureRequest) -> list[int]:
+KINDS = {"adds bos": [BOS], "asks for bos without adding it": [BOS], "no bos": []}
+
+
+@pytest.fixture(params=list(KINDS))
+def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
 @pytest.fixture
-def tokenizer(opening, tmp_path):
+def opening(kind: str) -> list[int]:
+    return KINDS[kind]
+
+
+@pytest.fixture
+def tokenizer(kind, tmp_path):
+    """The character tokenizer: with a post-processor that puts `<bos>` first (Gemma's, as kvruntime builds it), with
+    `add_bos_token` set but nothing that adds it (as some transformers versions converted Gemma's GGUF), or plain."""
     from conftest import save_char_tokenizer
     from transformers import AutoTokenizer
 
-    if opening:
+    if kind == "adds bos":
         return bos_tokenizer(tmp_path / "bos")
     save_char_tokenizer(tmp_path / "plain")
-    return AutoTokenizer.from_pretrained(tmp_path / "plain")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "plain")
+    if kind == "asks for bos without adding it":
+        tokenizer.add_special_tokens({"bos_token": "<bos>"})
+        tokenizer.add_bos_token = True
+        tokenizer.backend_tokenizer.post_processor = None
+        assert tokenizer("ab").input_ids == ids_of("ab")  # it asks, and adds nothing
+    return tokenizer
 
 
 def test_generate_opens_the_prompt_with_bos_and_a_question_without(tokenizer, opening):

@@ -73,6 +73,18 @@ def test_a_context_kept_whole_answers_as_the_plain_model_does(hybrid, prompt):
     assert torch.equal(got, expected)
 
 
+def test_a_prefills_peak_holds_each_sliding_layer_at_its_window_counted_by_hand(hybrid, prompt):
+    """A prefill of one piece, its full-attention layers cut to half inside it once each has attended (snapkv's
+    budgets are known in advance): the peak, measured as the last of them has attended, is the earlier ones' halves,
+    its whole prompt and each sliding layer's window alone, its storage trimmed once it has attended (trimmed before,
+    it would hold the prompt's until the next forward)."""
+    with kvruntime.compress(hybrid, "snapkv", ratio=0.5) as session:
+        report = session.prefill(prompt).report
+    per_entry = 2 * hybrid.config.num_key_value_heads * hybrid.config.head_dim * 4  # keys and values, float32
+    full, sliding = len(report.layers), len(report.bounded_layers)
+    assert report.peak_bytes == ((full - 1) * 45 + 90 + sliding * 15) * per_entry
+
+
 def test_a_streamed_prefill_holds_the_budgets_plus_one_chunk_and_the_windows(hybrid):
     prompt = torch.randint(3, 96, (1, 200), generator=torch.Generator().manual_seed(9))
     with kvruntime.compress(hybrid, "snapkv", budget=40, prefill_chunk_size=32) as session:

@@ -257,25 +257,27 @@ def encoded_prompts(
     """Every prompt's ids, checked before the first is answered: a batch is refused whole or answered whole. Chat:
     a prompt is the user's turn, stripped as a chat front end sends it; raw: the text as it is. Question mode: the
     context inside the user's turn, then per question its ids after that context."""
-    from kvcompile.prompt_format import chat_frame
+    import torch
+
+    from kvcompile.prompt_format import chat_frame, prompt_ids
     from kvruntime.models.model_spec import check_positions
 
     turn_start, turn_end = chat_frame(tokenizer) if chat else ("", "")
 
-    def encode(text: str, special: bool = False) -> Any:
-        return tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids
+    def encode(text: str, whole: bool = False) -> Any:  # a whole prompt: Gemma's <bos> first
+        return torch.tensor(prompt_ids(tokenizer, text, whole))
 
     encoded = []
     for name, text in prompts:
         context = text.strip() if chat else text
-        if encode(context).shape[1] < 2:
+        if len(encode(context)) < 2:
             raise KVRuntimeError(f"{name} holds fewer than 2 tokens: nothing to compress")
         if question is not None:
-            row = encode(turn_start + context, special=not chat)[0]
+            row = encode(turn_start + context, whole=True)
             separator = question_separator(context, chat)
-            asked = [encode(separator + q.strip() + turn_end)[0] for q in question]
+            asked = [encode(separator + q.strip() + turn_end) for q in question]
         else:
-            row, asked = encode(turn_start + context + turn_end, special=not chat)[0], []
+            row, asked = encode(turn_start + context + turn_end, whole=True), []
         tokens = len(row) + max((len(ids) for ids in asked), default=0)
         check_positions(tokens + max_new_tokens, limit, f"{name} ({tokens} tokens) and {max_new_tokens} new tokens")
         encoded.append((name, row, asked))

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from kvcompile.evaluation.contestants import Contestant, RuntimeMethod
 from kvcompile.evaluation.metrics import AGREEMENT_TOKENS
 from kvcompile.evaluation.prefill import SharedPrefill
-from kvcompile.prompt_format import opened
+from kvcompile.prompt_format import prompt_ids
 from kvcompile.tasks.retrieval import TaskPrompt
 from kvruntime.plumbing.batch_rows import left_pad
 
@@ -72,8 +72,7 @@ def split_prompt(
     """(context ids, question ids): the first part is compressed, the second asked afterwards."""
 
     def encode(text: str, whole: bool = False) -> torch.Tensor:
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        return torch.tensor([opened(tokenizer, ids) if whole else ids])  # a whole prompt: Gemma's <bos> first
+        return torch.tensor([prompt_ids(tokenizer, text, whole)])  # a whole prompt: Gemma's <bos> first
 
     if question_aware:
         ids = encode(prompt.prompt, whole=True)
