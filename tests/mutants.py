@@ -106,8 +106,8 @@ MUTANTS = [
     Mutant(
         "final soft cap skipped",
         "runtime/kvruntime/models/layout.py",
-        "return logits if self.final_softcap is None else",
-        "return logits if True else",
+        "return soft_capped(logits, self.final_softcap)",
+        "return logits",
     ),
     Mutant(
         "attention sinks left out of the softmax",

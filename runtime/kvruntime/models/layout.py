@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import KVRuntimeError, UnsupportedModelError
+from ..math.attention_logits import soft_capped
 from .model_spec import (
     ATTENTION_FLAGS,
     ATTENTION_REFUSAL,
@@ -82,7 +83,7 @@ class ModelLayout:
         logits = output_embeddings(hidden_states).float()
         if self.logits_divisor != 1.0:
             logits = logits / self.logits_divisor
-        return logits if self.final_softcap is None else torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return soft_capped(logits, self.final_softcap)
 
     def check_kv_bits(self, kv_bits: int | None) -> None:
         """Refuse quantized entries on a model with sliding-window layers (`SLIDING_KV_BITS`)."""
