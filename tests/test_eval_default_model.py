@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import kvruntime
 from kvcompile.cli import app
 from kvcompile.evaluation import suite_run
-from kvcompile.recipe import read_run_record
+from kvcompile.recipe import artifact_folder, read_run_record
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
@@ -28,12 +28,12 @@ def rows(path) -> list[dict]:
 def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_model, monkeypatch):
     monkeypatch.setattr("kvcompile.recipe.load_model", lambda model, **_: default_model)
     out = tmp_path / "eval"
-    args = ["eval", "--methods", "snapkv,kvcompose:mode=dynamic", *SMALL, "--out", str(out)]
+    args = ["eval", "--methods", "snapkv,kvcompose:unstructured=true", *SMALL, "--out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     table = rows(out / "results.csv")
     assert {(r["method"], r["task"]) for r in table} == {
-        (m, t) for m in ("full", "snapkv", "kvcompose:mode=dynamic") for t in ("passkey", "qa")
+        (m, t) for m in ("full", "snapkv", "kvcompose:unstructured=true") for t in ("passkey", "qa")
     }
     full = [r for r in table if r["method"] == "full"]
     assert all(float(r["kl"]) == 0 and float(r["agreement"]) == 1 and float(r["cache_kept"]) == 1 for r in full)
@@ -65,7 +65,7 @@ def test_eval_writes_tables_plots_and_records_and_resumes(tmp_path, default_mode
     # A method added to the finished run runs alone (plus the full cache's reference, whose logits are not stored).
     calls = []
     monkeypatch.setattr(suite_run, "answer", lambda *a, **k: calls.append(a[2].label) or real_answer(*a, **k))
-    added = [*args[:2], "snapkv,kvcompose:mode=dynamic,kvcompress", *args[3:], "--resume"]
+    added = [*args[:2], "snapkv,kvcompose:unstructured=true,kvcompress", *args[3:], "--resume"]
     assert runner.invoke(app, added).exit_code == 0
     assert calls == ["full"] + ["full", "kvcompress"] * 2  # warm-up, then each prompt
     grown = rows(out / "results.csv")
@@ -135,7 +135,7 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
         [
             "tune",
             "--methods",
-            "snapkv,kvcompose:mode=dynamic",
+            "snapkv,compresskv",
             "--ratios",
             "0.5,0.75",
             "--tasks",
@@ -168,9 +168,13 @@ def test_tune_writes_tuned_defaults_that_generate_applies(tmp_path, default_mode
     }
     assert rank, "no method stayed within the tolerance at 0.5: the prompt no longer tells the methods apart"
     best = max(rank, key=rank.get)
-    label = ["snapkv", "kvcompose:mode=dynamic"][best]
+    label = ["snapkv", "compresskv"][best]
     assert (recommended["label"], recommended["ratio"]) == (label, chosen[best])
     assert f"recommended: {label} at ratio {chosen[best]:g}" in result.output
+    # The artifacts of the recommended method (the shipped ones) are copied beside it: the runtime reads them there.
+    assert bool(recommended["artifacts"]) == (label == "compresskv")
+    for name in recommended["artifacts"]:
+        assert (tmp_path / name).read_bytes() == (artifact_folder("default") / name).read_bytes()
     prompt = tmp_path / "prompt.txt"
     prompt.write_text((Path(__file__).parents[1] / "calibration_data/prompts/passkey_2k.txt").read_text())
     generated = runner.invoke(

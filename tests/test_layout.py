@@ -179,6 +179,15 @@ def test_no_module_of_the_project_imports_itself_back():
         visit(module)
 
 
+def test_every_folder_of_modules_is_a_package_the_wheels_hold():
+    """The packages' discovery (setuptools, both pyproject.toml) leaves a folder without `__init__.py` out of the
+    wheel: the checkout imports it as a namespace package, an installed wheel lacks it (CI's `make check-wheel`)."""
+    for folder in (ROOT / "kvcompile", ROOT / "runtime" / "kvruntime"):
+        modules = {path.parent for path in folder.rglob("*.py")}
+        loose = sorted(str(f.relative_to(ROOT)) for f in modules if not (f / "__init__.py").is_file())
+        assert not loose, f"folders of modules without __init__.py, missing from the wheel: {loose}"
+
+
 def test_every_test_has_a_time_limit(request: pytest.FixtureRequest):
     """pytest-timeout is on for the whole suite (pyproject's `timeout`), so a hang fails one test, not CI's run."""
     assert request.config.pluginmanager.hasplugin("timeout")

@@ -710,6 +710,16 @@ CASES: dict[str, tuple[Callable[[Path], list[str]], str]] = {
         lambda d: ["tune", "--methods", "snapkv", "--out", _user_folder(d, "t.runs").replace(".runs", ".safetensors")],
         "t.runs holds files that are not a kvcompile run's",
     ),
+    "tune: another file of a method's artifact's name beside --out": (
+        lambda d: [
+            "tune",
+            "--methods",
+            "snapkv,srh",
+            "--out",
+            str(Path(_text(d, "t/srh_heads.safetensors", "mine")).with_name("tuned.safetensors")),
+        ],
+        "holds another srh_heads.safetensors than the one tuned with",
+    ),
     "heads: a length past the model's positions": (
         lambda d: ["heads", "--lengths", "99999"],
         "--lengths 99999: 99999 positions, more than the model's 8192",

@@ -282,4 +282,4 @@ def tune(inputs: TuneOptions, ctx: typer.Context, model: str, out: Path | None) 
     records = target.with_name(target.stem + ".runs")
     settings = TuneSettings(validation, inputs.tolerance)
     folders = (inputs.artifacts,) if inputs.artifacts else artifact_folders(model)
-    return TuneRecipe(inputs.methods, folders, records, model), settings
+    return TuneRecipe(target.parent, inputs.methods, folders, records, model), settings

@@ -8,7 +8,6 @@ than `kvcompile eval`'s default, so the numbers reported by eval are not those t
 
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 
@@ -39,9 +38,8 @@ def tune(
     settings: SuiteSettings,
     tolerance: float,
     store: RunStore,
-    folder: Path,
 ) -> Artifact:
-    """Tune and return the `tuned_defaults` artifact that will be written into `folder`."""
+    """Tune and return the `tuned_defaults` artifact."""
     corpus = load_corpus(HELD_OUT_BOOK)
     prompts = settings.prompts(corpus, tokenizer, loaded_position_limit(model.config))
     full, methods = contestants[0], contestants[1:]
@@ -71,7 +69,7 @@ def tune(
         bar.total = bar.n + len(prompts) * len(alive) * later  # stopped methods run no more
         bar.refresh()
     bar.close()
-    return recommendation(model, contestants, artifacts, settings, tolerance, store.records, corpus, folder)
+    return recommendation(model, contestants, artifacts, settings, tolerance, store.records, corpus)
 
 
 def recommendation(
@@ -82,11 +80,10 @@ def recommendation(
     tolerance: float,
     records: list[dict],
     corpus: object,
-    folder: Path,
 ) -> Artifact:
     """The `tuned_defaults` artifact: every method's measured curve and largest ratio within tolerance, and the
     recommended method (the largest such ratio; ties go to the better accuracy, then the smaller KL), with the
-    artifacts it needs named relative to `folder`."""
+    artifacts it needs named by file name."""
     cells = grouped(records, lambda r: (r["method"], r["ratio"]))
 
     def mean(field: str, label: str, ratio: float) -> float | None:
@@ -116,8 +113,8 @@ def recommendation(
             ratio=chosen[best],
             accuracy=accuracy[best][r],
             label=methods[best].label,
-            # Relative to the tuned_defaults file, so that a folder of artifacts can move as a whole.
-            artifacts=[os.path.relpath(p.resolve(), folder.resolve()) for p in artifacts.get(methods[best].label, [])],
+            # File names: the runtime looks for them beside the tuned_defaults file (TuneRecipe copies them there).
+            artifacts=[path.name for path in artifacts.get(methods[best].label, [])],
         )
 
     def table(rows: list[list[float | None]]) -> torch.Tensor:
