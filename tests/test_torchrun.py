@@ -16,10 +16,13 @@ from kvruntime.artifacts.artifact import read_artifact
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "docs" / "calibration.md"
 SMALLER = {
-    "heads": ["--lengths", "320", "--depths", "0.2,0.8"],
-    "stats": ["--prompts", "4", "--prompt-tokens", "384"],
+    "heads": ["--lengths", "192", "--depths", "0.2,0.8"],
+    "stats": ["--prompts", "2", "--prompt-tokens", "256"],
     # The lookahead queries' training (400 steps by default) would dwarf the distributed part under test.
-    "distill": ["--prompts", "4", "--prompt-tokens", "256", "--lookahead-steps", "8", "--lookahead-prompts", "2"],
+    "distill": [
+        *("--prompts", "4", "--prompt-tokens", "192", "--lookahead-steps", "4", "--lookahead-prompts", "2"),
+        *("--lookahead-held-out", "1", "--lookahead-tokens", "128"),
+    ],
 }
 
 
