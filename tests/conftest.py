@@ -3,6 +3,7 @@ real default model for the few integration tests, from the tests' own cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -165,6 +166,17 @@ def tiny(request: pytest.FixtureRequest) -> torch.nn.Module:
 def tokens() -> torch.Tensor:
     """A prompt of 80 random tokens, batch size 1."""
     return torch.randint(3, TINY["vocab_size"], (1, 80), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture
+def short_cql_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvcompile tables`' CQL fits in 200 gradient steps, not 2000, in this process: for tests of what the command
+    runs and writes, not of the fit (test_compilerkv_compile's)."""
+    from kvcompile.recipes.compilerkv import tables
+
+    fit = tables.fit_greedy_table
+    shorter = lambda *args: fit(*args[:-1], dataclasses.replace(args[-1], steps=200))  # noqa: E731
+    monkeypatch.setattr(tables, "fit_greedy_table", shorter)
 
 
 @pytest.fixture(scope="session")

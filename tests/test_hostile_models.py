@@ -96,12 +96,12 @@ COMPILE_COMMANDS = {
 
 @pytest.mark.integration
 def test_every_compile_command_on_a_model_named_like_a_shipped_one_leaves_the_shipped_artifacts_alone(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, short_cql_fits
 ):
     """The probe's case: `stats --model <P>/x/smollm2-135m-instruct` overwrote the default model's shipped
     statistics. Each compile command now writes into the store, in a folder of that model's own. (A random tiny
     model answers no needle probe, so `heads`' measurement is replaced by a fixed score: what it measures is tested
-    in test_compresskv_compile.py; here, where it writes.)"""
+    in test_compresskv_compile.py; here, where it writes. For the same reason `tables`' CQL fits take 200 steps.)"""
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
     model = str(tiny_folder(tmp_path / "x" / "smollm2-135m-instruct"))
     fixed = read_artifact(tiny_artifact(tmp_path / "h.safetensors"))

@@ -107,7 +107,9 @@ def test_what_cannot_apply_to_a_hybrid_cache_is_refused_in_one_line(hybrid, prom
             pass
 
 
-def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_them(tmp_path, monkeypatch):
+def test_kvcompile_tables_compiles_for_a_hybrid_model_and_the_runtime_applies_them(
+    tmp_path, monkeypatch, short_cql_fits
+):
     """The rollouts call the model's own decoder layers as its forward does, sliding ones included: the tables
     cover the full-attention layers (one row each) and the compilerkv method runs with them."""
     from conftest import CharTokenizer
