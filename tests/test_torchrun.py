@@ -16,7 +16,7 @@ from kvruntime.artifacts.artifact import read_artifact
 pytestmark = pytest.mark.integration
 README = Path(__file__).resolve().parents[1] / "docs" / "calibration.md"
 SMALLER = {
-    "heads": ["--lengths", "192", "--depths", "0.2,0.8"],
+    "heads": ["--lengths", "192", "--depths", "0.5"],  # one probe per needle: the ranks share the needles
     "stats": ["--prompts", "2", "--prompt-tokens", "256"],
     # The lookahead queries' training (400 steps by default) would dwarf the distributed part under test.
     "distill": [
