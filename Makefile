@@ -46,7 +46,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 # Two workers (pytest-xdist; CI has two cores), each of one torch thread, the idle one taking the other's queue: about
-# 11 minutes there (11 min 13 s on 2 cores at #78's end) instead of about 20 in one process.
+# 11 minutes there (11 min 13-36 s in three runs on 2 cores at #78's end) instead of about 21 in one process.
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20 -m "not gemma"
 
