@@ -3,6 +3,8 @@ anything heavy loads; the validation runs and the choice are in `tuning.py`."""
 
 from __future__ import annotations
 
+import filecmp
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,7 @@ class TuneRecipe(Recipe):
 def check_copyable_beside(path: Path, folder: Path) -> None:
     """Refuse, before the run, an artifact that could not be copied into `folder`: another file of its name there."""
     target = folder / path.name
-    if target.exists() and not target.samefile(path) and target.read_bytes() != path.read_bytes():
+    if target.exists() and not filecmp.cmp(target, path, shallow=False):
         raise KVRuntimeError(
             f"{target}: the tuned default's folder holds another {path.name} than the one tuned with ({path}); "
             "write --out elsewhere, or pass --artifacts with that folder"
@@ -98,4 +100,4 @@ def copy_beside(path: Path, folder: Path) -> None:
     for source in (path, run_record_path(path)):
         target = folder / source.name
         if source.is_file() and not target.exists():
-            write_atomically(target, lambda tmp_name, source=source: Path(tmp_name).write_bytes(source.read_bytes()))
+            write_atomically(target, lambda tmp_name, source=source: shutil.copyfile(source, tmp_name))
